@@ -1,0 +1,42 @@
+"""Batch statistics over the global batch inside ``shard_map``, without touching the model.
+
+Inside ``shard_map`` an unmodified ``nn.BatchNorm`` normalises each shard by its own
+statistics, unlike one device. :func:`batch_stats_over` intercepts every BatchNorm call
+and gives it the data axes as its ``axis_name`` (replacing a hard-coded one, which names
+an axis that does not exist here), so the mean and variance are the global batch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import flax.linen as nn
+
+
+@contextlib.contextmanager
+def batch_stats_over(axes: tuple[str, ...] | None) -> Iterator[None]:
+    """Within this context, BatchNorm reduces its statistics over ``axes``.
+
+    Args:
+        axes: mesh axes to average statistics over; ``None`` for per-shard statistics.
+
+    Example:
+        >>> with batch_stats_over(("data",)):
+        ...     y, updates = model.apply(variables, x, mutable=["batch_stats"])
+    """
+    axis_name = None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if not isinstance(module, nn.BatchNorm) or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        original = module.axis_name
+        object.__setattr__(module, "axis_name", axis_name)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "axis_name", original)
+
+    with nn.intercept_methods(interceptor):
+        yield

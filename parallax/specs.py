@@ -1,0 +1,180 @@
+"""Spec trees: a ``PartitionSpec`` for every leaf of a train state, derived from shapes.
+
+Everything here is a pure function of abstract shapes, param paths and the strategy's
+*placers* (the parts of a strategy that decide where a param lives). Nothing compiles and
+nothing touches a device, so the functions are tested against constant tables.
+
+A placer is any object with
+
+* ``placement_priority: int`` — lower places first (tensor rules before FSDP), and
+* ``place(path, shape, dims, axis_sizes) -> dims`` — returns the per-dim mesh axes of a
+  param, given what earlier placers (and the model's own annotations) already chose.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import jax
+import numpy as np
+from flax.core import meta
+from flax.linen import partitioning as nn_partitioning
+from jax.sharding import PartitionSpec
+
+from parallax._tree import is_box, path_str
+
+Dims = list  # one entry per array dim: None, an axis name, or a tuple of axis names
+
+
+class Placer(Protocol):
+    """The part of a strategy that places params on mesh axes."""
+
+    placement_priority: int
+
+    def place(self, path: str, shape: tuple[int, ...], dims: Dims, axis_sizes: Mapping[str, int]) -> Dims:
+        ...
+
+
+def dims_axes(dims: Sequence[Any]) -> set[str]:
+    """The mesh axes used anywhere in ``dims``."""
+    used: set[str] = set()
+    for entry in dims:
+        if entry is None:
+            continue
+        used.update(entry if isinstance(entry, tuple) else (entry,))
+    return used
+
+
+def _entry_size(entry: Any, axis_sizes: Mapping[str, int]) -> int:
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    return int(np.prod([axis_sizes[a] for a in axes]))
+
+
+def annotation_dims(box: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, int]) -> Dims:
+    """The dims a model's own ``nn.with_partitioning`` / logical annotation asks for.
+
+    Names that are not axes of this mesh (logical names without a rule, axes of some
+    other mesh) are dropped; a named axis whose size does not divide the dim is dropped
+    too, since the array could not be laid out that way.
+    """
+    dims: Dims = [None] * len(shape)
+    if not isinstance(box, meta.Partitioned):
+        return dims
+    names = tuple(box.names)
+    if isinstance(box, nn_partitioning.LogicallyPartitioned):
+        names = tuple(nn_partitioning.logical_to_mesh_axes(names, box.rules))
+    for d, entry in enumerate(names[: len(shape)]):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in axes if isinstance(a, str) and a in axis_sizes)
+        if not kept:
+            continue
+        entry = kept if len(kept) > 1 else kept[0]
+        if shape[d] % _entry_size(entry, axis_sizes) == 0:
+            dims[d] = entry
+    return dims
+
+
+def place_param(
+    path: str,
+    shape: tuple[int, ...],
+    placers: Sequence[Placer],
+    axis_sizes: Mapping[str, int],
+    box: Any = None,
+) -> PartitionSpec:
+    """The ``PartitionSpec`` of one param.
+
+    Example:
+        >>> from parallax import FSDP
+        >>> place_param("Dense_0/kernel", (1024, 512), [FSDP(min_weight_size=0)], {"fsdp": 8})
+        PartitionSpec('fsdp', None)
+    """
+    dims = annotation_dims(box, shape, axis_sizes)
+    for placer in sorted(placers, key=lambda p: p.placement_priority):
+        dims = placer.place(path, shape, list(dims), axis_sizes)
+    while dims and dims[-1] is None:
+        dims = dims[:-1]
+    return PartitionSpec(*dims)
+
+
+def _flatten(tree: Any) -> list[tuple[tuple, Any]]:
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    value = leaf.value if is_box(leaf) else leaf
+    return tuple(np.shape(value))
+
+
+def param_specs(abstract_params: Any, placers: Sequence[Placer], axis_sizes: Mapping[str, int]) -> Any:
+    """A ``PartitionSpec`` tree with the structure of the (unboxed) params.
+
+    Args:
+        abstract_params: params or their shapes (``jax.eval_shape`` output); flax
+            ``Partitioned`` boxes are read for the model's own annotations.
+        placers: the strategy parts that place params.
+        axis_sizes: mesh axis name to size.
+    """
+
+    def spec(key_path, leaf):
+        return place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf)
+
+    return jax.tree_util.tree_map_with_path(spec, abstract_params, is_leaf=is_box)
+
+
+def _params_of(state: Any) -> Any:
+    if hasattr(state, "params"):
+        return state.params
+    if isinstance(state, Mapping) and "params" in state:
+        return state["params"]
+    raise ValueError(
+        f"Cannot find params in a state of type {type(state).__name__}; pass a state with "
+        "a `params` attribute or key (e.g. a parallax.TrainState)."
+    )
+
+
+def _components(key_path: tuple) -> tuple[str, ...]:
+    return tuple(path_str((k,)) for k in key_path)
+
+
+def state_specs(abstract_state: Any, placers: Sequence[Placer], axis_sizes: Mapping[str, int]) -> Any:
+    """A ``PartitionSpec`` tree matching a whole train state.
+
+    Params get their placement. Every other leaf whose path ends with a param's path and
+    has the param's shape (Adam's ``mu``/``nu``, momentum, EMA copies, ...) follows that
+    param; the rest (step, counts, rng, ``batch_stats``, other collections) is replicated.
+    """
+    params = _params_of(abstract_state)
+    by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], PartitionSpec]] = {}
+    for key_path, leaf in _flatten(params):
+        by_suffix[_components(key_path)] = (
+            _shape(leaf),
+            place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf),
+        )
+    longest = max((len(k) for k in by_suffix), default=0)
+
+    def spec(key_path, leaf):
+        components = _components(key_path)
+        shape = _shape(leaf)
+        for n in range(min(longest, len(components)), 0, -1):
+            found = by_suffix.get(components[-n:])
+            if found is not None and found[0] == shape:
+                return found[1]
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=is_box)
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def without_axes(spec: PartitionSpec, keep: set[str]) -> PartitionSpec:
+    """``spec`` with every axis not in ``keep`` removed (the manual part of a spec)."""
+    dims = []
+    for entry in spec:
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in axes if a is not None and a in keep)
+        dims.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return PartitionSpec(*dims)

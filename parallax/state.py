@@ -1,0 +1,139 @@
+"""The train state and building it sharded, from shapes, without a whole copy anywhere."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from parallax._tree import unbox
+from parallax.specs import is_spec
+from parallax.strategy import Strategy
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes. A pytree of arrays plus two static fields.
+
+    Attributes:
+        step: number of updates applied (int32 scalar).
+        params: the model's params, unboxed (plain arrays, sharded as the strategy says).
+        opt_state: the optimizer state; moments are sharded like their params.
+        rng: base PRNG key; step ``t`` uses ``fold_in(rng, t)``, so a resumed run
+            draws the same numbers as an uninterrupted one.
+        model_state: the model's other variable collections, e.g. ``{"batch_stats": ...}``.
+        model: the flax module (static).
+        tx: the optax transformation (static).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    model_state: dict
+    model: nn.Module = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    @property
+    def variables(self) -> dict:
+        """``{"params": ..., **model_state}``, ready for ``model.apply``."""
+        return {"params": self.params, **self.model_state}
+
+
+def as_key(rng: Any) -> jax.Array:
+    """A raw ``uint32[2]`` PRNG key from a seed, a raw key or a typed key."""
+    if isinstance(rng, int):
+        return jax.random.PRNGKey(rng)
+    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return rng
+
+
+def model_rngs(key: jax.Array, streams: Sequence[str]) -> dict[str, jax.Array]:
+    """One independent key per named rng stream (``"dropout"``, ...)."""
+    return {name: jax.random.fold_in(key, index) for index, name in enumerate(streams)}
+
+
+def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Callable:
+    """The ``method=`` that runs ``loss_fn(bound_model, batch)``, or the model on the batch."""
+    if loss_fn is not None:
+        return lambda module, b: loss_fn(module, b)
+    if isinstance(batch, (tuple, list)):
+        return lambda module, b: module(*b)
+    return lambda module, b: module(b)
+
+
+def init_state(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    example_batch: Any,
+    *,
+    strategy: Strategy,
+    rng: Any = 0,
+    loss_fn: LossFn | None = None,
+    mesh: Mesh | None = None,
+    rng_streams: Sequence[str] = ("dropout",),
+) -> TrainState:
+    """Builds the sharded train state from shapes (``eval_shape`` → specs → ``jit``).
+
+    Each device computes only its own shard of every param and moment; no param is
+    ever whole on one device under FSDP.
+
+    Args:
+        model: an unmodified flax linen module.
+        optimizer: an optax transformation.
+        example_batch: a batch as the loss function receives it (any batch size; only
+            shapes and dtypes matter beyond the feature dims).
+        strategy: the parallelism strategy.
+        rng: a seed or a PRNG key.
+        loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
+            which calls the model exactly as training will. Otherwise the model is
+            called on ``example_batch`` (unpacked if it is a tuple).
+        mesh: the device mesh; ``strategy.make_mesh()`` by default.
+        rng_streams: rng names the model draws from besides ``"params"``.
+
+    Returns:
+        A :class:`TrainState` whose arrays carry ``NamedSharding`` s on ``mesh``.
+
+    Example:
+        >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(),
+        ...                       rng=0, loss_fn=loss_fn)
+    """
+    mesh = strategy.make_mesh() if mesh is None else mesh
+    key = as_key(rng)
+    method = call_model(model, example_batch, loss_fn)
+
+    def make(key, batch, boxed: bool):
+        init_key, stream_key, state_key = jax.random.split(key, 3)
+        rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
+        variables = model.init(rngs, batch, method=method)
+        variables = dict(variables)
+        params = variables.pop("params", {})
+        plain_params = unbox(params)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params if boxed else plain_params,
+            opt_state=optimizer.init(plain_params),
+            rng=state_key,
+            model_state=unbox(variables),
+            model=model,
+            tx=optimizer,
+        )
+
+    abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
+    specs = strategy.state_specs(abstract, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    build = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
+    return build(key, example_batch)
+
+
+def state_shardings(state: TrainState) -> Any:
+    """The sharding of every leaf of a (concrete) state."""
+    return jax.tree.map(lambda x: x.sharding, state)

@@ -1,0 +1,371 @@
+"""The train and eval steps: one jitted, donated function built from a user's loss.
+
+Two ways to compile, driven by the same spec tree:
+
+* ``"shard_map"`` (default when the strategy splits the batch): the gradient is computed
+  inside ``jax.shard_map``, manual over the data/FSDP axes (a tensor axis stays
+  automatic). FSDP shards are all-gathered where a layer reads them; their gradient is a
+  reduce-scatter. Replicated params get a ``pmean`` over every data axis they are not
+  split over. ``check_vma=False``: with it on, the gradient of a replicated input comes
+  back already summed and a ``pmean`` would leave it N times too large.
+* ``"jit"``: the same loss under ``jax.jit`` with shardings; the compiler (GSPMD)
+  inserts every collective. Always used for pure tensor parallelism.
+
+The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
+so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
+whole gradient, not one shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from parallax import metrics as metric_lib
+from parallax.batchnorm import batch_stats_over
+from parallax.gather import box_for_gather, gather_dim
+from parallax.specs import dims_axes, is_spec, without_axes
+from parallax.state import LossFn, TrainState, call_model, model_rngs
+from parallax.strategy import Strategy
+
+COMPILE_MODES = ("auto", "shard_map", "jit")
+BATCH_STATS_MODES = ("global", "local")
+
+
+def _leading_dims(batch: Any) -> list[tuple[str, int]]:
+    out = []
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(leaf, "shape", None)
+        if shape is None or len(shape) == 0:
+            raise ValueError(
+                f"Batch leaf {jax.tree_util.keystr(key_path)!r} is {type(leaf).__name__} with "
+                "no batch dim; every batch leaf must be an array whose first dim is the batch."
+            )
+        out.append((jax.tree_util.keystr(key_path), int(shape[0])))
+    if not out:
+        raise ValueError("The batch has no arrays in it.")
+    return out
+
+
+def check_batch(batch: Any, strategy: Strategy, mesh: Mesh, grad_accum: int = 1) -> int:
+    """Checks a batch before anything compiles; returns its (global) batch size.
+
+    Raises:
+        ValueError: leaves with different leading dims, or a batch size that the data
+            axes (times ``grad_accum``) do not divide.
+    """
+    dims = _leading_dims(batch)
+    sizes = {size for _, size in dims}
+    if len(sizes) > 1:
+        raise ValueError(f"Batch leaves have different leading (batch) dims: {dict(dims)}.")
+    batch_size = sizes.pop()
+    strategy.check_batch_size(batch_size, mesh, multiple=grad_accum)
+    return batch_size
+
+
+def state_specs_of(state: TrainState) -> tuple[Mesh, Any]:
+    """The mesh and ``PartitionSpec`` tree a (concrete) state is laid out with."""
+    meshes = set()
+
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            raise ValueError(
+                f"A state leaf has sharding {sharding!r}; build the state with "
+                "px.init_state(...) so that every leaf is placed on the strategy's mesh."
+            )
+        meshes.add(sharding.mesh)
+        return sharding.spec
+
+    specs = jax.tree.map(spec, state)
+    if len(meshes) != 1:
+        raise ValueError(f"The state's arrays live on {len(meshes)} different meshes; expected one.")
+    return meshes.pop(), specs
+
+
+def _apply_loss(state: TrainState, params: Any, model_state: dict, batch: Any, rngs: dict, loss_fn: LossFn,
+                bn_axes: tuple[str, ...] | None):
+    """Runs ``loss_fn`` on the bound model; returns ``(loss, (sums, new_model_state))``."""
+    method = call_model(state.model, batch, loss_fn)
+    with batch_stats_over(bn_axes):
+        output, updates = state.model.apply(
+            {"params": params, **model_state}, batch, method=method, rngs=rngs, mutable=list(model_state)
+        )
+    loss, metrics = metric_lib.split_loss_output(output)
+    num_examples = _leading_dims(batch)[0][1]
+    sums = metric_lib.to_sums(loss, metrics, num_examples)
+    return loss, (sums, {**model_state, **updates})
+
+
+def _microbatches(batch: Any, grad_accum: int, shards: int) -> Any:
+    """``(k, B/k, ...)`` microbatches; each keeps rows from every data shard."""
+
+    def split(x):
+        per_shard = x.shape[0] // shards
+        x = x.reshape(shards, grad_accum, per_shard // grad_accum, *x.shape[1:])
+        x = jnp.swapaxes(x, 0, 1)
+        return x.reshape(grad_accum, x.shape[1] * x.shape[2], *x.shape[3:])
+
+    return jax.tree.map(split, batch)
+
+
+def _scan_microbatches(grad_fn: Callable, params: Any, model_state: dict, microbatches: Any, key: jax.Array,
+                       grad_accum: int):
+    """Sums gradients and metrics over microbatches with ``lax.scan``."""
+
+    def body(carry, inputs):
+        grads_acc, sums_acc, model_state = carry
+        index, batch = inputs
+        (_, (sums, model_state)), grads = grad_fn(params, model_state, batch, jax.random.fold_in(key, index))
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        return (grads_acc, metric_lib.add_sums(sums_acc, sums), model_state), None
+
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    sums_shape = jax.eval_shape(lambda: grad_fn(params, model_state, first, key)[0][1][0])
+    zeros_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+    zeros_grads = jax.tree.map(jnp.zeros_like, params)
+    (grads, sums, model_state), _ = jax.lax.scan(
+        body, (zeros_grads, zeros_sums, model_state), (jnp.arange(grad_accum), microbatches)
+    )
+    return jax.tree.map(lambda g: g / grad_accum, grads), sums, model_state
+
+
+class _Step:
+    """A step built once per state layout; ``__call__`` checks the batch, then runs it."""
+
+    def __init__(self, loss_fn: LossFn, strategy: Strategy, *, train: bool, compile: str, grad_accum: int,
+                 batch_stats: str, rng_streams: Sequence[str], donate: bool):
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
+        if not isinstance(strategy, Strategy):
+            raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile={compile!r}; use one of {COMPILE_MODES}.")
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum!r}; use an integer >= 1.")
+        if batch_stats not in BATCH_STATS_MODES:
+            raise ValueError(f"batch_stats={batch_stats!r}; use one of {BATCH_STATS_MODES}.")
+        self.loss_fn = loss_fn
+        self.strategy = strategy
+        self.train = train
+        self.grad_accum = grad_accum
+        self.batch_stats = batch_stats
+        self.rng_streams = tuple(rng_streams)
+        self.donate = donate
+        self.compile = compile
+        self._cache: dict = {}
+
+    def mode(self) -> str:
+        """``"shard_map"`` or ``"jit"``: how this step compiles."""
+        if self.compile == "auto" or self.compile == "shard_map":
+            return "shard_map" if self.strategy.data_axes else "jit"
+        return "jit"
+
+    def __call__(self, state: TrainState, batch: Any):
+        return self._jitted(state, batch)(state, batch)
+
+    def lower(self, state: TrainState, batch: Any):
+        """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
+        return self._jitted(state, batch).lower(state, batch)
+
+    def _jitted(self, state: TrainState, batch: Any):
+        mesh, specs = state_specs_of(state)
+        self.strategy.check_mesh(mesh)
+        check_batch(batch, self.strategy, mesh, self.grad_accum if self.train else 1)
+        key = (jax.tree.structure(state), tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
+        if key not in self._cache:
+            self._cache[key] = self._build(mesh, specs)
+        return self._cache[key]
+
+    # --- building ------------------------------------------------------------------------
+    def _build(self, mesh: Mesh, specs: TrainState):
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+        batch_sharding = NamedSharding(mesh, self.strategy.batch_spec())
+        replicated = NamedSharding(mesh, PartitionSpec())
+        gradients = self._shard_map_gradients(mesh, specs) if self.mode() == "shard_map" else self._jit_gradients(mesh)
+
+        def train_step(state: TrainState, batch):
+            key = jax.random.fold_in(state.rng, state.step)
+            grads, sums, model_state = gradients(state, batch, key)
+            updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+            return new_state, metric_lib.means(sums)
+
+        def eval_step(state: TrainState, batch):
+            key = jax.random.fold_in(state.rng, state.step)
+            return gradients(state, batch, key)
+
+        if self.train:
+            return jax.jit(
+                train_step,
+                in_shardings=(shardings, batch_sharding),
+                out_shardings=(shardings, replicated),
+                donate_argnums=(0,) if self.donate else (),
+            )
+        return jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated)
+
+    def _jit_gradients(self, mesh: Mesh):
+        """Gradients (or eval sums) on global arrays; GSPMD places the collectives."""
+        shards = self.strategy.data_shards(mesh)
+        batch_sharding = NamedSharding(mesh, PartitionSpec(None, *self.strategy.batch_spec()))
+
+        def loss(params, model_state, batch, key, state):
+            return _apply_loss(state, params, model_state, batch, model_rngs(key, self.rng_streams), self.loss_fn, None)
+
+        def gradients(state: TrainState, batch, key):
+            if not self.train:
+                return loss(state.params, state.model_state, batch, key, state)[1][0]
+            grad_fn = jax.value_and_grad(lambda p, m, b, k: loss(p, m, b, k, state), has_aux=True)
+            if self.grad_accum == 1:
+                (_, (sums, model_state)), grads = grad_fn(state.params, state.model_state, batch, key)
+                return grads, sums, model_state
+            microbatches = _microbatches(batch, self.grad_accum, shards)
+            microbatches = jax.lax.with_sharding_constraint(microbatches, batch_sharding)
+            return _scan_microbatches(grad_fn, state.params, state.model_state, microbatches, key, self.grad_accum)
+
+        return gradients
+
+    def _shard_map_gradients(self, mesh: Mesh, specs: TrainState):
+        """Gradients inside ``shard_map``, manual over the data axes."""
+        data_axes = self.strategy.data_axes
+        manual = set(data_axes)
+        fsdp_axes = set(self.strategy.fsdp_axes) & manual
+        param_specs = jax.tree.map(lambda s: without_axes(s, manual), specs.params, is_leaf=is_spec)
+        state_in = jax.tree.map(lambda s: without_axes(s, manual), specs.model_state, is_leaf=is_spec)
+        bn_axes = data_axes if self.batch_stats == "global" else None
+        grad_accum = self.grad_accum
+        train = self.train
+
+        def fold_over_data(key):
+            index = 0
+            for axis in data_axes:
+                index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+            return jax.random.fold_in(key, index)
+
+        def sync(grads):
+            def mean_over_replicas(grad, spec):
+                axes = tuple(a for a in data_axes if a not in dims_axes(list(spec)))
+                return jax.lax.pmean(grad, axes) if axes else grad
+
+            return jax.tree.map(mean_over_replicas, grads, param_specs)
+
+        def reduce_sums(sums):
+            return jax.tree.map(lambda x: jax.lax.psum(x, data_axes), sums)
+
+        def local(state: TrainState, params, model_state, batch, key):
+            key = fold_over_data(key)
+
+            def loss(p, m, b, k, boxed):
+                variables = box_for_gather(p, param_specs, fsdp_axes) if boxed else p
+                return _apply_loss(state, variables, m, b, model_rngs(k, self.rng_streams), self.loss_fn, bn_axes)
+
+            if not train:
+                return reduce_sums(loss(params, model_state, batch, key, True)[1][0])
+            if grad_accum == 1:
+                grad_fn = jax.value_and_grad(lambda p, m, b, k: loss(p, m, b, k, True), has_aux=True)
+                (_, (sums, model_state)), grads = grad_fn(params, model_state, batch, key)
+            else:
+                # Gather each FSDP shard once per step, accumulate full gradients over the
+                # microbatches, then reduce-scatter once (not once per microbatch).
+                def gather(p, spec):
+                    found = gather_dim(spec, fsdp_axes)
+                    return p if found is None else jax.lax.all_gather(p, found[1], axis=found[0], tiled=True)
+
+                def scatter(g, spec):
+                    found = gather_dim(spec, fsdp_axes)
+                    if found is None:
+                        return g
+                    dim, axis = found
+                    return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True) / mesh.shape[axis]
+
+                full = jax.tree.map(gather, params, param_specs)
+                grad_fn = jax.value_and_grad(lambda p, m, b, k: loss(p, m, b, k, False), has_aux=True)
+                microbatches = _microbatches(batch, grad_accum, 1)
+                grads, sums, model_state = _scan_microbatches(grad_fn, full, model_state, microbatches, key, grad_accum)
+                grads = jax.tree.map(scatter, grads, param_specs)
+            if bn_axes is None:
+                model_state = jax.tree.map(
+                    lambda x: jax.lax.pmean(x, data_axes) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                    model_state,
+                )
+            return sync(grads), reduce_sums(sums), model_state
+
+        def gradients(state: TrainState, batch, key):
+            batch_spec = jax.tree.map(lambda _: self.strategy.batch_spec(), batch)
+            out_specs = PartitionSpec() if not train else (param_specs, PartitionSpec(), state_in)
+            mapped = jax.shard_map(
+                lambda p, m, b, k: local(state, p, m, b, k),
+                mesh=mesh,
+                in_specs=(param_specs, state_in, batch_spec, PartitionSpec()),
+                out_specs=out_specs,
+                axis_names=manual,
+                check_vma=False,
+            )
+            return mapped(state.params, state.model_state, batch, key)
+
+        return gradients
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    strategy: Strategy,
+    *,
+    compile: str = "auto",
+    grad_accum: int = 1,
+    batch_stats: str = "global",
+    rng_streams: Sequence[str] = ("dropout",),
+    donate: bool = True,
+) -> _Step:
+    """A jitted ``step(state, batch) -> (state, metrics)`` for any strategy.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` returning a scalar loss or ``(loss, metrics)``;
+            ``model`` is the bound flax module (call it, or any of its methods). A metric
+            may be a scalar mean, per-example values, or a ``(sum, count)`` pair.
+        strategy: the parallelism strategy the state was built with.
+        compile: ``"shard_map"`` (explicit collectives), ``"jit"`` (compiler-placed), or
+            ``"auto"`` (``shard_map`` when the batch is split, else ``jit``).
+        grad_accum: microbatches per step; the update equals one step on the whole batch.
+        batch_stats: ``"global"`` (BatchNorm statistics over the whole batch, as on one
+            device) or ``"local"`` (each data shard's own; running stats then averaged).
+        rng_streams: rng names the model draws from (a different stream on each data
+            shard, the same on every tensor shard; step ``t`` uses ``fold_in(rng, t)``).
+        donate: donate the state's buffers to the step.
+
+    Returns:
+        The step. Metrics are exact means over the global batch (``loss`` included).
+        ``step.lower(state, batch)`` gives the lowered computation.
+
+    Example:
+        >>> step = px.make_train_step(loss_fn, px.FSDP())
+        >>> state, metrics = step(state, batch)
+    """
+    return _Step(loss_fn, strategy, train=True, compile=compile, grad_accum=grad_accum, batch_stats=batch_stats,
+                 rng_streams=rng_streams, donate=donate)
+
+
+def make_eval_step(
+    loss_fn: LossFn,
+    strategy: Strategy,
+    *,
+    compile: str = "auto",
+    batch_stats: str = "global",
+    rng_streams: Sequence[str] = ("dropout",),
+) -> _Step:
+    """A jitted ``eval(state, batch) -> {name: (sum, count)}`` without an update.
+
+    Sums and counts (not means) come back so that means over many batches stay exact;
+    :func:`parallax.metrics.means` turns them into means.
+
+    Example:
+        >>> evaluate = px.make_eval_step(eval_loss_fn, px.FSDP())
+        >>> px.metrics.means(evaluate(state, batch))["loss"]
+    """
+    return _Step(loss_fn, strategy, train=False, compile=compile, grad_accum=1, batch_stats=batch_stats,
+                 rng_streams=rng_streams, donate=False)
