@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 from parallax import metrics
 from parallax.state import TrainState
+from parallax.state import StatePlan
 from parallax.state import init_state
+from parallax.state import plan_state
 from parallax.step import make_eval_step
 from parallax.step import make_train_step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -70,6 +71,83 @@ def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Callable
     return lambda module, b: module(b)
 
 
+@dataclasses.dataclass(frozen=True)
+class StatePlan:
+    """Where every leaf of a train state will live, before any of it exists.
+
+    Attributes:
+        mesh: the device mesh.
+        abstract: the state's shapes and dtypes (params still in their flax boxes).
+        specs: a ``PartitionSpec`` per leaf of the (unboxed) state.
+        shardings: the matching ``NamedSharding`` tree.
+        build: ``build()`` computes the sharded state (each device only its shards).
+    """
+
+    mesh: Mesh
+    abstract: TrainState
+    specs: Any
+    shardings: Any
+    build: Callable[[], TrainState]
+
+    def abstract_arrays(self) -> Any:
+        """``ShapeDtypeStruct`` s with shardings: a restore target for checkpoints."""
+        plain = self.abstract.replace(params=unbox(self.abstract.params))
+        return jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            plain,
+            self.shardings,
+        )
+
+
+def plan_state(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    example_batch: Any,
+    *,
+    strategy: Strategy,
+    rng: Any = 0,
+    loss_fn: LossFn | None = None,
+    mesh: Mesh | None = None,
+    rng_streams: Sequence[str] = ("dropout",),
+) -> StatePlan:
+    """Plans the sharded train state from shapes: ``eval_shape`` → specs → ``jit``.
+
+    Takes the same arguments as :func:`init_state`, which is ``plan_state(...).build()``.
+
+    Example:
+        >>> plan = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP())
+        >>> plan.specs.params["Dense_0"]["kernel"]
+        PartitionSpec('fsdp', None)
+    """
+    if not isinstance(strategy, Strategy):
+        raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
+    mesh = strategy.make_mesh() if mesh is None else mesh
+    key = as_key(rng)
+    method = call_model(model, example_batch, loss_fn)
+
+    def make(key, batch, boxed: bool):
+        init_key, stream_key, state_key = jax.random.split(key, 3)
+        rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
+        variables = dict(model.init(rngs, batch, method=method))
+        params = variables.pop("params", {})
+        plain_params = unbox(params)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params if boxed else plain_params,
+            opt_state=optimizer.init(plain_params),
+            rng=state_key,
+            model_state=unbox(variables),
+            model=model,
+            tx=optimizer,
+        )
+
+    abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
+    specs = strategy.state_specs(abstract, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    jitted = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
+    return StatePlan(mesh, abstract, specs, shardings, lambda: jitted(key, example_batch))
+
+
 def init_state(
     model: nn.Module,
     optimizer: optax.GradientTransformation,
@@ -106,32 +184,10 @@ def init_state(
         >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(),
         ...                       rng=0, loss_fn=loss_fn)
     """
-    mesh = strategy.make_mesh() if mesh is None else mesh
-    key = as_key(rng)
-    method = call_model(model, example_batch, loss_fn)
-
-    def make(key, batch, boxed: bool):
-        init_key, stream_key, state_key = jax.random.split(key, 3)
-        rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
-        variables = model.init(rngs, batch, method=method)
-        variables = dict(variables)
-        params = variables.pop("params", {})
-        plain_params = unbox(params)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params if boxed else plain_params,
-            opt_state=optimizer.init(plain_params),
-            rng=state_key,
-            model_state=unbox(variables),
-            model=model,
-            tx=optimizer,
-        )
-
-    abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
-    specs = strategy.state_specs(abstract, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-    build = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
-    return build(key, example_batch)
+    return plan_state(
+        model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
+        rng_streams=rng_streams,
+    ).build()
 
 
 def state_shardings(state: TrainState) -> Any:
