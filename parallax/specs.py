@@ -18,7 +18,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import jax
 import numpy as np
 from flax.core import meta
-from flax.linen import partitioning as nn_partitioning
+from flax.linen import spmd as nn_partitioning
 from jax.sharding import PartitionSpec
 
 from parallax._tree import is_box, path_str
@@ -62,7 +62,8 @@ def annotation_dims(box: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, i
         return dims
     names = tuple(box.names)
     if isinstance(box, nn_partitioning.LogicallyPartitioned):
-        names = tuple(nn_partitioning.logical_to_mesh_axes(names, box.rules))
+        resolved = nn_partitioning.logical_to_mesh_axes(names, box.rules)
+        names = tuple(resolved) if resolved is not None else (None,) * len(shape)
     for d, entry in enumerate(names[: len(shape)]):
         axes = entry if isinstance(entry, tuple) else (entry,)
         kept = tuple(a for a in axes if isinstance(a, str) and a in axis_sizes)

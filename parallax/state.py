@@ -81,6 +81,7 @@ class StatePlan:
         specs: a ``PartitionSpec`` per leaf of the (unboxed) state.
         shardings: the matching ``NamedSharding`` tree.
         build: ``build()`` computes the sharded state (each device only its shards).
+        lower: ``lower()`` gives the lowered init computation (for memory analysis).
     """
 
     mesh: Mesh
@@ -88,6 +89,7 @@ class StatePlan:
     specs: Any
     shardings: Any
     build: Callable[[], TrainState]
+    lower: Callable[[], Any]
 
     def abstract_arrays(self) -> Any:
         """``ShapeDtypeStruct`` s with shardings: a restore target for checkpoints."""
@@ -145,7 +147,11 @@ def plan_state(
     specs = strategy.state_specs(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     jitted = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
-    return StatePlan(mesh, abstract, specs, shardings, lambda: jitted(key, example_batch))
+    return StatePlan(
+        mesh, abstract, specs, shardings,
+        build=lambda: jitted(key, example_batch),
+        lower=lambda: jitted.lower(key, example_batch),
+    )
 
 
 def init_state(
