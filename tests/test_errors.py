@@ -1,0 +1,123 @@
+"""Bad input: a ValueError that names the value and the fix, before anything compiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import parallax as px
+from tests.models import MLP, batches, classifier_loss
+
+
+@pytest.fixture(scope="module")
+def fsdp_state():
+    strategy = px.FSDP(min_weight_size=0)
+    return strategy, px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy,
+                                   loss_fn=classifier_loss)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: px.combine(px.DataParallel(3), px.FSDP(2)).make_mesh(), r"need 6 devices but 8 are available"),
+        (lambda: px.DataParallel(16).make_mesh(), r"need 16 devices but 8"),
+        (lambda: px.combine(px.DataParallel(3), px.FSDP(-1)).make_mesh(), r"multiply to 3, which does not divide"),
+        (lambda: px.combine(px.DataParallel(-1), px.FSDP(-1)).make_mesh(), r"at most one axis"),
+        (lambda: px.combine(px.DataParallel(axis="x"), px.FSDP(axis="x")), r"axis name 'x' twice"),
+        (lambda: px.combine(px.FSDP(2), px.FSDP(4)), r"more than one FSDP"),
+        (lambda: px.FSDP(min_weight_size=-1), r"min_weight_size=-1.*>= 0"),
+        (lambda: px.DataParallel(0), r"size=0"),
+        (lambda: px.TensorParallel(rules=[("q/kernel", "diagonal")]), r"layout 'diagonal'"),
+        (lambda: px.TensorParallel(rules=[("q/(kernel", "column")]), r"does not compile"),
+        (lambda: px.make_train_step(classifier_loss, px.FSDP(), grad_accum=0), r"grad_accum=0"),
+        (lambda: px.make_train_step(classifier_loss, px.FSDP(), compile="pjit"), r"compile='pjit'"),
+    ],
+)
+def test_bad_configuration(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_mesh_from_another_strategy():
+    mesh = px.DataParallel().make_mesh()
+    with pytest.raises(ValueError, match=r"needs axis 'fsdp'.*strategy.make_mesh"):
+        px.FSDP().param_specs({"w": jnp.ones((8, 8))}, mesh)
+
+
+def test_rule_that_matches_no_param():
+    strategy = px.TensorParallel(rules=[(r"attention/wq/kernel$", "column"), (r"up/kernel$", "column")])
+    with pytest.raises(ValueError, match=r"'attention/wq/kernel\$' matches no param.*up/kernel"):
+        px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy, loss_fn=classifier_loss)
+
+
+def test_default_rules_that_match_nothing():
+    with pytest.raises(ValueError, match=r"default rules match none.*Dense_0/kernel.*rules="):
+        px.TensorParallel().param_specs({"Dense_0": {"kernel": jnp.ones((8, 8))}})
+
+
+def test_rule_with_unknown_axis_name():
+    strategy = px.TensorParallel(rules=[(r"up/kernel$", P(None, "model"))])
+    with pytest.raises(ValueError, match=r"names axis \['model'\].*'tensor'"):
+        strategy.param_specs({"up": {"kernel": jnp.ones((8, 8))}})
+
+
+def _compiled_count(step):
+    return len(step._cache)
+
+
+def test_batch_the_mesh_does_not_divide(fsdp_state):
+    strategy, state = fsdp_state
+    step = px.make_train_step(classifier_loss, strategy)
+    bad = batches("mlp", 1, batch_size=12)[0]
+    with pytest.raises(ValueError, match=r"Batch size 12 is not divisible by 8 \(fsdp=8\).*e\.g\. 8 or 16"):
+        step(state, bad)
+    assert _compiled_count(step) == 0
+
+
+def test_batch_that_grad_accum_does_not_divide(fsdp_state):
+    strategy, state = fsdp_state
+    step = px.make_train_step(classifier_loss, strategy, grad_accum=4)
+    with pytest.raises(ValueError, match=r"Batch size 16 is not divisible by 32 \(fsdp=8 × grad_accum=4\)"):
+        step(state, batches("mlp", 1)[0])
+    assert _compiled_count(step) == 0
+
+
+def test_batch_leaves_of_different_sizes(fsdp_state):
+    strategy, state = fsdp_state
+    batch = {"x": np.zeros((16, 24), np.float32), "y": np.zeros((8,), np.int32)}
+    with pytest.raises(ValueError, match=r"different leading \(batch\) dims"):
+        px.make_train_step(classifier_loss, strategy)(state, batch)
+
+
+def test_loss_that_is_not_a_scalar(fsdp_state):
+    strategy, state = fsdp_state
+
+    def per_example_loss(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    with pytest.raises(ValueError, match=r"loss of shape \(2,\); it must be a scalar"):
+        px.make_train_step(per_example_loss, strategy)(state, batches("mlp", 1)[0])
+
+
+def test_metrics_that_are_not_arrays(fsdp_state):
+    strategy, state = fsdp_state
+
+    def loss_with_text(model, batch):
+        loss, _ = classifier_loss(model, batch)
+        return loss, {"note": "hello"}
+
+    with pytest.raises(ValueError, match=r"Metric 'note' is a str, not an array"):
+        px.make_train_step(loss_with_text, strategy)(state, batches("mlp", 1)[0])
+
+
+def test_state_not_built_by_parallax():
+    strategy = px.DataParallel()
+    state = px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy, loss_fn=classifier_loss)
+    host_state = jax.device_get(state)
+    with pytest.raises(ValueError, match=r"build the state with px.init_state"):
+        px.make_train_step(classifier_loss, strategy)(host_state, batches("mlp", 1)[0])
