@@ -10,6 +10,7 @@ from parallax.strategy import combine
 
 __version__ = "0.1.0"
 
+from parallax import inspect
 from parallax import metrics
 from parallax.state import TrainState
 from parallax.state import StatePlan

@@ -46,14 +46,18 @@ class GatherOnUse(struct.PyTreeNode, meta.AxisMetadata):
         value: the local shard.
         dim: the array dim the shard was cut along.
         axis_name: the manual mesh axis it is split over.
+        dtype: if set, the gathered param is cast to it (mixed precision: the gather and
+            its reduce-scatter gradient stay in the param's own dtype).
     """
 
     value: Any
     dim: int = struct.field(pytree_node=False)
     axis_name: str = struct.field(pytree_node=False)
+    dtype: Any = struct.field(pytree_node=False, default=None)
 
     def unbox(self) -> Any:
-        return all_gather_mean_grad(self.value, self.axis_name, self.dim)
+        full = all_gather_mean_grad(self.value, self.axis_name, self.dim)
+        return full if self.dtype is None else full.astype(self.dtype)
 
     def replace_boxed(self, val: Any) -> "GatherOnUse":
         return self.replace(value=val)

@@ -29,6 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax import metrics as metric_lib
 from parallax.batchnorm import batch_stats_over
 from parallax.gather import box_for_gather, gather_dim
+from parallax.precision import Float32Outputs, Precision, cast_floating
+from parallax.precision import resolve as resolve_precision
+from parallax.remat import remat_modules
 from parallax.specs import dims_axes, is_spec, without_axes
 from parallax.state import LossFn, TrainState, call_model, model_rngs
 from parallax.strategy import Strategy
@@ -89,10 +92,15 @@ def state_specs_of(state: TrainState) -> tuple[Mesh, Any]:
 
 
 def _apply_loss(state: TrainState, params: Any, model_state: dict, batch: Any, rngs: dict, loss_fn: LossFn,
-                bn_axes: tuple[str, ...] | None):
+                bn_axes: tuple[str, ...] | None, precision: Precision, remat: Sequence[type | str]):
     """Runs ``loss_fn`` on the bound model; returns ``(loss, (sums, new_model_state))``."""
     method = call_model(state.model, batch, loss_fn)
-    with batch_stats_over(bn_axes):
+    if precision.casts:
+        params = cast_floating(params, precision.compute_dtype)
+        batch = cast_floating(batch, precision.compute_dtype)
+        inner = method
+        method = lambda module, b: inner(Float32Outputs(module), b)  # noqa: E731
+    with batch_stats_over(bn_axes), remat_modules(remat):
         output, updates = state.model.apply(
             {"params": params, **model_state}, batch, method=method, rngs=rngs, mutable=list(model_state)
         )
@@ -139,7 +147,8 @@ class _Step:
     """A step built once per state layout; ``__call__`` checks the batch, then runs it."""
 
     def __init__(self, loss_fn: LossFn, strategy: Strategy, *, train: bool, compile: str, grad_accum: int,
-                 batch_stats: str, rng_streams: Sequence[str], donate: bool):
+                 batch_stats: str, rng_streams: Sequence[str], donate: bool,
+                 precision: str | Precision | None = None, remat: Sequence[type | str] = ()):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
         if not isinstance(strategy, Strategy):
@@ -158,6 +167,11 @@ class _Step:
         self.rng_streams = tuple(rng_streams)
         self.donate = donate
         self.compile = compile
+        self.precision = resolve_precision(precision)
+        self.remat = tuple(remat)
+        for target in self.remat:
+            if not isinstance(target, (str, type)):
+                raise ValueError(f"remat takes module classes or class names, got {target!r}.")
         self._cache: dict = {}
 
     def mode(self) -> str:
@@ -216,7 +230,8 @@ class _Step:
         batch_sharding = NamedSharding(mesh, PartitionSpec(None, *self.strategy.batch_spec()))
 
         def loss(params, model_state, batch, key, state):
-            return _apply_loss(state, params, model_state, batch, model_rngs(key, self.rng_streams), self.loss_fn, None)
+            return _apply_loss(state, params, model_state, batch, model_rngs(key, self.rng_streams), self.loss_fn, None,
+                               self.precision, self.remat)
 
         def gradients(state: TrainState, batch, key):
             if not self.train:
@@ -263,7 +278,8 @@ class _Step:
 
             def loss(p, m, b, k, boxed):
                 variables = box_for_gather(p, param_specs, fsdp_axes) if boxed else p
-                return _apply_loss(state, variables, m, b, model_rngs(k, self.rng_streams), self.loss_fn, bn_axes)
+                return _apply_loss(state, variables, m, b, model_rngs(k, self.rng_streams), self.loss_fn, bn_axes,
+                                   self.precision, self.remat)
 
             if not train:
                 return reduce_sums(loss(params, model_state, batch, key, True)[1][0])
@@ -321,6 +337,8 @@ def make_train_step(
     batch_stats: str = "global",
     rng_streams: Sequence[str] = ("dropout",),
     donate: bool = True,
+    precision: str | Precision | None = None,
+    remat: Sequence[type | str] = (),
 ) -> _Step:
     """A jitted ``step(state, batch) -> (state, metrics)`` for any strategy.
 
@@ -337,6 +355,10 @@ def make_train_step(
         rng_streams: rng names the model draws from (a different stream on each data
             shard, the same on every tensor shard; step ``t`` uses ``fold_in(rng, t)``).
         donate: donate the state's buffers to the step.
+        precision: ``None``/``"fp32"``, or ``"bf16"``: float32 params and optimizer
+            state, bfloat16 forward and backward, float32 loss and gradient reductions.
+        remat: module classes (or class names) whose activations are recomputed in the
+            backward pass instead of stored, e.g. ``("Block",)``.
 
     Returns:
         The step. Metrics are exact means over the global batch (``loss`` included).
@@ -347,7 +369,7 @@ def make_train_step(
         >>> state, metrics = step(state, batch)
     """
     return _Step(loss_fn, strategy, train=True, compile=compile, grad_accum=grad_accum, batch_stats=batch_stats,
-                 rng_streams=rng_streams, donate=donate)
+                 rng_streams=rng_streams, donate=donate, precision=precision, remat=remat)
 
 
 def make_eval_step(
@@ -357,6 +379,7 @@ def make_eval_step(
     compile: str = "auto",
     batch_stats: str = "global",
     rng_streams: Sequence[str] = ("dropout",),
+    precision: str | Precision | None = None,
 ) -> _Step:
     """A jitted ``eval(state, batch) -> {name: (sum, count)}`` without an update.
 
@@ -368,4 +391,4 @@ def make_eval_step(
         >>> px.metrics.means(evaluate(state, batch))["loss"]
     """
     return _Step(loss_fn, strategy, train=False, compile=compile, grad_accum=1, batch_stats=batch_stats,
-                 rng_streams=rng_streams, donate=False)
+                 rng_streams=rng_streams, donate=False, precision=precision)

@@ -1,0 +1,62 @@
+"""Activation rematerialisation of chosen module classes, without changing the model.
+
+:func:`remat_modules` intercepts calls of the named module classes and runs each under
+``nn.remat``: their activations are recomputed in the backward pass instead of kept.
+Under FSDP the params a rematerialised block reads are gathered again in the backward
+pass, as ZeRO-3 intends, instead of being kept whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+
+def _matches(module: nn.Module, targets: Sequence[type | str]) -> bool:
+    return any(
+        (isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
+        for t in targets
+    )
+
+
+@contextlib.contextmanager
+def remat_modules(targets: Sequence[type | str]) -> Iterator[None]:
+    """Within this context, calls of modules in ``targets`` are rematerialised.
+
+    Args:
+        targets: module classes, or class names, e.g. ``("Block",)``.
+
+    Example:
+        >>> with remat_modules(("Block",)):
+        ...     loss, grads = jax.value_and_grad(loss_fn)(params)
+    """
+    if not targets:
+        yield
+        return
+    inside: list[int] = []
+
+    def interceptor(next_fun, args, kwargs, context):
+        if inside or context.method_name != "__call__" or not _matches(context.module, targets):
+            return next_fun(*args, **kwargs)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+        def body(module, *dynamic_leaves):
+            merged = list(leaves)
+            for index, value in zip(dynamic, dynamic_leaves):
+                merged[index] = value
+            call_args, call_kwargs = jax.tree.unflatten(treedef, merged)
+            inside.append(1)
+            try:
+                return type(module).__call__(module, *call_args, **call_kwargs)
+            finally:
+                inside.pop()
+
+        return nn.remat(body)(context.module, *[leaves[i] for i in dynamic])
+
+    with nn.intercept_methods(interceptor):
+        yield
