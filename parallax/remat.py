@@ -2,8 +2,8 @@
 
 :func:`remat_modules` intercepts calls of the named module classes and runs each under
 ``nn.remat``: their activations are recomputed in the backward pass instead of kept.
-Under FSDP the params a rematerialised block reads are gathered again in the backward
-pass, as ZeRO-3 intends, instead of being kept whole.
+(Measured on the pinned stack: XLA on CPU still keeps each FSDP-gathered param for the
+backward pass rather than gathering it again; the all-gather count is unchanged.)
 """
 
 from __future__ import annotations
