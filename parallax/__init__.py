@@ -18,3 +18,14 @@ from parallax.state import init_state
 from parallax.state import plan_state
 from parallax.step import make_eval_step
 from parallax.step import make_train_step
+from parallax import callbacks
+from parallax.callbacks import EarlyStopping
+from parallax.callbacks import JSONLogger
+from parallax.callbacks import LearningRateLogger
+from parallax.callbacks import ProgressBar
+from parallax.callbacks import TensorBoardLogger
+from parallax.checkpoint import CheckpointError
+from parallax.trainer import FitResult
+from parallax.trainer import NonFiniteLossError
+from parallax.trainer import Trainer
+from parallax.trainer import TrainerConfig

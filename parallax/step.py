@@ -148,7 +148,8 @@ class _Step:
 
     def __init__(self, loss_fn: LossFn, strategy: Strategy, *, train: bool, compile: str, grad_accum: int,
                  batch_stats: str, rng_streams: Sequence[str], donate: bool,
-                 precision: str | Precision | None = None, remat: Sequence[type | str] = ()):
+                 precision: str | Precision | None = None, remat: Sequence[type | str] = (),
+                 skip_nonfinite: bool = False, replicated_batch: bool = False):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
         if not isinstance(strategy, Strategy):
@@ -169,6 +170,8 @@ class _Step:
         self.compile = compile
         self.precision = resolve_precision(precision)
         self.remat = tuple(remat)
+        self.skip_nonfinite = skip_nonfinite
+        self.replicated_batch = replicated_batch
         for target in self.remat:
             if not isinstance(target, (str, type)):
                 raise ValueError(f"remat takes module classes or class names, got {target!r}.")
@@ -176,6 +179,8 @@ class _Step:
 
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles."""
+        if self.replicated_batch:
+            return "jit"
         if self.compile == "auto" or self.compile == "shard_map":
             return "shard_map" if self.strategy.data_axes else "jit"
         return "jit"
@@ -190,7 +195,10 @@ class _Step:
     def _jitted(self, state: TrainState, batch: Any):
         mesh, specs = state_specs_of(state)
         self.strategy.check_mesh(mesh)
-        check_batch(batch, self.strategy, mesh, self.grad_accum if self.train else 1)
+        if self.replicated_batch:
+            _leading_dims(batch)
+        else:
+            check_batch(batch, self.strategy, mesh, self.grad_accum if self.train else 1)
         key = (jax.tree.structure(state), tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
             self._cache[key] = self._build(mesh, specs)
@@ -199,8 +207,8 @@ class _Step:
     # --- building ------------------------------------------------------------------------
     def _build(self, mesh: Mesh, specs: TrainState):
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-        batch_sharding = NamedSharding(mesh, self.strategy.batch_spec())
         replicated = NamedSharding(mesh, PartitionSpec())
+        batch_sharding = replicated if self.replicated_batch else NamedSharding(mesh, self.strategy.batch_spec())
         gradients = self._shard_map_gradients(mesh, specs) if self.mode() == "shard_map" else self._jit_gradients(mesh)
 
         def train_step(state: TrainState, batch):
@@ -209,7 +217,15 @@ class _Step:
             updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
-            return new_state, metric_lib.means(sums)
+            metrics = metric_lib.means(sums)
+            if self.skip_nonfinite:
+                finite = jnp.isfinite(metrics["loss"])
+                for grad in jax.tree.leaves(grads):
+                    finite &= jnp.isfinite(grad).all()
+                kept = state.replace(step=state.step + 1)
+                new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+                metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+            return new_state, metrics
 
         def eval_step(state: TrainState, batch):
             key = jax.random.fold_in(state.rng, state.step)
@@ -339,6 +355,7 @@ def make_train_step(
     donate: bool = True,
     precision: str | Precision | None = None,
     remat: Sequence[type | str] = (),
+    skip_nonfinite: bool = False,
 ) -> _Step:
     """A jitted ``step(state, batch) -> (state, metrics)`` for any strategy.
 
@@ -359,6 +376,8 @@ def make_train_step(
             state, bfloat16 forward and backward, float32 loss and gradient reductions.
         remat: module classes (or class names) whose activations are recomputed in the
             backward pass instead of stored, e.g. ``("Block",)``.
+        skip_nonfinite: if the loss or any gradient is NaN/Inf, keep the old params,
+            optimizer and model state (the step still counts); metrics gain ``skipped``.
 
     Returns:
         The step. Metrics are exact means over the global batch (``loss`` included).
@@ -369,7 +388,8 @@ def make_train_step(
         >>> state, metrics = step(state, batch)
     """
     return _Step(loss_fn, strategy, train=True, compile=compile, grad_accum=grad_accum, batch_stats=batch_stats,
-                 rng_streams=rng_streams, donate=donate, precision=precision, remat=remat)
+                 rng_streams=rng_streams, donate=donate, precision=precision, remat=remat,
+                 skip_nonfinite=skip_nonfinite)
 
 
 def make_eval_step(
@@ -380,15 +400,18 @@ def make_eval_step(
     batch_stats: str = "global",
     rng_streams: Sequence[str] = ("dropout",),
     precision: str | Precision | None = None,
+    replicated_batch: bool = False,
 ) -> _Step:
     """A jitted ``eval(state, batch) -> {name: (sum, count)}`` without an update.
 
     Sums and counts (not means) come back so that means over many batches stay exact;
-    :func:`parallax.metrics.means` turns them into means.
+    :func:`parallax.metrics.means` turns them into means. With ``replicated_batch=True``
+    a batch of any size (e.g. the last, partial one of an eval set) is given whole to
+    every device and the compiler splits the work.
 
     Example:
         >>> evaluate = px.make_eval_step(eval_loss_fn, px.FSDP())
         >>> px.metrics.means(evaluate(state, batch))["loss"]
     """
     return _Step(loss_fn, strategy, train=False, compile=compile, grad_accum=1, batch_stats=batch_stats,
-                 rng_streams=rng_streams, donate=False, precision=precision)
+                 rng_streams=rng_streams, donate=False, precision=precision, replicated_batch=replicated_batch)

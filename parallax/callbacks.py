@@ -1,0 +1,236 @@
+"""Callbacks: one hook per step, called every ``every`` steps with the step's info.
+
+A callback is any object with an ``every`` attribute and an ``on_step(info)`` method;
+``on_fit_start(trainer)`` and ``on_fit_end(trainer)`` are optional. Metrics reach
+callbacks one step late: step t's metrics are read from the device only after step t+1
+has been dispatched, so logging never stalls the accelerator.
+
+Example:
+    >>> class PrintLoss:
+    ...     every = 100
+    ...     def on_step(self, info):
+    ...         print(info.step, info.metrics["loss"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a callback sees.
+
+    Attributes:
+        step: the number of updates done (1 after the first step).
+        epoch: the epoch the step's batch came from (0-based), if known.
+        metrics: the step's training metrics as floats (``loss`` and the loss function's).
+        eval_metrics: evaluation metrics if an evaluation just ran at this step, else None.
+        max_steps: the planned number of steps, if known.
+        trainer: the running trainer (``trainer.request_stop(reason)`` ends training).
+    """
+
+    step: int
+    epoch: int | None
+    metrics: dict[str, float]
+    eval_metrics: dict[str, float] | None
+    max_steps: int | None
+    trainer: Any = None
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """The callback protocol: ``every`` and ``on_step``."""
+
+    every: int
+
+    def on_step(self, info: StepInfo) -> None:
+        ...
+
+
+def due(callback: Callback, info: StepInfo) -> bool:
+    """Whether ``callback`` runs at this step (always when eval metrics arrive)."""
+    every = getattr(callback, "every", 1) or 1
+    return info.step % every == 0 or info.eval_metrics is not None or info.step == info.max_steps
+
+
+def _format(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+class ProgressBar:
+    """A progress line: step/total, steps/s, loss and ETA (rich in a terminal, plain lines in a log).
+
+    Args:
+        every: refresh every this many steps.
+        stream: where plain lines go when not in a terminal.
+    """
+
+    def __init__(self, every: int = 1, stream: Any = None):
+        self.every = every
+        self.stream = stream or sys.stderr
+        self._progress = None
+        self._task = None
+        self._start = None
+        self._start_step = 0
+        self._last_print = 0.0
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self._start, self._start_step = time.perf_counter(), trainer.start_step
+        if getattr(self.stream, "isatty", lambda: False)():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[rate]:.2f} it/s"), TextColumn("{task.fields[text]}"),
+                                      TimeRemainingColumn(), transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=trainer.max_steps, completed=trainer.start_step,
+                                                 rate=0.0, text="")
+
+    def _rate(self, step: int) -> float:
+        elapsed = time.perf_counter() - self._start
+        return (step - self._start_step) / elapsed if elapsed > 0 else 0.0
+
+    def on_step(self, info: StepInfo) -> None:
+        rate = self._rate(info.step)
+        text = _format(info.metrics)
+        if info.eval_metrics:
+            text += " | eval " + _format(info.eval_metrics)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=info.step, rate=rate, text=text)
+            return
+        now = time.perf_counter()
+        if now - self._last_print < 1.0 and info.eval_metrics is None and info.step != info.max_steps:
+            return
+        self._last_print = now
+        total = f"/{info.max_steps}" if info.max_steps else ""
+        eta = ""
+        if info.max_steps and rate > 0:
+            eta = f" eta {math.ceil((info.max_steps - info.step) / rate)}s"
+        print(f"step {info.step}{total} {rate:.2f} it/s{eta} {text}", file=self.stream, flush=True)
+
+    def on_fit_end(self, trainer: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class JSONLogger:
+    """Appends one JSON object per logged step to ``path``.
+
+    Each line: ``{"step": ..., "time": ..., "train": {...}, "eval": {...}}``.
+    """
+
+    def __init__(self, path: str | os.PathLike, every: int = 1):
+        self.path = os.fspath(path)
+        self.every = every
+
+    def on_step(self, info: StepInfo) -> None:
+        record = {"step": info.step, "epoch": info.epoch, "time": time.time(), "train": info.metrics}
+        if info.eval_metrics is not None:
+            record["eval"] = info.eval_metrics
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+
+class TensorBoardLogger:
+    """Writes scalars for TensorBoard (``train/loss``, ``eval/accuracy``, ...) to ``logdir``.
+
+    Needs the ``tensorboardX`` package (``pip install tensorboardX``).
+    """
+
+    def __init__(self, logdir: str | os.PathLike, every: int = 1):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as err:
+            raise ImportError("TensorBoardLogger needs tensorboardX: pip install tensorboardX") from err
+        self.writer = SummaryWriter(os.fspath(logdir))
+        self.every = every
+
+    def on_step(self, info: StepInfo) -> None:
+        for name, value in info.metrics.items():
+            self.writer.add_scalar(f"train/{name}", value, info.step)
+        for name, value in (info.eval_metrics or {}).items():
+            self.writer.add_scalar(f"eval/{name}", value, info.step)
+
+    def on_fit_end(self, trainer: Any) -> None:
+        self.writer.flush()
+
+
+class EarlyStopping:
+    """Stops training when an evaluation metric has not improved for ``patience`` evaluations.
+
+    Args:
+        monitor: an eval metric name, e.g. ``"loss"`` or ``"accuracy"``.
+        mode: ``"min"`` or ``"max"``.
+        patience: evaluations without improvement before stopping.
+        min_delta: the smallest change that counts as improvement.
+    """
+
+    every = 1
+
+    def __init__(self, monitor: str = "loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping(mode={mode!r}); use 'min' or 'max'.")
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
+        self.best: float | None = None
+        self.bad_evaluations = 0
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.eval_metrics is None:
+            return
+        if self.monitor not in info.eval_metrics:
+            raise ValueError(f"EarlyStopping monitors {self.monitor!r}, but evaluation reports "
+                             f"{sorted(info.eval_metrics)}.")
+        value = info.eval_metrics[self.monitor]
+        better = self.best is None or (value < self.best - self.min_delta if self.mode == "min"
+                                       else value > self.best + self.min_delta)
+        if better:
+            self.best, self.bad_evaluations = value, 0
+            return
+        self.bad_evaluations += 1
+        if self.bad_evaluations >= self.patience:
+            info.trainer.request_stop(f"early stopping: eval {self.monitor} has not improved for "
+                                      f"{self.patience} evaluations (best {self.best:.4g})")
+
+
+class LearningRateLogger:
+    """Adds ``learning_rate`` to the step's metrics (put it before the loggers).
+
+    Args:
+        schedule: the optax schedule (``step -> lr``) or a constant. Without one the
+            rate is read from an ``optax.inject_hyperparams`` optimizer state.
+        every: how often.
+    """
+
+    def __init__(self, schedule: Callable[[int], Any] | float | None = None, every: int = 1):
+        self.schedule = schedule
+        self.every = every
+
+    def on_step(self, info: StepInfo) -> None:
+        if callable(self.schedule):
+            rate = self.schedule(info.step - 1)
+        elif self.schedule is not None:
+            rate = self.schedule
+        else:
+            rate = _injected_learning_rate(info.trainer.state.opt_state)
+            if rate is None:
+                raise ValueError("LearningRateLogger found no learning rate: pass schedule=..., or build the "
+                                 "optimizer with optax.inject_hyperparams.")
+        info.metrics["learning_rate"] = float(rate)
+
+
+def _injected_learning_rate(opt_state: Any) -> Any:
+    import jax
+
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+        if hasattr(node, "hyperparams") and "learning_rate" in node.hyperparams:
+            return jax.device_get(node.hyperparams["learning_rate"])
+    return None

@@ -1,0 +1,166 @@
+"""Orbax checkpoints of the train state: unboxed arrays plus metadata, resharded on load.
+
+A checkpoint holds the state's arrays (``step``, ``params``, ``opt_state``, ``rng``,
+``model_state``: plain arrays, no flax boxes) and a JSON record: the step, the data
+position, the strategy and mesh it was written under, the config, and the shape and
+dtype of every array. Restoring checks that record against the model at hand before
+reading any array, and lays each array out with the sharding the *current* strategy
+wants, so a checkpoint written under FSDP on 8 devices restores under DP or on 4.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from parallax._tree import path_str
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored here; the files are left as they are."""
+
+
+def state_arrays(state: Any) -> dict:
+    """The savable part of a :class:`parallax.TrainState`."""
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "rng": state.rng,
+        "model_state": state.model_state,
+    }
+
+
+def signature(arrays: Any) -> dict[str, list]:
+    """``{path: [shape, dtype]}`` of every array leaf."""
+    out = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        out[path_str(key_path)] = [list(np.shape(leaf)), str(leaf.dtype)]
+    return out
+
+
+def _differences(saved: dict, expected: dict, limit: int = 5) -> list[str]:
+    order = {"params": 0, "model_state": 1, "step": 2, "rng": 2, "opt_state": 3}
+    lines = []
+    for path in sorted(set(saved) | set(expected), key=lambda p: (order.get(p.split("/")[0], 4), p)):
+        if path not in expected:
+            lines.append(f"{path} is in the checkpoint but not in this model")
+        elif path not in saved:
+            lines.append(f"{path} is in this model but not in the checkpoint")
+        elif saved[path] != expected[path]:
+            lines.append(f"{path} is {saved[path][1]}{tuple(saved[path][0])} in the checkpoint, "
+                         f"{expected[path][1]}{tuple(expected[path][0])} here")
+        if len(lines) == limit:
+            lines.append("...")
+            break
+    return lines
+
+
+class Checkpointer:
+    """Saves every ``every`` steps (async), keeps the last ``keep``, restores by step.
+
+    Args:
+        directory: where checkpoints go (one sub-folder per step).
+        every: save when ``step % every == 0``; ``None`` saves only when asked.
+        keep: how many of the newest checkpoints to keep.
+        async_save: write in the background while training goes on.
+
+    Example:
+        >>> ckpt = Checkpointer("/tmp/run/ckpt", every=100, keep=3)
+        >>> ckpt.save(state, {"position": 100})
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, every: int | None = None, keep: int = 3,
+                 async_save: bool = True):
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"checkpoint_every={every!r}; use a positive number of steps or None.")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.every = every
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 create=True),
+        )
+
+    def due(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0
+
+    def steps(self) -> list[int]:
+        self.manager.reload()  # another process may have written since
+        return list(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return max(steps) if steps else None
+
+    def save(self, state: Any, metadata: dict) -> None:
+        """Starts saving ``state`` (async) under its step, with ``metadata``."""
+        arrays = state_arrays(state)
+        step = int(jax.device_get(state.step))
+        record = {**metadata, "step": step, "signature": signature(arrays)}
+        if step in self.steps():
+            return
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+                                                        meta=ocp.args.JsonSave(record)))
+
+    def read_metadata(self, step: int) -> dict:
+        """The JSON record of checkpoint ``step``."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as err:  # orbax raises many kinds; all mean "unreadable"
+            raise CheckpointError(
+                f"Checkpoint step {step} in {self.directory} cannot be read ({type(err).__name__}: {err}). "
+                "It was left in place; delete it by hand or resume from another step."
+            ) from err
+        return dict(restored["meta"])
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[dict, dict]:
+        """Restores the arrays of ``step`` (the latest by default) laid out as ``target``.
+
+        Args:
+            target: ``ShapeDtypeStruct`` s with shardings (``StatePlan.abstract_arrays()``).
+            step: which checkpoint; the latest if ``None``.
+
+        Returns:
+            ``(arrays, metadata)``; ``arrays`` has the keys of :func:`state_arrays`.
+
+        Raises:
+            CheckpointError: no checkpoint, an unreadable one, or one from another model.
+        """
+        self.wait()
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"No checkpoint in {self.directory} to resume from.")
+        metadata = self.read_metadata(step)
+        target_arrays = state_arrays(target)
+        differences = _differences(metadata.get("signature", {}), signature(target_arrays))
+        if differences:
+            raise CheckpointError(
+                f"Checkpoint step {step} in {self.directory} was saved from a different model or "
+                f"optimizer (strategy then: {metadata.get('strategy', '?')}):\n  " + "\n  ".join(differences)
+                + "\nNothing was deleted; point checkpoint_dir elsewhere or build the same model."
+            )
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target_arrays))
+            )
+        except Exception as err:
+            raise CheckpointError(
+                f"Checkpoint step {step} in {self.directory} cannot be restored ({type(err).__name__}: {err}). "
+                "It was left in place."
+            ) from err
+        return dict(restored["state"]), metadata
+
+    def wait(self) -> None:
+        """Blocks until background saves have finished."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

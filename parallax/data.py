@@ -1,0 +1,164 @@
+"""Feeding batches: arrays or iterables in, global sharded arrays out, resumable by step."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def _num_rows(arrays: Any) -> int:
+    leaves = jax.tree.leaves(arrays)
+    if not leaves:
+        raise ValueError("The training data holds no arrays.")
+    rows = {int(np.shape(leaf)[0]) for leaf in leaves}
+    if len(rows) != 1:
+        raise ValueError(f"The data's arrays have different numbers of rows: {sorted(rows)}.")
+    return rows.pop()
+
+
+def is_array_data(data: Any) -> bool:
+    """Whether ``data`` is a dataset given as arrays: ``(x, y)`` or ``{"x": ..., ...}``."""
+    if isinstance(data, (np.ndarray, jax.Array)):
+        return True
+    if isinstance(data, (tuple, Mapping)):
+        leaves = jax.tree.leaves(data)
+        return bool(leaves) and all(isinstance(leaf, (np.ndarray, jax.Array)) and np.ndim(leaf) >= 1
+                                    for leaf in leaves)
+    return False
+
+
+class ArrayData:
+    """Batches of a dataset held in arrays, shuffled per epoch from a seed.
+
+    The order of epoch ``e`` depends only on ``(seed, e)``, so a run resumed at any step
+    sees exactly the batches an uninterrupted run would. With several processes each
+    process takes its own slice of every global batch.
+
+    Args:
+        arrays: ``(x, y)``, a dict of arrays, or one array; rows are examples.
+        batch_size: the global batch size.
+        shuffle: shuffle each epoch.
+        seed: the shuffling seed.
+        drop_remainder: drop the examples that do not fill a last batch (training);
+            ``False`` keeps a smaller last batch (evaluation).
+
+    Example:
+        >>> data = ArrayData((x_train, y_train), batch_size=128, seed=0)
+        >>> first = next(data.iter_from(0))
+    """
+
+    def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_remainder: bool = True):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}; pass a positive integer with array data.")
+        self.arrays = jax.tree.map(np.asarray, arrays)
+        self.rows = _num_rows(self.arrays)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        if drop_remainder and self.rows < batch_size:
+            raise ValueError(f"The data has {self.rows} examples, fewer than batch_size={batch_size}.")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.rows, self.batch_size)
+        return full if self.drop_remainder or rest == 0 else full + 1
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.rows % self.batch_size if self.drop_remainder else 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.rows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+
+    def _take(self, rows: np.ndarray) -> Any:
+        processes, index = jax.process_count(), jax.process_index()
+        if processes > 1:
+            if len(rows) % processes:
+                raise ValueError(f"A batch of {len(rows)} rows does not split over {processes} processes.")
+            share = len(rows) // processes
+            rows = rows[index * share:(index + 1) * share]
+        return jax.tree.map(lambda a: a[rows], self.arrays)
+
+    def iter_from(self, position: int) -> Iterator[Any]:
+        """Batches from global batch number ``position`` on, across epochs, forever."""
+        epoch, offset = divmod(position, self.steps_per_epoch)
+        while True:
+            order = self._order(epoch)
+            for index in range(offset, self.steps_per_epoch):
+                yield self._take(order[index * self.batch_size:(index + 1) * self.batch_size])
+            epoch, offset = epoch + 1, 0
+
+    def epoch(self) -> Iterator[Any]:
+        """One pass in order (for evaluation)."""
+        return itertools.islice(self.iter_from(0), self.steps_per_epoch)
+
+
+class IterableData:
+    """Batches from an iterable (re-iterated each epoch) or a function returning one.
+
+    Resuming skips the batches already consumed, so the iterable must yield the same
+    batches in the same order each time it is iterated (a list, a dataset object, or a
+    function that rebuilds a seeded pipeline). With several processes each process
+    yields its own part of each global batch.
+    """
+
+    def __init__(self, data: Iterable | Callable[[], Iterable]):
+        self.data = data
+        self.steps_per_epoch: int | None = len(data) if hasattr(data, "__len__") else None
+        self.dropped_per_epoch = 0
+
+    def _iterate(self) -> Iterator[Any]:
+        return iter(self.data() if callable(self.data) and not hasattr(self.data, "__iter__") else self.data)
+
+    def iter_from(self, position: int) -> Iterator[Any]:
+        skipped = 0
+        while True:
+            iterator = self._iterate()
+            count = 0
+            for batch in iterator:
+                count += 1
+                if skipped < position:
+                    skipped += 1
+                    continue
+                yield batch
+            if count == 0 or iterator is self.data:
+                return  # empty, or a one-shot iterator: no further epochs
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = count
+
+    def epoch(self) -> Iterator[Any]:
+        return self._iterate()
+
+
+def as_data(data: Any, batch_size: int | None, *, shuffle: bool, seed: int, drop_remainder: bool):
+    """``ArrayData`` for arrays (``batch_size`` required), ``IterableData`` otherwise."""
+    if isinstance(data, (ArrayData, IterableData)):
+        return data
+    if is_array_data(data):
+        if batch_size is None:
+            raise ValueError("Array data needs batch_size=...; e.g. fit((x, y), batch_size=128).")
+        return ArrayData(data, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)
+    if isinstance(data, Iterable) or callable(data):
+        return IterableData(data)
+    raise ValueError(
+        f"Cannot read batches from a {type(data).__name__}; pass arrays ((x, y) or a dict) with "
+        "batch_size, or an iterable of batches."
+    )
+
+
+def to_global(batch: Any, sharding: NamedSharding) -> Any:
+    """This process's part of a batch → global arrays laid out with ``sharding``."""
+    def put(leaf):
+        if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+            return leaf
+        return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
+
+    return jax.tree.map(put, batch)

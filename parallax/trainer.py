@@ -1,0 +1,423 @@
+"""``Trainer.fit``: the training loop around the step — data in, callbacks, checkpoints.
+
+Example:
+    >>> trainer = px.Trainer(model, optax.adamw(3e-4), loss_fn, strategy=px.FSDP(),
+    ...                      max_steps=1000, batch_size=128, eval_every=200,
+    ...                      checkpoint_dir="runs/ckpt", checkpoint_every=200)
+    >>> state, history = trainer.fit((x_train, y_train), eval_data=(x_test, y_test))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from parallax import metrics as metric_lib
+from parallax.callbacks import ProgressBar, StepInfo, due
+from parallax.checkpoint import Checkpointer
+from parallax.data import as_data, to_global
+from parallax.state import LossFn, TrainState, plan_state
+from parallax.step import make_eval_step, make_train_step
+from parallax.strategy import DataParallel, Strategy
+
+log = logging.getLogger("parallax")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training stopped because the loss (or the state) became NaN or Inf."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Every option of :class:`Trainer`; pass them as keywords or as an ``ml_collections.ConfigDict``.
+
+    Attributes:
+        max_steps: stop after this many updates (counted from the start of the run).
+        epochs: stop after this many passes over the data (if ``max_steps`` is unset).
+        batch_size: global batch size when the data is given as arrays.
+        eval_batch_size: batch size for array eval data (``batch_size`` by default).
+        eval_every: evaluate every this many steps (and at the end).
+        checkpoint_dir: where checkpoints go; ``None`` disables them.
+        checkpoint_every: save every this many steps (and at the end).
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        async_checkpoints: write checkpoints in the background.
+        seed: seeds init, dropout streams and the data order.
+        shuffle: shuffle array data each epoch.
+        grad_accum, precision, remat, compile, batch_stats, rng_streams: as in
+            :func:`parallax.make_train_step`.
+        on_nonfinite: ``"stop"`` (raise :class:`NonFiniteLossError` naming the step) or
+            ``"skip"`` (skip that update and go on).
+        on_preemption: on SIGTERM, finish the step, save, then ``"exit"`` (status 0) or
+            ``"return"`` from ``fit``.
+        progress: show a progress bar.
+        log_every: refresh the progress bar every this many steps.
+    """
+
+    max_steps: int | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    eval_batch_size: int | None = None
+    eval_every: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 3
+    async_checkpoints: bool = True
+    seed: int = 0
+    shuffle: bool = True
+    grad_accum: int = 1
+    precision: str | None = None
+    remat: tuple = ()
+    compile: str = "auto"
+    batch_stats: str = "global"
+    rng_streams: tuple = ("dropout",)
+    on_nonfinite: str = "stop"
+    on_preemption: str = "exit"
+    progress: bool = True
+    log_every: int = 1
+
+    def __post_init__(self):
+        for name in ("max_steps", "epochs", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}; use a positive integer or None.")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; use 'stop' or 'skip'.")
+        if self.on_preemption not in ("exit", "return"):
+            raise ValueError(f"on_preemption={self.on_preemption!r}; use 'exit' or 'return'.")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every is set but checkpoint_dir is not; say where checkpoints go.")
+
+    @classmethod
+    def create(cls, config: Any = None, **options: Any) -> "TrainerConfig":
+        """Merges a ConfigDict/dict (first) and keywords (override) into a config."""
+        merged: dict[str, Any] = {}
+        if config is not None:
+            merged.update(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+        merged.update(options)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise ValueError(f"Unknown Trainer option(s) {unknown}; the options are {sorted(known)}.")
+        for name in ("remat", "rng_streams"):
+            if name in merged and isinstance(merged[name], list):
+                merged[name] = tuple(merged[name])
+        return cls(**merged)
+
+
+@dataclasses.dataclass
+class History:
+    """Metrics of a run: ``train`` (one dict per step) and ``eval`` (one per evaluation)."""
+
+    train: list[dict] = dataclasses.field(default_factory=list)
+    eval: list[dict] = dataclasses.field(default_factory=list)
+
+
+class FitResult(NamedTuple):
+    """What ``fit`` returns: ``state, history = trainer.fit(...)`` also works."""
+
+    state: TrainState
+    history: History
+    stop_reason: str = ""
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+class Trainer:
+    """Trains an unmodified flax model with any parallax strategy.
+
+    Args:
+        model: the flax linen module.
+        optimizer: an optax transformation.
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, metrics)``.
+        strategy: the parallelism strategy (``DataParallel()`` by default).
+        config: an ``ml_collections.ConfigDict`` (or dict) of :class:`TrainerConfig` options.
+        eval_loss_fn: the loss for evaluation (e.g. calling the model with
+            ``train=False``); ``loss_fn`` by default.
+        callbacks: extra callbacks (see :mod:`parallax.callbacks`).
+        devices: the devices to use; all by default.
+        **options: :class:`TrainerConfig` options; they override ``config``.
+
+    Example:
+        >>> trainer = px.Trainer(model, optax.adam(1e-3), loss_fn, strategy=px.FSDP(),
+        ...                      epochs=3, batch_size=64)
+        >>> result = trainer.fit((x, y))
+        >>> result.history.train[-1]["loss"]
+    """
+
+    def __init__(self, model: nn.Module, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+                 strategy: Strategy | None = None, config: Any = None, eval_loss_fn: LossFn | None = None,
+                 callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
+        self.config = TrainerConfig.create(config, **options)
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.eval_loss_fn = eval_loss_fn or loss_fn
+        self.strategy = strategy if strategy is not None else DataParallel()
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {self.strategy!r}.")
+        self.mesh = self.strategy.make_mesh(devices)
+        cfg = self.config
+        self.callbacks = list(callbacks)
+        if cfg.progress:
+            self.callbacks.append(ProgressBar(every=cfg.log_every))
+        self.train_step = make_train_step(
+            loss_fn, self.strategy, compile=cfg.compile, grad_accum=cfg.grad_accum, batch_stats=cfg.batch_stats,
+            rng_streams=cfg.rng_streams, precision=cfg.precision, remat=cfg.remat,
+            skip_nonfinite=cfg.on_nonfinite == "skip",
+        )
+        self.eval_step = make_eval_step(self.eval_loss_fn, self.strategy, compile=cfg.compile,
+                                        batch_stats=cfg.batch_stats, rng_streams=cfg.rng_streams,
+                                        precision=cfg.precision)
+        self.eval_step_any_size = make_eval_step(self.eval_loss_fn, self.strategy, batch_stats=cfg.batch_stats,
+                                                 rng_streams=cfg.rng_streams, precision=cfg.precision,
+                                                 replicated_batch=True)
+        self.batch_sharding = NamedSharding(self.mesh, self.strategy.batch_spec())
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.checkpointer = (Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
+                                          async_save=cfg.async_checkpoints) if cfg.checkpoint_dir else None)
+        self.state: TrainState | None = None
+        self.plan = None
+        self.start_step = 0
+        self.max_steps: int | None = None
+        self.history = History()
+        self._stop_reason: str | None = None
+        self._preempted = False
+        self._last_saved: int | None = None
+
+    # --- state ---------------------------------------------------------------------------
+    def _plan(self, example_batch: Any):
+        if self.plan is None:
+            self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
+                                   rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
+                                   rng_streams=self.config.rng_streams)
+        return self.plan
+
+    def init(self, example_batch: Any) -> TrainState:
+        """Builds a fresh sharded state from an example (host) batch."""
+        self.state = self._plan(example_batch).build()
+        return self.state
+
+    def restore(self, example_batch: Any, step: int | None = None) -> dict:
+        """Loads checkpoint ``step`` (the latest by default) into ``self.state``, resharded
+        for this trainer's strategy and mesh; returns the checkpoint's metadata."""
+        if self.checkpointer is None:
+            raise ValueError("This trainer has no checkpoint_dir to restore from.")
+        plan = self._plan(example_batch)
+        arrays, metadata = self.checkpointer.restore(plan.abstract_arrays(), step)
+        self.state = TrainState(model=self.model, tx=self.optimizer, **arrays)
+        return metadata
+
+    def request_stop(self, reason: str) -> None:
+        """Ends training after the current step (used by callbacks such as EarlyStopping)."""
+        self._stop_reason = reason
+
+    # --- fit -------------------------------------------------------------------------------
+    def _resolve_max_steps(self, source) -> int:
+        cfg = self.config
+        if cfg.max_steps is not None:
+            return cfg.max_steps
+        epochs = cfg.epochs or 1
+        if source.steps_per_epoch is None:
+            raise ValueError("The training data has no len(); pass max_steps=... (or data with a length).")
+        return epochs * source.steps_per_epoch
+
+    def fit(self, train_data: Any, eval_data: Any = None, *, resume: bool = False) -> FitResult:
+        """Trains until ``max_steps`` / ``epochs``, evaluating and checkpointing on the way.
+
+        Args:
+            train_data: arrays (``(x, y)`` or a dict; needs ``batch_size``) or an iterable of
+                batches (re-iterated each epoch; a function returning one also works).
+            eval_data: the same kinds; evaluated every ``eval_every`` steps and at the end.
+            resume: continue from the newest checkpoint in ``checkpoint_dir`` (same data
+                order and rngs: the result equals an uninterrupted run).
+
+        Returns:
+            :class:`FitResult` ``(state, history, stop_reason)``.
+        """
+        cfg = self.config
+        source = as_data(train_data, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, drop_remainder=True)
+        if source.dropped_per_epoch:
+            log.warning("Each epoch drops the last %d examples, which do not fill a batch of %d.",
+                        source.dropped_per_epoch, cfg.batch_size)
+        first = next(iter(source.iter_from(0)), None)
+        if first is None:
+            raise ValueError("The training data yields no batches.")
+        self.max_steps = self._resolve_max_steps(source)
+        self.start_step = self._start(first, resume)
+        self._stop_reason, self._preempted = None, False
+        try:
+            stop_reason = self._loop(source, eval_data)
+        finally:
+            for callback in self.callbacks:
+                if hasattr(callback, "on_fit_end"):
+                    callback.on_fit_end(self)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        if stop_reason == "preempted" and cfg.on_preemption == "exit":
+            log.warning("Preempted (SIGTERM): saved step %s, exiting.", self._last_saved)
+            raise SystemExit(0)
+        return FitResult(self.state, self.history, stop_reason)
+
+    def _start(self, example_batch: Any, resume: bool) -> int:
+        existing = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        if resume and existing is not None:
+            metadata = self.restore(example_batch, existing)
+            log.info("Resumed from step %d in %s.", existing, self.checkpointer.directory)
+            return int(metadata["position"])
+        if existing is not None:
+            raise ValueError(
+                f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints (newest: step "
+                f"{existing}); pass fit(..., resume=True) to continue, or choose another directory."
+            )
+        self.init(example_batch)
+        return 0
+
+    def _loop(self, source, eval_data) -> str:
+        cfg = self.config
+        previous_handler = self._install_sigterm()
+        for callback in self.callbacks:
+            if hasattr(callback, "on_fit_start"):
+                callback.on_fit_start(self)
+        step, pending, reason, evaluated_at = self.start_step, None, "max_steps", None
+        batches = source.iter_from(self.start_step)
+        try:
+            while step < self.max_steps:
+                batch = next(batches, None)
+                if batch is None:
+                    reason = "data exhausted"
+                    break
+                epoch = step // source.steps_per_epoch if source.steps_per_epoch else None
+                self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
+                step += 1
+                if pending is not None:
+                    self._finish(*pending)  # step t-1, read after step t was dispatched
+                pending = (step, epoch, metrics)
+                evaluate = eval_data is not None and cfg.eval_every is not None and step % cfg.eval_every == 0
+                save = self.checkpointer is not None and self.checkpointer.due(step)
+                if evaluate or save or self._preempted or self._stop_reason or step == self.max_steps:
+                    eval_metrics = self.evaluate(eval_data) if evaluate else None
+                    evaluated_at = step if evaluate else evaluated_at
+                    self._finish(*pending, eval_metrics=eval_metrics)
+                    pending = None
+                    if save or self._preempted:
+                        self._save(step)
+                if self._stop_reason:
+                    reason = self._stop_reason
+                    break
+                if self._preempted:
+                    reason = "preempted"
+                    break
+            if pending is not None:
+                self._finish(*pending)
+            if eval_data is not None and evaluated_at != step and reason != "preempted":
+                eval_metrics = self.evaluate(eval_data)
+                self.history.eval[-1]["final"] = True
+                log.info("final eval at step %d: %s", step, eval_metrics)
+            if self.checkpointer is not None and reason != "preempted":
+                self._save(step)
+        finally:
+            self._restore_sigterm(previous_handler)
+        return reason
+
+    def _finish(self, step: int, epoch: int | None, metrics: Any, eval_metrics: dict | None = None) -> None:
+        """Reads one step's metrics, guards against NaN, runs the callbacks."""
+        fetched = jax.device_get(metrics)
+        host = {"loss": float(fetched["loss"]), **{k: float(v) for k, v in fetched.items() if k != "loss"}}
+        if not math.isfinite(host["loss"]):
+            if self.config.on_nonfinite == "stop":
+                self._raise_nonfinite(step, f"the loss is {host['loss']}")
+            log.warning("Step %d: the loss is %s; the update was skipped.", step, host["loss"])
+        self.history.train.append({"step": step, **host})
+        info = StepInfo(step=step, epoch=epoch, metrics=host, eval_metrics=eval_metrics, max_steps=self.max_steps,
+                        trainer=self)
+        for callback in self.callbacks:
+            if due(callback, info):
+                callback.on_step(info)
+
+    def _raise_nonfinite(self, step: int, what: str):
+        last = self._last_saved if self._last_saved is not None else (
+            self.checkpointer.latest_step() if self.checkpointer else None)
+        where = (f" The last good checkpoint, step {last} in {self.checkpointer.directory}, is kept." if last is not None
+                 else "")
+        raise NonFiniteLossError(
+            f"Training stopped at step {step}: {what}.{where} Lower the learning rate, check the data, or "
+            "pass on_nonfinite='skip' to skip such updates."
+        )
+
+    def _save(self, step: int) -> None:
+        if self._last_saved == step:
+            return
+        if not bool(_all_finite(self.state)):
+            self._raise_nonfinite(step, "the state holds NaN or Inf values, so it was not saved")
+        self.checkpointer.save(self.state, {
+            "position": step,
+            "strategy": self.strategy.describe(),
+            "mesh": {name: int(size) for name, size in self.mesh.shape.items()},
+            "config": _jsonable(dataclasses.asdict(self.config)),
+        })
+        self._last_saved = step
+
+    # --- evaluation -----------------------------------------------------------------------
+    def evaluate(self, eval_data: Any, state: TrainState | None = None) -> dict[str, float]:
+        """Exact metric means over a whole eval set, the last partial batch included.
+
+        Full batches are split over the data axes; a last batch the data axes do not
+        divide is given whole to every device.
+        """
+        state = self.state if state is None else state
+        if state is None:
+            raise ValueError("No state yet: call fit(...) or init(example_batch) first.")
+        cfg = self.config
+        source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0,
+                         drop_remainder=False)
+        shards = self.strategy.data_shards(self.mesh)
+        totals = None
+        for batch in source.epoch():
+            size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+            if size % shards == 0:
+                sums = self.eval_step(state, to_global(batch, self.batch_sharding))
+            else:
+                sums = self.eval_step_any_size(state, to_global(batch, self.replicated))
+            totals = sums if totals is None else metric_lib.add_sums(totals, sums)
+        if totals is None:
+            raise ValueError("The eval data yields no batches.")
+        means = {name: float(value) for name, value in metric_lib.means(jax.device_get(totals)).items()}
+        self.history.eval.append({"step": int(jax.device_get(state.step)), **means})
+        return means
+
+    # --- preemption -------------------------------------------------------------------------
+    def _install_sigterm(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            self._preempted = True
+
+        return signal.signal(signal.SIGTERM, handler)
+
+    def _restore_sigterm(self, previous) -> None:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)

@@ -1,0 +1,53 @@
+"""A training run in its own process, for the preemption and resume tests.
+
+usage: train_run.py CKPT_DIR OUT.npz MAX_STEPS [--resume] [--sigkill-at N] [--sigterm-at N]
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import logging  # noqa: E402
+import signal  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import parallax as px  # noqa: E402
+from tests.models import TinyLM, lm_loss  # noqa: E402
+
+
+class Interrupt:
+    every = 1
+
+    def __init__(self, at, signum):
+        self.at, self.signum = at, signum
+
+    def on_step(self, info):
+        if info.step == self.at:
+            info.trainer.checkpointer.wait()
+            os.kill(os.getpid(), self.signum)
+
+
+def main(argv):
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
+    ckpt, out, max_steps = argv[0], argv[1], int(argv[2])
+    callbacks = []
+    for flag, signum in (("--sigkill-at", signal.SIGKILL), ("--sigterm-at", signal.SIGTERM)):
+        if flag in argv:
+            callbacks.append(Interrupt(int(argv[argv.index(flag) + 1]), signum))
+    tokens = np.random.default_rng(0).integers(0, 64, (80, 9)).astype(np.int32)
+    trainer = px.Trainer(TinyLM(dropout_rate=0.1), optax.adamw(3e-3), lm_loss, strategy=px.FSDP(min_weight_size=256),
+                         max_steps=max_steps, batch_size=16, checkpoint_dir=ckpt, checkpoint_every=3,
+                         callbacks=callbacks, progress=False)
+    state = trainer.fit({"x": tokens}, resume="--resume" in argv).state
+    flat = jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
+    np.savez(out, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

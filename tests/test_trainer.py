@@ -1,0 +1,210 @@
+"""Trainer.fit: resume, resharding, preemption, NaN guard, checkpoints, exact evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+import parallax as px
+from parallax.checkpoint import CheckpointError
+from tests.models import MLP, classifier_loss
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_run.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(*args, expect=0):
+    proc = subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def load(path):
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    run_script(tmp_path / "straight", tmp_path / "straight.npz", 10)
+    run_script(tmp_path / "broken", tmp_path / "unused.npz", 10, "--sigkill-at", 7, expect=-signal.SIGKILL)
+    assert sorted(os.listdir(tmp_path / "broken"))[-1] == "6"
+    resumed = run_script(tmp_path / "broken", tmp_path / "resumed.npz", 10, "--resume")
+    assert "Resumed from step 6" in resumed.stderr
+    straight, again = load(tmp_path / "straight.npz"), load(tmp_path / "resumed.npz")
+    assert straight.keys() == again.keys()
+    for name in straight:
+        np.testing.assert_array_equal(again[name], straight[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
+    proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, "--sigterm-at", 5)
+    # The signal lands while step 6 is in flight (step 5's metrics are read after step 6 is
+    # dispatched): step 6 is finished and saved, nothing after it runs.
+    assert sorted(int(s) for s in os.listdir(tmp_path / "ckpt")) == [3, 6]
+    assert "Preempted (SIGTERM): saved step 6, exiting." in proc.stderr
+    assert not (tmp_path / "out.npz").exists()  # exited before the end of fit
+
+
+def data(n=96, seed=0, nan_at=None):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 24)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    if nan_at is not None:
+        x[nan_at] = np.nan
+    return {"x": x, "y": y}
+
+
+def make_trainer(strategy=None, **options):
+    options.setdefault("progress", False)
+    options.setdefault("batch_size", 16)
+    return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=strategy or px.FSDP(min_weight_size=0),
+                      **options)
+
+
+def test_checkpoint_from_fsdp8_restores_under_dp_and_fsdp4(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = make_trainer(max_steps=6, checkpoint_dir=ckpt, checkpoint_every=3, shuffle=False)
+    saved = jax.device_get(first.fit(data()).state)
+    for strategy, devices in ((px.DataParallel(), None), (px.FSDP(min_weight_size=0), jax.devices()[:4])):
+        trainer = make_trainer(strategy, devices=devices, max_steps=9, checkpoint_dir=ckpt, shuffle=False)
+        trainer.restore(data()["x"][:16] if False else {k: v[:16] for k, v in data().items()})
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.state.params), saved.params)
+        kernel = trainer.state.params["up"]["kernel"]
+        assert kernel.sharding.mesh.size == (8 if devices is None else 4)
+        assert kernel.sharding.spec == strategy.param_specs(saved.params, trainer.mesh)["up"]["kernel"]
+        result = trainer.fit(data(), resume=True)
+        assert int(result.state.step) == 9 and result.history.train[0]["step"] == 7
+        ckpt_other = str(tmp_path / f"copy_{id(strategy)}")
+        os.rename(ckpt + "/9", ckpt_other)  # leave step 6 newest for the next strategy
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    trainer = make_trainer(max_steps=6, checkpoint_dir=ckpt, checkpoint_every=2, shuffle=False)
+    with pytest.raises(px.NonFiniteLossError, match=r"step 5: the loss is nan.*step 4 .* is kept"):
+        trainer.fit(data(nan_at=4 * 16 + 3))  # a NaN example in the 5th batch
+    trainer.checkpointer.wait()
+    assert sorted(int(s) for s in os.listdir(ckpt) if s.isdigit()) == [2, 4]
+    restored = make_trainer(max_steps=6, checkpoint_dir=ckpt)
+    restored.restore({k: v[:16] for k, v in data().items()})
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state.params))
+
+
+def test_nan_loss_can_skip_the_update():
+    trainer = make_trainer(max_steps=6, shuffle=False, on_nonfinite="skip")
+    result = trainer.fit(data(nan_at=4 * 16 + 3))
+    assert [h["skipped"] for h in result.history.train] == [0, 0, 0, 0, 1, 0]
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
+    assert int(result.state.step) == 6
+
+
+def test_mismatched_checkpoint_is_a_clear_error_and_is_not_deleted(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    make_trainer(max_steps=2, checkpoint_dir=ckpt).fit(data())
+    before = sorted(os.listdir(ckpt))
+    other = px.Trainer(MLP(hidden=32), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0),
+                       max_steps=4, batch_size=16, checkpoint_dir=ckpt, progress=False)
+    with pytest.raises(CheckpointError, match=r"(?s)different model.*params/up/kernel is float32\(24, 64\) in the checkpoint, "
+                                              r"float32\(24, 32\) here.*Nothing was deleted"):
+        other.fit(data(), resume=True)
+    assert sorted(os.listdir(ckpt)) == before
+
+
+def test_corrupted_checkpoint_is_a_clear_error_and_is_not_deleted(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    make_trainer(max_steps=2, checkpoint_dir=str(ckpt)).fit(data())
+    for root, _, files in os.walk(ckpt / "2"):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as stream:
+                stream.write(b"\x00garbage")
+    before = sorted(str(p) for p in ckpt.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"(?s)step 2 .* cannot be (read|restored).*left in place"):
+        make_trainer(max_steps=4, checkpoint_dir=str(ckpt)).fit(data(), resume=True)
+    assert sorted(str(p) for p in ckpt.rglob("*")) == before
+
+
+def test_existing_checkpoints_need_resume(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    make_trainer(max_steps=2, checkpoint_dir=ckpt).fit(data())
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(newest: step 2\).*resume=True"):
+        make_trainer(max_steps=4, checkpoint_dir=ckpt).fit(data())
+
+
+@pytest.mark.parametrize("strategy", [px.DataParallel(), px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=0))],
+                         ids=["dp", "dp+fsdp"])
+def test_evaluate_equals_one_device_over_the_whole_set_including_a_partial_batch(strategy):
+    trainer = make_trainer(strategy, max_steps=3, eval_batch_size=16)
+    trainer.fit(data())
+    eval_set = data(n=53, seed=1)  # 3 full batches of 16 and a last one of 5
+    metrics = trainer.evaluate(eval_set)
+    variables = jax.device_get(trainer.state.variables)
+    logits = np.asarray(MLP().apply(variables, eval_set["x"]))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, eval_set["y"])
+    np.testing.assert_allclose(metrics["loss"], float(np.mean(losses)), rtol=1e-6)
+    np.testing.assert_allclose(metrics["accuracy"], float((logits.argmax(-1) == eval_set["y"]).mean()), rtol=1e-6)
+
+
+def test_configdict_and_keywords(tmp_path):
+    config = ml_collections.ConfigDict({"max_steps": 4, "batch_size": 16, "progress": False, "seed": 3})
+    trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy=px.DataParallel(), config=config,
+                         max_steps=5)
+    assert trainer.config.max_steps == 5 and trainer.config.seed == 3
+    assert len(trainer.fit(data()).history.train) == 5
+    with pytest.raises(ValueError, match=r"Unknown Trainer option\(s\) \['max_step'\]"):
+        px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, max_step=5)
+
+
+def test_epochs_callbacks_and_logs(tmp_path):
+    seen = []
+
+    class Record:
+        every = 2
+
+        def on_step(self, info):
+            seen.append((info.step, info.epoch, sorted(info.metrics)))
+
+    schedule = optax.linear_schedule(1e-2, 0.0, 12)
+    log_path = tmp_path / "log.jsonl"
+    trainer = px.Trainer(MLP(), optax.adam(schedule), classifier_loss, strategy=px.FSDP(min_weight_size=0),
+                         epochs=2, batch_size=16, eval_every=4, progress=False,
+                         callbacks=[px.LearningRateLogger(schedule), Record(), px.JSONLogger(log_path, every=3),
+                                    px.TensorBoardLogger(tmp_path / "tb", every=3)])
+    result = trainer.fit(data(), eval_data=data(n=40, seed=2))
+    assert int(result.state.step) == 12  # 96 examples / 16 = 6 steps per epoch
+    assert [s for s, _, _ in seen] == [2, 4, 6, 8, 10, 12]
+    assert [e for _, e, _ in seen] == [0, 0, 0, 1, 1, 1]
+    assert seen[0][2] == ["accuracy", "learning_rate", "loss"]
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3, 4, 6, 8, 9, 12]  # every 3, and every evaluation
+    assert "eval" in lines[1] and lines[0]["train"]["learning_rate"] == pytest.approx(float(schedule(2)))
+    assert any(name.startswith("events") for name in os.listdir(tmp_path / "tb"))
+    assert [h["step"] for h in result.history.eval] == [4, 8, 12]
+
+
+def test_early_stopping():
+    trainer = px.Trainer(MLP(), optax.sgd(0.0), classifier_loss, strategy=px.DataParallel(), max_steps=50,
+                         batch_size=16, eval_every=2, progress=False,
+                         callbacks=[px.EarlyStopping(monitor="loss", patience=2)])
+    result = trainer.fit(data(), eval_data=data(n=32, seed=3))
+    assert result.stop_reason.startswith("early stopping") and int(result.state.step) == 6
+
+
+def test_iterable_data_and_progress_output(capsys):
+    batches = [{k: v[i:i + 16] for k, v in data().items()} for i in range(0, 96, 16)]
+    trainer = px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0), epochs=2)
+    result = trainer.fit(batches)
+    assert int(result.state.step) == 12
+    err = capsys.readouterr().err
+    assert "step 12/12" in err and "it/s" in err and "loss=" in err
