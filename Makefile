@@ -19,5 +19,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -x -q -m "not slow"
 
+demo: $(STAMP)
+	$(PY) examples/image_classifier.py --devices 8 --strategy fsdp
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from flax import errors as flax_errors
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import metrics as metric_lib
@@ -92,8 +93,12 @@ def state_specs_of(state: TrainState) -> tuple[Mesh, Any]:
 
 
 def _apply_loss(state: TrainState, params: Any, model_state: dict, batch: Any, rngs: dict, loss_fn: LossFn,
-                bn_axes: tuple[str, ...] | None, precision: Precision, remat: Sequence[type | str]):
-    """Runs ``loss_fn`` on the bound model; returns ``(loss, (sums, new_model_state))``."""
+                bn_axes: tuple[str, ...] | None, precision: Precision, remat: Sequence[type | str], train: bool):
+    """Runs ``loss_fn`` on the bound model; returns ``(loss, (sums, new_model_state))``.
+
+    In evaluation (``train=False``) no collection is mutable: BatchNorm must use its
+    running averages, as a model called with ``train=False`` does.
+    """
     method = call_model(state.model, batch, loss_fn)
     if precision.casts:
         params = cast_floating(params, precision.compute_dtype)
@@ -101,9 +106,17 @@ def _apply_loss(state: TrainState, params: Any, model_state: dict, batch: Any, r
         inner = method
         method = lambda module, b: inner(Float32Outputs(module), b)  # noqa: E731
     with batch_stats_over(bn_axes), remat_modules(remat):
-        output, updates = state.model.apply(
-            {"params": params, **model_state}, batch, method=method, rngs=rngs, mutable=list(model_state)
-        )
+        try:
+            output, updates = state.model.apply(
+                {"params": params, **model_state}, batch, method=method, rngs=rngs,
+                mutable=list(model_state) if train else [],
+            )
+        except flax_errors.ModifyScopeVariableError as err:
+            raise ValueError(
+                "The evaluation loss function tries to update the model's state (e.g. BatchNorm "
+                "statistics in training mode); pass eval_loss_fn that calls the model with "
+                f"train=False. ({err})"
+            ) from None
     loss, metrics = metric_lib.split_loss_output(output)
     num_examples = _leading_dims(batch)[0][1]
     sums = metric_lib.to_sums(loss, metrics, num_examples)
@@ -247,7 +260,7 @@ class _Step:
 
         def loss(params, model_state, batch, key, state):
             return _apply_loss(state, params, model_state, batch, model_rngs(key, self.rng_streams), self.loss_fn, None,
-                               self.precision, self.remat)
+                               self.precision, self.remat, self.train)
 
         def gradients(state: TrainState, batch, key):
             if not self.train:
@@ -295,7 +308,7 @@ class _Step:
             def loss(p, m, b, k, boxed):
                 variables = box_for_gather(p, param_specs, fsdp_axes) if boxed else p
                 return _apply_loss(state, variables, m, b, model_rngs(k, self.rng_streams), self.loss_fn, bn_axes,
-                                   self.precision, self.remat)
+                                   self.precision, self.remat, train)
 
             if not train:
                 return reduce_sums(loss(params, model_state, batch, key, True)[1][0])

@@ -325,7 +325,7 @@ class Trainer:
             if eval_data is not None and evaluated_at != step and reason != "preempted":
                 eval_metrics = self.evaluate(eval_data)
                 self.history.eval[-1]["final"] = True
-                log.info("final eval at step %d: %s", step, eval_metrics)
+                log.debug("final eval at step %d: %s", step, eval_metrics)
             if self.checkpointer is not None and reason != "preempted":
                 self._save(step)
         finally:
