@@ -36,13 +36,14 @@ _ROW_NAMES = "o|out|proj|o_proj|out_proj|down|down_proj|fc2|wo|c_proj|w2|dense_4
 _EMBED_NAMES = "embed|embedding|embeddings|wte|tok_embeddings|embed_tokens|token_embedder|word_embeddings"
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    (rf"(^|/)({_COLUMN_NAMES})/(kernel|bias)$", "column"),
-    (rf"(^|/)({_ROW_NAMES})/(kernel|bias)$", "row"),
-    (rf"(^|/)({_EMBED_NAMES})/embedding$", "vocab"),
+    (rf"(^|/)({_COLUMN_NAMES})(_\d+)?/(kernel|bias)$", "column"),
+    (rf"(^|/)({_ROW_NAMES})(_\d+)?/(kernel|bias)$", "row"),
+    (rf"(^|/)({_EMBED_NAMES})(_\d+)?/embedding$", "vocab"),
 )
 """Megatron-style rules for common layer names (flax ``(in, out)`` kernel layout).
 
-Each rule matches a whole path component, so ``out`` does not also match ``output``.
+Each rule matches a whole path component (optionally numbered: ``up_0``, ``wi_1``), so
+``out`` does not also match ``output``.
 """
 
 

@@ -188,7 +188,8 @@ class _Step:
         for target in self.remat:
             if not isinstance(target, (str, type)):
                 raise ValueError(f"remat takes module classes or class names, got {target!r}.")
-        self._cache: dict = {}
+        self._cache: dict = {}  # one jitted function per state layout
+        self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
 
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles."""
@@ -206,15 +207,24 @@ class _Step:
         return self._jitted(state, batch).lower(state, batch)
 
     def _jitted(self, state: TrainState, batch: Any):
+        # Fast path for the loop: the same state layout and batch shapes as a previous call.
+        leaves, treedef = jax.tree.flatten(state)
+        batch_leaves, batch_treedef = jax.tree.flatten(batch)
+        fast_key = (treedef, tuple(getattr(x, "sharding", None) for x in leaves),
+                    batch_treedef, tuple(getattr(x, "shape", None) for x in batch_leaves))
+        found = self._fast.get(fast_key)
+        if found is not None:
+            return found
         mesh, specs = state_specs_of(state)
         self.strategy.check_mesh(mesh)
         if self.replicated_batch:
             _leading_dims(batch)
         else:
             check_batch(batch, self.strategy, mesh, self.grad_accum if self.train else 1)
-        key = (jax.tree.structure(state), tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
+        key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
             self._cache[key] = self._build(mesh, specs)
+        self._fast[fast_key] = self._cache[key]
         return self._cache[key]
 
     # --- building ------------------------------------------------------------------------

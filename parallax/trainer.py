@@ -62,6 +62,10 @@ class TrainerConfig:
             ``"return"`` from ``fit``.
         progress: show a progress bar.
         log_every: refresh the progress bar every this many steps.
+        fetch_every: read metrics back from the device at least every this many steps
+            (they are also read whenever a callback or checkpoint needs them). A NaN
+            loss is noticed at that read; a checkpoint is only written after its step's
+            loss and state were checked.
     """
 
     max_steps: int | None = None
@@ -84,9 +88,14 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     on_preemption: str = "exit"
     progress: bool = True
-    log_every: int = 1
+    log_every: int = 10
+    fetch_every: int = 32
 
     def __post_init__(self):
+        for name in ("log_every", "fetch_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}; use a positive integer.")
         for name in ("max_steps", "epochs", "eval_every", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -291,7 +300,8 @@ class Trainer:
         for callback in self.callbacks:
             if hasattr(callback, "on_fit_start"):
                 callback.on_fit_start(self)
-        step, pending, reason, evaluated_at = self.start_step, None, "max_steps", None
+        step, reason, evaluated_at = self.start_step, "max_steps", None
+        pending: list[tuple] = []  # (step, epoch, device metrics) not yet read from the device
         batches = source.iter_from(self.start_step)
         try:
             while step < self.max_steps:
@@ -302,50 +312,60 @@ class Trainer:
                 epoch = step // source.steps_per_epoch if source.steps_per_epoch else None
                 self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
                 step += 1
-                if pending is not None:
-                    self._finish(*pending)  # step t-1, read after step t was dispatched
-                pending = (step, epoch, metrics)
+                pending.append((step, epoch, metrics))
                 evaluate = eval_data is not None and cfg.eval_every is not None and step % cfg.eval_every == 0
                 save = self.checkpointer is not None and self.checkpointer.due(step)
                 if evaluate or save or self._preempted or self._stop_reason or step == self.max_steps:
                     eval_metrics = self.evaluate(eval_data) if evaluate else None
                     evaluated_at = step if evaluate else evaluated_at
-                    self._finish(*pending, eval_metrics=eval_metrics)
-                    pending = None
+                    self._flush(pending, eval_metrics)
                     if save or self._preempted:
                         self._save(step)
+                elif self._wanted(pending[:-1]):
+                    # Read the older steps only: this step is still running on the device.
+                    self._flush(pending[:-1])
+                    del pending[:-1]
                 if self._stop_reason:
                     reason = self._stop_reason
                     break
                 if self._preempted:
                     reason = "preempted"
                     break
-            if pending is not None:
-                self._finish(*pending)
+            self._flush(pending)
             if eval_data is not None and evaluated_at != step and reason != "preempted":
-                eval_metrics = self.evaluate(eval_data)
+                self.evaluate(eval_data)
                 self.history.eval[-1]["final"] = True
-                log.debug("final eval at step %d: %s", step, eval_metrics)
             if self.checkpointer is not None and reason != "preempted":
                 self._save(step)
         finally:
             self._restore_sigterm(previous_handler)
         return reason
 
-    def _finish(self, step: int, epoch: int | None, metrics: Any, eval_metrics: dict | None = None) -> None:
-        """Reads one step's metrics, guards against NaN, runs the callbacks."""
-        fetched = jax.device_get(metrics)
-        host = {"loss": float(fetched["loss"]), **{k: float(v) for k, v in fetched.items() if k != "loss"}}
-        if not math.isfinite(host["loss"]):
-            if self.config.on_nonfinite == "stop":
-                self._raise_nonfinite(step, f"the loss is {host['loss']}")
-            log.warning("Step %d: the loss is %s; the update was skipped.", step, host["loss"])
-        self.history.train.append({"step": step, **host})
-        info = StepInfo(step=step, epoch=epoch, metrics=host, eval_metrics=eval_metrics, max_steps=self.max_steps,
-                        trainer=self)
-        for callback in self.callbacks:
-            if due(callback, info):
-                callback.on_step(info)
+    def _wanted(self, pending: list[tuple]) -> bool:
+        """Whether some read-back step is due for a callback, or enough have piled up."""
+        if len(pending) >= self.config.fetch_every:
+            return True
+        return any(step % (getattr(cb, "every", 1) or 1) == 0 for step, _, _ in pending for cb in self.callbacks)
+
+    def _flush(self, pending: list[tuple], eval_metrics: dict | None = None) -> None:
+        """Reads the pending steps' metrics in one transfer; NaN guard; history; callbacks."""
+        if not pending:
+            return
+        fetched = jax.device_get([metrics for _, _, metrics in pending])
+        for index, ((step, epoch, _), values) in enumerate(zip(pending, fetched)):
+            host = {"loss": float(values["loss"]), **{k: float(v) for k, v in values.items() if k != "loss"}}
+            if not math.isfinite(host["loss"]):
+                if self.config.on_nonfinite == "stop":
+                    self._raise_nonfinite(step, f"the loss is {host['loss']}")
+                log.warning("Step %d: the loss is %s; the update was skipped.", step, host["loss"])
+            self.history.train.append({"step": step, **host})
+            last = index == len(pending) - 1
+            info = StepInfo(step=step, epoch=epoch, metrics=host, eval_metrics=eval_metrics if last else None,
+                            max_steps=self.max_steps, trainer=self)
+            for callback in self.callbacks:
+                if due(callback, info):
+                    callback.on_step(info)
+        pending.clear()
 
     def _raise_nonfinite(self, step: int, what: str):
         last = self._last_saved if self._last_saved is not None else (

@@ -47,6 +47,9 @@ TP4 = {"tensor": 4}
         ("block/mlp/up/bias", (128,), P("tensor")),
         ("block/mlp/down/kernel", (128, 32), P("tensor")),
         ("h_0/mlp/c_fc/kernel", (32, 128), P(None, "tensor")),
+        ("mlp/up_1/kernel", (32, 128), P(None, "tensor")),  # numbered names
+        ("mlp/down_12/kernel", (128, 32), P("tensor")),
+        ("mlp/upper/kernel", (32, 128), P()),  # but not other words
         ("h_0/mlp/c_proj/kernel", (128, 32), P("tensor")),
         ("layers.0.self_attn/q_proj/kernel", (32, 32), P(None, "tensor")),  # dots in names
         ("layers.0.self_attn/k_proj/kernel", (32, 2, 16), P()),  # 2 grouped KV heads, 4 shards

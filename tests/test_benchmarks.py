@@ -1,0 +1,33 @@
+"""The benchmark runner still runs: tiny models, one step per strategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_benchmark_runner_smoke(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--models", "mlp,lm,cnn",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {(r["model"], r["strategy"]) for r in report["results"]}
+    assert rows == {(m, s) for m in ("mlp", "lm", "cnn") for s in ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp")}
+    for row in report["results"]:
+        assert row["step_ms"][row["best"]] > 0 and row["state_bytes_per_device"] > 0
+        # Per-device state: each strategy stores what its spec says, no extra copies.
+        assert row["state_ratio_to_ideal"] == pytest.approx(1.0, abs=0.01)
+        if row["model"] == "mlp" and row["strategy"] in ("dp", "fsdp"):
+            assert row["collective_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert (tmp_path / "smoke.md").read_text().startswith("# parallax benchmarks")
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert report["extras"]["grad_accum"]["k=4"]["collectives"]["reduce-scatter"] == \
+        report["extras"]["grad_accum"]["k=1"]["collectives"]["reduce-scatter"]
