@@ -198,6 +198,8 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
             "collective_bytes": moved, "handwritten_collective_bytes": row["base"].collective_total(),
             "theoretical_collective_bytes": minimum, "theoretical_how": how,
             "collective_ratio": (moved / minimum) if minimum else None,
+            "collective_ratio_by_config": {c.label: (c.collective_total() / minimum if minimum else None)
+                                           for c in row["ours"] + [row["base"]]},
             "compile_s": {c.label: c.compile_s for c in row["ours"] + [row["base"]]},
         })
     return results

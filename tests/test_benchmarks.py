@@ -26,7 +26,8 @@ def test_benchmark_runner_smoke(tmp_path):
         # Per-device state: each strategy stores what its spec says, no extra copies.
         assert row["state_ratio_to_ideal"] == pytest.approx(1.0, abs=0.01)
         if row["model"] == "mlp" and row["strategy"] in ("dp", "fsdp"):
-            assert row["collective_ratio"] == pytest.approx(1.0, abs=0.05)
+            # The explicit recipe moves exactly the minimum (the compiler's plan may move less).
+            assert row["collective_ratio_by_config"]["parallax/shard_map"] == pytest.approx(1.0, abs=0.05)
     assert (tmp_path / "smoke.md").read_text().startswith("# parallax benchmarks")
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert report["extras"]["grad_accum"]["k=4"]["collectives"]["reduce-scatter"] == \
