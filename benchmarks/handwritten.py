@@ -17,7 +17,7 @@ calls ``step(state, batch)``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -39,13 +39,9 @@ def _apply_loss(model, loss_fn, variables, batch, mutable):
     return model.apply(variables, batch, method=method), {}
 
 
-def single_device(model, tx, loss_fn, batch, rng=0):
-    device = jax.devices()[0]
-    variables = jax.device_put(model.init(jax.random.PRNGKey(rng), batch, method=lambda m, x: loss_fn(m, x)), device)
-    params, others = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    state = (params, others, tx.init(params))
+def _plain_step(model, tx, loss_fn):
+    """value_and_grad and an optax update on whatever arrays it is given."""
 
-    @jax.jit
     def step(state, batch):
         params, others, opt_state = state
 
@@ -56,7 +52,16 @@ def single_device(model, tx, loss_fn, batch, rng=0):
         upd, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, upd), {**others, **updates}, opt_state), value
 
-    return step, state, jax.device_put(batch, device)
+    return step
+
+
+def single_device(model, tx, loss_fn, batch, rng=0):
+    device = jax.devices()[0]
+    variables = jax.device_put(model.init(jax.random.PRNGKey(rng), batch, method=lambda m, x: loss_fn(m, x)), device)
+    params, others = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    state = (params, others, tx.init(params))
+
+    return jax.jit(_plain_step(model, tx, loss_fn)), state, jax.device_put(batch, device)
 
 
 def data_parallel(model, tx, loss_fn, batch, mesh: Mesh, axis: str = "data", rng=0):
@@ -187,18 +192,6 @@ def gspmd(model, tx, loss_fn, batch, mesh: Mesh, param_specs: Any, batch_spec: P
     state = (params, others, opt_state)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
-    def step(state, batch):
-        params, others, opt_state = state
-
-        def loss(p):
-            return _apply_loss(model, loss_fn, {"params": p, **others}, batch, list(others))
-
-        (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        upd, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, upd), {**others, **updates}, opt_state), value
-
-    jitted = jax.jit(step, out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
+    jitted = jax.jit(_plain_step(model, tx, loss_fn), out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
     return jitted, state, jax.device_put(batch, NamedSharding(mesh, batch_spec))
 
-
-Baseline = Callable[..., tuple]

@@ -17,7 +17,6 @@ import os
 import time
 
 import flax.linen as nn
-import jax.numpy as jnp
 import optax
 from absl import app, flags, logging
 from ml_collections import config_flags

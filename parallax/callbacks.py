@@ -2,8 +2,9 @@
 
 A callback is any object with an ``every`` attribute and an ``on_step(info)`` method;
 ``on_fit_start(trainer)`` and ``on_fit_end(trainer)`` are optional. Metrics reach
-callbacks one step late: step t's metrics are read from the device only after step t+1
-has been dispatched, so logging never stalls the accelerator.
+callbacks late, never early: step t's metrics are read from the device only after step
+t+1 has been dispatched (in batches, see ``TrainerConfig.fetch_every``), so logging
+never stalls the accelerator.
 
 Example:
     >>> class PrintLoss:

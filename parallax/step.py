@@ -18,7 +18,6 @@ whole gradient, not one shard.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import jax

@@ -312,6 +312,10 @@ class Trainer:
                 epoch = step // source.steps_per_epoch if source.steps_per_epoch else None
                 self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
                 step += 1
+                if pending:
+                    # Step t is queued; wait for step t-1 so that at most two steps are in
+                    # flight (no transfer: the values are read in batches below).
+                    jax.block_until_ready(pending[-1][2])
                 pending.append((step, epoch, metrics))
                 evaluate = eval_data is not None and cfg.eval_every is not None and step % cfg.eval_every == 0
                 save = self.checkpointer is not None and self.checkpointer.due(step)
