@@ -178,16 +178,16 @@ def fsdp(model, tx, loss_fn, batch, mesh: Mesh, axis: str = "fsdp", min_weight_s
     return step, state, batch
 
 
-def gspmd(model, tx, loss_fn, batch, mesh: Mesh, param_specs: Any, batch_spec: P, rng=0):
+def gspmd(model, tx, loss_fn, batch, mesh: Mesh, param_specs: Any, opt_specs: Any, batch_spec: P, rng=0):
+    """``jax.jit`` with ``NamedSharding`` s: params and optimizer state laid out by the given specs."""
     variables = model.init(jax.random.PRNGKey(rng), batch, method=lambda m, x: loss_fn(m, x))
     params, others = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs,
-                                   is_leaf=lambda x: isinstance(x, P))
-    params = jax.device_put(params, param_shardings)
-    opt_state = jax.jit(tx.init)(params)  # moments follow their params' shardings
-    replicated = NamedSharding(mesh, P())
-    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-                             opt_state)
+
+    def shardings(specs):
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    params = jax.device_put(params, shardings(param_specs))
+    opt_state = jax.jit(tx.init, out_shardings=shardings(opt_specs))(params)
     others = jax.device_put(others, NamedSharding(mesh, P()))
     state = (params, others, opt_state)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)

@@ -154,7 +154,8 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
             step = px.make_train_step(loss_fn, strategy, compile=mode)
             fresh = px.init_state(model, tx, batch, strategy=strategy, loss_fn=loss_fn, mesh=mesh)
             ours.append(Config(f"parallax/{mode}", step, fresh, placed))
-        specs = px.step.state_specs_of(state)[1].params
+        state_specs = px.step.state_specs_of(state)[1]
+        specs = state_specs.params
         if name == "dp":
             base = Config("hand-written", *handwritten.data_parallel(model, tx, loss_fn, batch, mesh))
         elif name == "fsdp":
@@ -162,7 +163,7 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
                                                            min_weight_size=MIN_WEIGHT_SIZE))
         else:
             base = Config("hand-written (jit)", *handwritten.gspmd(model, tx, loss_fn, batch, mesh, specs,
-                                                                   strategy.batch_spec()))
+                                                                   state_specs.opt_state, strategy.batch_spec()))
         configs.extend(ours + [base])
         rows.append({"model": kind, "strategy": name, "describe": strategy.describe(), "ours": ours, "base": base,
                      "state": state, "specs": specs, "sizes": strategy.axis_sizes(mesh), "batch": batch})

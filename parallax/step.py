@@ -2,7 +2,7 @@
 
 Two ways to compile, driven by the same spec tree:
 
-* ``"shard_map"`` (default when the strategy splits the batch): the gradient is computed
+* ``"shard_map"``: the gradient is computed
   inside ``jax.shard_map``, manual over the data/FSDP axes (a tensor axis stays
   automatic). FSDP shards are all-gathered where a layer reads them; their gradient is a
   reduce-scatter. Replicated params get a ``pmean`` over every data axis they are not
@@ -10,6 +10,8 @@ Two ways to compile, driven by the same spec tree:
   back already summed and a ``pmean`` would leave it N times too large.
 * ``"jit"``: the same loss under ``jax.jit`` with shardings; the compiler (GSPMD)
   inserts every collective. Always used for pure tensor parallelism.
+
+``compile="auto"`` chooses between them per strategy (see ``_Step.mode``).
 
 The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
 so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
@@ -191,12 +193,21 @@ class _Step:
         self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
 
     def mode(self) -> str:
-        """``"shard_map"`` or ``"jit"``: how this step compiles."""
-        if self.replicated_batch:
+        """``"shard_map"`` or ``"jit"``: how this step compiles.
+
+        ``"auto"`` picks what measured fastest at equal per-device state in
+        ``benchmarks/`` (8 simulated devices): explicit ``shard_map`` for data
+        parallelism (the compiler's plan transposes gradients around the all-reduce)
+        and for hybrids with a tensor axis; the compiler's plan (``jit``) for FSDP
+        without a tensor axis (it keeps weights in place and moves activations where
+        that is cheaper) and for pure tensor parallelism.
+        """
+        if self.replicated_batch or not self.strategy.data_axes:
             return "jit"
-        if self.compile == "auto" or self.compile == "shard_map":
-            return "shard_map" if self.strategy.data_axes else "jit"
-        return "jit"
+        if self.compile == "auto":
+            has_tensor_axis = len(self.strategy.data_axes) < len(self.strategy.parts)
+            return "jit" if self.strategy.fsdp_axes and not has_tensor_axis else "shard_map"
+        return self.compile
 
     def __call__(self, state: TrainState, batch: Any):
         return self._jitted(state, batch)(state, batch)
@@ -387,7 +398,8 @@ def make_train_step(
             may be a scalar mean, per-example values, or a ``(sum, count)`` pair.
         strategy: the parallelism strategy the state was built with.
         compile: ``"shard_map"`` (explicit collectives), ``"jit"`` (compiler-placed), or
-            ``"auto"`` (``shard_map`` when the batch is split, else ``jit``).
+            ``"auto"``: ``jit`` for FSDP without a tensor axis and for pure tensor
+            parallelism, ``shard_map`` otherwise (what measured fastest, see ``mode()``).
         grad_accum: microbatches per step; the update equals one step on the whole batch.
         batch_stats: ``"global"`` (BatchNorm statistics over the whole batch, as on one
             device) or ``"local"`` (each data shard's own; running stats then averaged).

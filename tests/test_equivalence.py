@@ -67,10 +67,13 @@ def tolerance(model_name, opt_name, state, strategy, diff):
     return max(TOL, 2 * float(np.abs(floor_losses - ref).max()))
 
 
+CASES = [(s, c) for s in STRATEGIES for c in (("jit",) if s == "tp" else ("shard_map", "jit"))]
+
+
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
-def test_matches_single_device(strategy_name, model_name, opt_name):
+@pytest.mark.parametrize("strategy_name, compile_mode", CASES, ids=[f"{s}-{c}" for s, c in CASES])
+def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name):
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
     init_params, ref_losses, ref_params, ref_model_state = reference(model_name, opt_name)
@@ -82,13 +85,13 @@ def test_matches_single_device(strategy_name, model_name, opt_name):
     used = set().union(*(px.specs.dims_axes(list(spec)) for spec in jax.tree.leaves(
         px.step.state_specs_of(state)[1].params, is_leaf=px.specs.is_spec)))
     assert used == {p.axis for p in strategy.parts if not isinstance(p, px.DataParallel)}, used
-    step = px.make_train_step(loss_fn, strategy)
+    step = px.make_train_step(loss_fn, strategy, compile=compile_mode)
     losses = []
     for batch in data:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     diff = float(np.abs(np.array(losses) - ref_losses).max())
-    print(f"{strategy_name}/{model_name}/{opt_name}: max loss diff {diff:.2e}")
+    print(f"{strategy_name}/{compile_mode}/{model_name}/{opt_name}: max loss diff {diff:.2e}")
     start = px.init_state(model_cls(), OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0, loss_fn=loss_fn)
     tol = tolerance(model_name, opt_name, start, strategy, diff)
     assert diff <= tol, f"{strategy.describe()}: loss trajectory differs by {diff:.3g} > {tol:.3g}"
