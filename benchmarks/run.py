@@ -226,7 +226,8 @@ def bench_grad_accum(rounds: int, scale: float) -> dict:
     configs = {}
     for k in (1, 4):
         state = px.init_state(model, tx, batch, strategy=strategy, loss_fn=loss_fn, mesh=mesh)
-        configs[k] = Config(f"k={k}", px.make_train_step(loss_fn, strategy, grad_accum=k), state, placed)
+        step = px.make_train_step(loss_fn, strategy, grad_accum=k, compile="shard_map")
+        configs[k] = Config(f"k={k}", step, state, placed)
     for _ in range(rounds + 1):
         for config in configs.values():
             config.times.append(config.run())
@@ -256,7 +257,7 @@ def bench_trainer_overhead(steps: int) -> dict:
                          shuffle=False, progress=False)
     trainer.fit(data)  # compiles
     fit_times, bare_times = [], []
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         trainer.fit(data)
         fit_times.append(time.perf_counter() - start)
@@ -299,7 +300,7 @@ def markdown(results: list[dict], extras: dict, meta: dict) -> str:
     lines += ["", "Hand-written baselines: DP and FSDP are the `shard_map` notebook recipes "
               "(`benchmarks/handwritten.py`); TP and hybrids are `jax.jit` with `NamedSharding`s.", ""]
     if "grad_accum" in extras:
-        lines += ["## Gradient accumulation under FSDP (MLP, batch 512)", "", "| | step ms | all-gather MB "
+        lines += ["## Gradient accumulation under FSDP (MLP, batch 512, `compile=\"shard_map\"`)", "", "| | step ms | all-gather MB "
                   "| reduce-scatter MB (count) | temp MB |", "| --- | ---: | ---: | ---: | ---: |"]
         for k, v in extras["grad_accum"].items():
             c = v["collectives"]
@@ -351,7 +352,7 @@ def main(args: argparse.Namespace) -> dict:
     if not args.no_extras:
         print("benchmarking gradient accumulation and Trainer overhead ...", flush=True)
         extras["grad_accum"] = bench_grad_accum(args.rounds, args.scale)
-        extras["trainer"] = bench_trainer_overhead(20 if args.smoke else 200)
+        extras["trainer"] = bench_trainer_overhead(20 if args.smoke else 300)
     meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
             "rounds": args.rounds, "scale": args.scale, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     report = {"meta": meta, "results": results, "extras": extras}

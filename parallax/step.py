@@ -174,6 +174,9 @@ class _Step:
             raise ValueError(f"grad_accum={grad_accum!r}; use an integer >= 1.")
         if batch_stats not in BATCH_STATS_MODES:
             raise ValueError(f"batch_stats={batch_stats!r}; use one of {BATCH_STATS_MODES}.")
+        if batch_stats == "local" and compile == "jit":
+            raise ValueError("batch_stats='local' needs compile='shard_map' (or 'auto'): under jit the "
+                             "compiler computes BatchNorm statistics over the global batch.")
         self.loss_fn = loss_fn
         self.strategy = strategy
         self.train = train
@@ -204,6 +207,8 @@ class _Step:
         """
         if self.replicated_batch or not self.strategy.data_axes:
             return "jit"
+        if self.batch_stats == "local":
+            return "shard_map"  # per-shard statistics only exist where shards are explicit
         if self.compile == "auto":
             has_tensor_axis = len(self.strategy.data_axes) < len(self.strategy.parts)
             return "jit" if self.strategy.fsdp_axes and not has_tensor_axis else "shard_map"
@@ -402,7 +407,8 @@ def make_train_step(
             parallelism, ``shard_map`` otherwise (what measured fastest, see ``mode()``).
         grad_accum: microbatches per step; the update equals one step on the whole batch.
         batch_stats: ``"global"`` (BatchNorm statistics over the whole batch, as on one
-            device) or ``"local"`` (each data shard's own; running stats then averaged).
+            device) or ``"local"`` (each data shard's own; running stats then averaged;
+            compiles with ``shard_map``).
         rng_streams: rng names the model draws from (a different stream on each data
             shard, the same on every tensor shard; step ``t`` uses ``fold_in(rng, t)``).
         donate: donate the state's buffers to the step.

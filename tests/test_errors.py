@@ -35,6 +35,11 @@ def fsdp_state():
         (lambda: px.TensorParallel(rules=[("q/(kernel", "column")]), r"does not compile"),
         (lambda: px.make_train_step(classifier_loss, px.FSDP(), grad_accum=0), r"grad_accum=0"),
         (lambda: px.make_train_step(classifier_loss, px.FSDP(), compile="pjit"), r"compile='pjit'"),
+        (lambda: px.make_train_step(classifier_loss, px.FSDP(), batch_stats="local", compile="jit"),
+         r"batch_stats='local' needs compile='shard_map'"),
+        (lambda: px.Trainer(None, optax.sgd(0.1), classifier_loss, max_steps=0), r"max_steps=0"),
+        (lambda: px.Trainer(None, optax.sgd(0.1), classifier_loss, checkpoint_every=5),
+         r"checkpoint_every is set but checkpoint_dir is not"),
     ],
 )
 def test_bad_configuration(make, match):
