@@ -105,7 +105,7 @@ def test_loss_that_is_not_a_scalar(fsdp_state):
         logits = model(batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
-    with pytest.raises(ValueError, match=r"loss of shape \(2,\); it must be a scalar"):
+    with pytest.raises(ValueError, match=r"loss of shape \(\d+,\); it must be a scalar"):
         px.make_train_step(per_example_loss, strategy)(state, batches("mlp", 1)[0])
 
 
