@@ -171,10 +171,12 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
     for _ in range(2):  # warm-up
         for config in configs:
             config.run()
-    for round_index in range(rounds):
-        order = configs[round_index % len(configs):] + configs[:round_index % len(configs)]
-        for config in order:
-            config.times.append(config.run())
+    shuffle = np.random.default_rng(0)
+    for _ in range(rounds):
+        # A fresh random order each round: no configuration always follows the same one
+        # (a heavy predecessor leaves cold caches behind).
+        for index in shuffle.permutation(len(configs)):
+            configs[index].times.append(configs[index].run())
     results = []
     params = single_state[0]
     total_state = bytes_of(single.state[0]) + bytes_of(single.state[2])

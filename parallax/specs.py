@@ -45,7 +45,8 @@ def dims_axes(dims: Sequence[Any]) -> set[str]:
     return used
 
 
-def _entry_size(entry: Any, axis_sizes: Mapping[str, int]) -> int:
+def entry_size(entry: Any, axis_sizes: Mapping[str, int]) -> int:
+    """How many pieces one spec entry (an axis name or a tuple of them) splits a dim into."""
     axes = entry if isinstance(entry, tuple) else (entry,)
     return int(np.prod([axis_sizes[a] for a in axes]))
 
@@ -70,7 +71,7 @@ def annotation_dims(box: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, i
         if not kept:
             continue
         entry = kept if len(kept) > 1 else kept[0]
-        if shape[d] % _entry_size(entry, axis_sizes) == 0:
+        if shape[d] % entry_size(entry, axis_sizes) == 0:
             dims[d] = entry
     return dims
 
@@ -122,7 +123,8 @@ def param_specs(abstract_params: Any, placers: Sequence[Placer], axis_sizes: Map
     return jax.tree_util.tree_map_with_path(spec, abstract_params, is_leaf=is_box)
 
 
-def _params_of(state: Any) -> Any:
+def params_of(state: Any) -> Any:
+    """The params of a train state (a ``params`` attribute or key)."""
     if hasattr(state, "params"):
         return state.params
     if isinstance(state, Mapping) and "params" in state:
@@ -144,7 +146,7 @@ def state_specs(abstract_state: Any, placers: Sequence[Placer], axis_sizes: Mapp
     has the param's shape (Adam's ``mu``/``nu``, momentum, EMA copies, ...) follows that
     param; the rest (step, counts, rng, ``batch_stats``, other collections) is replicated.
     """
-    params = _params_of(abstract_state)
+    params = params_of(abstract_state)
     by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], PartitionSpec]] = {}
     for key_path, leaf in _flatten(params):
         by_suffix[_components(key_path)] = (

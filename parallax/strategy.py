@@ -141,7 +141,7 @@ class Strategy:
             >>> specs = px.FSDP(min_weight_size=0).state_specs(jax.eval_shape(make_state))
         """
         sizes = self.axis_sizes(mesh)
-        self._check_params(spec_lib._params_of(abstract_state), sizes)
+        self._check_params(spec_lib.params_of(abstract_state), sizes)
         return spec_lib.state_specs(abstract_state, self.parts, sizes)
 
     def _check_params(self, abstract_params: Any, sizes: Mapping[str, int]) -> None:
@@ -172,12 +172,7 @@ class Strategy:
             >>> y = wrapped.apply(variables, x)    # same y as model.apply on full params
         """
         fsdp_axes = set(self.fsdp_axes)
-        sizes_holder: dict[str, Any] = {}
-
-        def sizes() -> dict[str, int]:
-            if "sizes" not in sizes_holder:
-                sizes_holder["sizes"] = self.axis_sizes(mesh)
-            return sizes_holder["sizes"]
+        sizes = self.axis_sizes(mesh)
 
         def gather_in(params):
             def to_gather(leaf):
@@ -199,14 +194,12 @@ class Strategy:
                 if spec_lib.is_box(leaf) and not isinstance(leaf, meta.Partitioned):
                     return leaf
                 value = leaf.value if isinstance(leaf, meta.Partitioned) else leaf
-                spec = spec_lib.place_param(
-                    spec_lib.path_str(key_path), value.shape, self.parts, sizes(), box=leaf
-                )
+                spec = spec_lib.place_param(spec_lib.path_str(key_path), value.shape, self.parts, sizes, box=leaf)
                 names = list(spec) + [None] * (value.ndim - len(spec))
                 found = gather_dim(spec, fsdp_axes)
                 if found is not None:
                     dim, axis = found
-                    chunk = value.shape[dim] // sizes()[axis]
+                    chunk = value.shape[dim] // sizes[axis]
                     start = jax.lax.axis_index(axis) * chunk
                     value = jax.lax.dynamic_slice_in_dim(value, start, chunk, axis=dim)
                 return nn.Partitioned(value, tuple(names))
@@ -368,7 +361,7 @@ class TensorParallel(Strategy):
         layout = match[1]
         if isinstance(layout, PartitionSpec):
             for dim, entry in enumerate(list(layout)[: len(shape)]):
-                if entry is not None and dims[dim] is None and shape[dim] % spec_lib._entry_size(entry, axis_sizes) == 0:
+                if entry is not None and dims[dim] is None and shape[dim] % spec_lib.entry_size(entry, axis_sizes) == 0:
                     dims[dim] = entry
             return dims
         size = axis_sizes[self.axis]
