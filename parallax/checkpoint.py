@@ -10,6 +10,7 @@ wants, so a checkpoint written under FSDP on 8 devices restores under DP or on 4
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -25,14 +26,9 @@ class CheckpointError(RuntimeError):
 
 
 def state_arrays(state: Any) -> dict:
-    """The savable part of a :class:`parallax.TrainState`."""
-    return {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "rng": state.rng,
-        "model_state": state.model_state,
-    }
+    """The savable part of a :class:`parallax.TrainState`: its array fields, by name."""
+    return {field.name: getattr(state, field.name) for field in dataclasses.fields(state)
+            if field.metadata.get("pytree_node", True)}
 
 
 def signature(arrays: Any) -> dict[str, list]:
@@ -101,11 +97,11 @@ class Checkpointer:
 
     def save(self, state: Any, metadata: dict) -> None:
         """Starts saving ``state`` (async) under its step, with ``metadata``."""
-        arrays = state_arrays(state)
         step = int(jax.device_get(state.step))
-        record = {**metadata, "step": step, "signature": signature(arrays)}
         if step in self.steps():
             return
+        arrays = state_arrays(state)
+        record = {**metadata, "step": step, "signature": signature(arrays)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                         meta=ocp.args.JsonSave(record)))
 

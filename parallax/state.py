@@ -194,8 +194,3 @@ def init_state(
         model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
         rng_streams=rng_streams,
     ).build()
-
-
-def state_shardings(state: TrainState) -> Any:
-    """The sharding of every leaf of a (concrete) state."""
-    return jax.tree.map(lambda x: x.sharding, state)
