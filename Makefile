@@ -1,20 +1,46 @@
+# Two tested stacks:
+#   make test          Python $(PYTHON) (3.11 here: jax 0.10.2, flax 0.12.8) in .venv
+#   make test-latest   Python >= 3.12 with the newest jax/flax/optax/orbax pip resolves, in .venv-latest
+# Point either at another interpreter with e.g. `make test-latest PYTHON_LATEST=/opt/py3.13/bin/python3`;
+# by default .ci/python-latest finds one (python3.12 on PATH, or pyenv's 3.12/3.13).
 PYTHON ?= python3
+PYTHON_LATEST ?= $(shell .ci/python-latest)
 VENV ?= .venv
+VENV_LATEST ?= .venv-latest
 PY := $(VENV)/bin/python
+PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP := $(VENV)/.installed
+STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup setup-latest test test-latest test-fast demo bench clean
+
+# `parallax` was this distribution's name before 0.2 (now `parallax-flax`): a stale install of it, or
+# the parallax.egg-info its setuptools build left here, would be a second provider of `parallax`.
+define install_venv
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip uninstall --quiet --yes parallax 2>/dev/null || true
+	rm -rf parallax.egg-info
+	$(1)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	touch $(1)/.installed
+endef
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	$(call install_venv,$(VENV),$(PYTHON))
+
+$(STAMP_LATEST): pyproject.toml
+	@test -n "$(PYTHON_LATEST)" || { echo "no Python >= 3.12 found: set PYTHON_LATEST=/path/to/python3.12"; exit 1; }
+	$(call install_venv,$(VENV_LATEST),$(PYTHON_LATEST))
 
 setup: $(STAMP)
 
+setup-latest: $(STAMP_LATEST)
+
 test: $(STAMP)
 	$(PY) -m pytest -x -q
+
+test-latest: $(STAMP_LATEST)
+	$(PY_LATEST) -m pytest -x -q
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -x -q -m "not slow"
@@ -26,4 +52,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) build dist *.egg-info .pytest_cache

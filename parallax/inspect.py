@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from parallax._compat import replica_group_size
+
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -44,18 +46,6 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-
-
-def _group_size(line: str) -> int:
-    listed = _GROUPS_LIST.search(line)
-    if listed:
-        return len(listed.group(1).split(","))
-    iota = _GROUPS_IOTA.search(line)
-    return int(iota.group(2)) if iota else 1
-
-
 def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
     """Counts collectives in compiled HLO text and the bytes each kind moves.
 
@@ -71,7 +61,7 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
         kind = match.group("op")
         moved = _shape_bytes(match.group("result"))
         if kind == "reduce-scatter":
-            moved *= _group_size(line)
+            moved *= replica_group_size(line)
         old = stats[kind]
         stats[kind] = CollectiveStat(old.count + 1, old.bytes + moved)
     return stats

@@ -7,8 +7,9 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
+
+from parallax._compat import auto_mesh
 
 
 def resolve_axis_sizes(axes: Sequence[tuple[str, int]], num_devices: int) -> tuple[tuple[str, int], ...]:
@@ -90,9 +91,4 @@ def build_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | 
     resolved = resolve_axis_sizes(axes, len(devices))
     names = tuple(name for name, _ in resolved)
     shape = tuple(size for _, size in resolved)
-    try:
-        device_grid = mesh_utils.create_device_mesh(shape, devices)
-    except (ValueError, NotImplementedError, AssertionError):
-        # Topologies mesh_utils does not know (e.g. mixed device kinds): keep the given order.
-        device_grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(device_grid, names, axis_types=(AxisType.Auto,) * len(names))
+    return auto_mesh(shape, names, devices)

@@ -29,6 +29,7 @@ from flax import errors as flax_errors
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import metrics as metric_lib
+from parallax._compat import shard_map
 from parallax.batchnorm import batch_stats_over
 from parallax.gather import box_for_gather, gather_dim
 from parallax.precision import Float32Outputs, Precision, cast_floating
@@ -369,13 +370,12 @@ class _Step:
         def gradients(state: TrainState, batch, key):
             batch_spec = jax.tree.map(lambda _: self.strategy.batch_spec(), batch)
             out_specs = PartitionSpec() if not train else (param_specs, PartitionSpec(), state_in)
-            mapped = jax.shard_map(
+            mapped = shard_map(
                 lambda p, m, b, k: local(state, p, m, b, k),
                 mesh=mesh,
                 in_specs=(param_specs, state_in, batch_spec, PartitionSpec()),
                 out_specs=out_specs,
-                axis_names=manual,
-                check_vma=False,
+                manual_axes=manual,
             )
             return mapped(state.params, state.model_state, batch, key)
 

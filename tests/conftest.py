@@ -10,3 +10,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+
+_STACK = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
+
+
+def pytest_sessionstart(session):
+    """Says which stack this run tests, first, whatever the verbosity."""
+    import platform
+    from importlib.metadata import version
+
+    line = f"stack: Python {platform.python_version()}, " + ", ".join(f"{name} {version(name)}" for name in _STACK)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+    else:
+        print(line)

@@ -69,17 +69,28 @@ def initial_state(model_name: str, opt_name: str, strategy: px.Strategy) -> px.T
     return state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
 
 
-def tolerance(model_name, opt_name, strategy, diff):
-    """1e-5, or twice what plain jit on mesh-placed inputs already drifts (the floor)."""
-    if diff <= TOL:
-        return TOL
+def _max_diff(a, b) -> float:
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@functools.lru_cache(maxsize=None)
+def _floor(model_name, opt_name, strategy):
+    """How far plain jit drifts from one device with the same values merely placed on the mesh."""
     state = initial_state(model_name, opt_name, strategy)
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
-    ref = reference(model_name, opt_name)[1]
-    floor_losses, _, _ = run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data,
-                                   place=mesh_placer(state, strategy))
-    return max(TOL, 2 * float(np.abs(floor_losses - ref).max()))
+    _, ref_losses, ref_params, _ = reference(model_name, opt_name)
+    floor_losses, floor_params, _ = run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data,
+                                              place=mesh_placer(state, strategy))
+    return float(np.abs(floor_losses - ref_losses).max()), _max_diff(floor_params, ref_params)
+
+
+def tolerance(model_name, opt_name, strategy, diff, which):
+    """1e-5, or twice what plain jit on mesh-placed inputs already drifts (the floor)."""
+    if diff <= TOL:
+        return TOL
+    losses_floor, params_floor = _floor(model_name, opt_name, strategy)
+    return max(TOL, 2 * (losses_floor if which == "loss" else params_floor))
 
 
 CASES = [(s, c) for s in STRATEGIES for c in (("jit",) if s == "tp" else ("shard_map", "jit"))]
@@ -91,7 +102,7 @@ CASES = [(s, c) for s in STRATEGIES for c in (("jit",) if s == "tp" else ("shard
 def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name):
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
-    _, ref_losses, _, ref_model_state = reference(model_name, opt_name)
+    _, ref_losses, ref_params, ref_model_state = reference(model_name, opt_name)
     strategy = strategy_for(strategy_name, model_name)
 
     state = initial_state(model_name, opt_name, strategy)
@@ -104,9 +115,13 @@ def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     diff = float(np.abs(np.array(losses) - ref_losses).max())
-    print(f"{strategy_name}/{compile_mode}/{model_name}/{opt_name}: max loss diff {diff:.2e}")
-    tol = tolerance(model_name, opt_name, strategy, diff)
+    params_diff = _max_diff(jax.device_get(state.params), ref_params)
+    tol = tolerance(model_name, opt_name, strategy, diff, "loss")
+    params_tol = tolerance(model_name, opt_name, strategy, params_diff, "params")
+    print(f"{strategy_name}/{compile_mode}/{model_name}/{opt_name}: max loss diff {diff:.2e} (bound {tol:.1e}), "
+          f"max final param diff {params_diff:.2e} (bound {params_tol:.1e})")
     assert diff <= tol, f"{strategy.describe()}: loss trajectory differs by {diff:.3g} > {tol:.3g}"
+    assert params_diff <= params_tol, f"{strategy.describe()}: final params differ by {params_diff:.3g} > {params_tol:.3g}"
     # BatchNorm statistics after N steps match one device.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=max(tol, 1e-5) * 10),
                  jax.device_get(state.model_state), ref_model_state)

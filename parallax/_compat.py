@@ -1,0 +1,81 @@
+"""The one place where the two tested JAX stacks differ, and the JAX calls most likely to.
+
+Tested stacks (``make test`` / ``make test-latest``): jax/jaxlib 0.10.2 with flax 0.12.8 on
+Python 3.11, and jax/jaxlib 0.12.x with flax 0.12.12+ on Python 3.12. Everything else in
+parallax calls JAX directly; what changed between minor releases, or is the most likely to
+change next (``shard_map``'s signature, how meshes are built, the text XLA prints for
+collectives), goes through here, so a new release means editing one file.
+
+Known differences:
+
+* The compiled HLO text prints a collective's ``replica_groups`` as an explicit list
+  (``{{0,1},{2,3}}``) or an iota (``[4,2]<=[8]``) on jaxlib 0.10, and, on jaxlib 0.12, for
+  collectives that ``shard_map`` emits, as mesh axes (``mesh['data'=2,'fsdp'=4] {'fsdp'}``).
+  :func:`replica_group_size` reads all three.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<over>[^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+
+
+def replica_group_size(hlo_line: str) -> int:
+    """How many devices take part in each group of the collective on one HLO line.
+
+    Example:
+        >>> replica_group_size("x = all-reduce(y), replica_groups={{0,2},{1,3}}")
+        2
+        >>> replica_group_size("x = all-gather(y), replica_groups=[2,4]<=[8], dimensions={0}")
+        4
+        >>> replica_group_size("x = reduce-scatter(y), replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}")
+        4
+    """
+    listed = _GROUPS_LIST.search(hlo_line)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = _GROUPS_IOTA.search(hlo_line)
+    if iota:
+        return int(iota.group(2))
+    by_mesh = _GROUPS_MESH.search(hlo_line)
+    if by_mesh:
+        sizes = {name: int(size) for name, size in _MESH_AXIS.findall(by_mesh.group("axes"))}
+        size = 1
+        for name in re.findall(r"'([^']+)'", by_mesh.group("over")):
+            size *= sizes[name]
+        return size
+    return 1
+
+
+def auto_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[Any]) -> Mesh:
+    """A mesh of ``devices`` in topology order whose axes are all ``AxisType.Auto``.
+
+    ``jax.make_mesh`` makes Explicit axes since jax 0.7, which break the FSDP recipe, GSPMD
+    matmuls and linen ``Partitioned.unbox()``; this builds the mesh the way both stacks agree on.
+    """
+    try:
+        device_grid = mesh_utils.create_device_mesh(tuple(shape), list(devices))
+    except (ValueError, NotImplementedError, AssertionError):
+        # Topologies mesh_utils does not know (e.g. mixed device kinds): keep the given order.
+        device_grid = np.asarray(list(devices), dtype=object).reshape(tuple(shape))
+    return Mesh(device_grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+def shard_map(fn: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any, manual_axes: set[str]) -> Callable:
+    """``jax.shard_map`` manual over ``manual_axes`` (the others stay automatic).
+
+    ``check_vma=False`` always: with it on, the gradient of a replicated input comes back
+    already summed over the axis, and parallax synchronises gradients itself.
+    """
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual_axes),
+                         check_vma=False)
