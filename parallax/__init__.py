@@ -21,6 +21,9 @@ try:
     from parallax.callbacks import ProgressBar
     from parallax.callbacks import TensorBoardLogger
     from parallax.checkpoint import CheckpointError
+    from parallax.per_example import PerExampleLoss
+    from parallax.per_example import is_per_example_loss
+    from parallax.per_example import per_example_loss
     from parallax.rules import DEFAULT_RULES
     from parallax.state import StatePlan
     from parallax.state import TrainState
@@ -52,7 +55,8 @@ except ImportError as err:  # a file of this package overwritten by another proj
 
 __all__ = [
     "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "DataParallel", "EarlyStopping", "FitResult",
-    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "ProgressBar", "StatePlan", "Strategy",
+    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "ProgressBar", "StatePlan", "Strategy",
     "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig", "callbacks", "combine",
-    "init_state", "inspect", "make_eval_step", "make_train_step", "metrics", "plan_state",
+    "init_state", "inspect", "is_per_example_loss", "make_eval_step", "make_train_step", "metrics",
+    "per_example_loss", "plan_state",
 ]

@@ -99,3 +99,17 @@ def box_for_gather(local_params: Any, specs: Any, axes: set[str]) -> Any:
         return value if found is None else GatherOnUse(value, found[0], found[1])
 
     return jax.tree.map(box, local_params, specs)
+
+
+def gather_all(local_params: Any, specs: Any, axes: set[str]) -> Any:
+    """Every local shard split over one of ``axes``, all-gathered now (reduce-scatter gradient).
+
+    For models that read params other than through ``self.param``, where a
+    :class:`GatherOnUse` box would reach the model's code instead of an array.
+    """
+
+    def gather(value, spec):
+        found = gather_dim(spec, axes)
+        return value if found is None else all_gather_mean_grad(value, found[1], found[0])
+
+    return jax.tree.map(gather, local_params, specs)

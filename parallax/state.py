@@ -13,6 +13,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from parallax._tree import unbox
+from parallax.constraints import constraints_within
 from parallax.specs import is_spec
 from parallax.strategy import Strategy
 
@@ -60,6 +61,32 @@ def as_key(rng: Any) -> jax.Array:
 def model_rngs(key: jax.Array, streams: Sequence[str]) -> dict[str, jax.Array]:
     """One independent key per named rng stream (``"dropout"``, ...)."""
     return {name: jax.random.fold_in(key, index) for index, name in enumerate(streams)}
+
+
+def check_model(model: Any) -> None:
+    """Raises a clear error, before anything compiles, for a model parallax cannot take yet.
+
+    Raises:
+        ValueError: an NNX module (support is coming), a linen module class instead of an
+            instance, or anything that is not a flax linen module.
+    """
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise ValueError(f"model is the class {model.__name__}; pass an instance, e.g. {model.__name__}(...).")
+    from flax import nnx  # only on this error path
+
+    if isinstance(model, nnx.Module) or (isinstance(model, type) and issubclass(model, nnx.Module)):
+        name = model.__name__ if isinstance(model, type) else type(model).__name__
+        raise ValueError(
+            f"model is a Flax NNX module ({name}); parallax takes flax.linen modules today, and NNX "
+            "support (the same strategies and Trainer) is in progress. Meanwhile, wrap it as a linen "
+            f"module: flax.nnx.bridge.to_linen({name}, *constructor_args) (without the rngs argument), "
+            "and pass that to parallax."
+        )
+    raise ValueError(
+        f"model must be a flax.linen.Module instance, got {type(model).__name__} ({model!r:.80})."
+    )
 
 
 def call_model(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Callable:
@@ -121,6 +148,7 @@ def plan_state(
         >>> plan.specs.params["Dense_0"]["kernel"]
         PartitionSpec('fsdp', None)
     """
+    check_model(model)
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
     mesh = strategy.make_mesh() if mesh is None else mesh
@@ -130,7 +158,8 @@ def plan_state(
     def make(key, batch, boxed: bool):
         init_key, stream_key, state_key = jax.random.split(key, 3)
         rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
-        variables = dict(model.init(rngs, batch, method=method))
+        with constraints_within(mesh.axis_names):
+            variables = dict(model.init(rngs, batch, method=method))
         params = variables.pop("params", {})
         plain_params = unbox(params)
         return TrainState(

@@ -11,7 +11,9 @@ Two ways to compile, driven by the same spec tree:
 * ``"jit"``: the same loss under ``jax.jit`` with shardings; the compiler (GSPMD)
   inserts every collective. Always used for pure tensor parallelism.
 
-``compile="auto"`` chooses between them per strategy (see ``_Step.mode``).
+``compile="auto"`` is exact for any loss: ``jit`` unless the loss is marked
+:func:`parallax.per_example_loss`, then whichever path measured faster for the strategy
+(see ``_Step.mode``).
 
 The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
 so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
@@ -20,6 +22,7 @@ whole gradient, not one shard.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,13 +34,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax import metrics as metric_lib
 from parallax._compat import shard_map
 from parallax.batchnorm import batch_stats_over
-from parallax.gather import box_for_gather, gather_dim
+from parallax.constraints import constraints_within
+from parallax.gather import box_for_gather, gather_all, gather_dim
+from parallax.per_example import is_per_example_loss
 from parallax.precision import Float32Outputs, Precision, cast_floating
 from parallax.precision import resolve as resolve_precision
 from parallax.remat import remat_modules
 from parallax.specs import dims_axes, is_spec, without_axes
 from parallax.state import LossFn, TrainState, call_model, model_rngs
 from parallax.strategy import Strategy
+
+log = logging.getLogger("parallax")
 
 COMPILE_MODES = ("auto", "shard_map", "jit")
 BATCH_STATS_MODES = ("global", "local")
@@ -95,11 +102,13 @@ def state_specs_of(state: TrainState) -> tuple[Mesh, Any]:
 
 
 def _apply_loss(state: TrainState, params: Any, model_state: dict, batch: Any, rngs: dict, loss_fn: LossFn,
-                bn_axes: tuple[str, ...] | None, precision: Precision, remat: Sequence[type | str], train: bool):
+                bn_axes: tuple[str, ...] | None, precision: Precision, remat: Sequence[type | str], train: bool,
+                constraint_axes: Sequence[str]):
     """Runs ``loss_fn`` on the bound model; returns ``(loss, (sums, new_model_state))``.
 
     In evaluation (``train=False``) no collection is mutable: BatchNorm must use its
-    running averages, as a model called with ``train=False`` does.
+    running averages, as a model called with ``train=False`` does. The model's own logical
+    sharding constraints may name only ``constraint_axes`` (the mesh's automatic axes).
     """
     method = call_model(state.model, batch, loss_fn)
     if precision.casts:
@@ -107,7 +116,7 @@ def _apply_loss(state: TrainState, params: Any, model_state: dict, batch: Any, r
         batch = cast_floating(batch, precision.compute_dtype)
         inner = method
         method = lambda module, b: inner(Float32Outputs(module), b)  # noqa: E731
-    with batch_stats_over(bn_axes), remat_modules(remat):
+    with batch_stats_over(bn_axes), remat_modules(remat), constraints_within(constraint_axes):
         try:
             output, updates = state.model.apply(
                 {"params": params, **model_state}, batch, method=method, rngs=rngs,
@@ -199,18 +208,21 @@ class _Step:
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles.
 
-        ``"auto"`` picks what measured fastest at equal per-device state in
-        ``benchmarks/`` (8 simulated devices): explicit ``shard_map`` for data
-        parallelism (the compiler's plan transposes gradients around the all-reduce)
-        and for hybrids with a tensor axis; the compiler's plan (``jit``) for FSDP
-        without a tensor axis (it keeps weights in place and moves activations where
-        that is cheaper) and for pure tensor parallelism.
+        ``"auto"`` is exact for any loss: it compiles with ``jit`` (the loss sees the
+        global batch) unless the loss is marked :func:`parallax.per_example_loss`. For a
+        marked loss it picks what measured fastest at equal per-device state in
+        ``benchmarks/`` (8 simulated devices): explicit ``shard_map`` for data parallelism
+        (the compiler's plan transposes gradients around the all-reduce) and for hybrids
+        with a tensor axis; ``jit`` for FSDP without a tensor axis (it keeps weights in
+        place and moves activations where that is cheaper) and for pure tensor parallelism.
         """
         if self.replicated_batch or not self.strategy.data_axes:
             return "jit"
         if self.batch_stats == "local":
             return "shard_map"  # per-shard statistics only exist where shards are explicit
         if self.compile == "auto":
+            if not is_per_example_loss(self.loss_fn):
+                return "jit"  # per-shard losses averaged would change a batch-level loss
             has_tensor_axis = len(self.strategy.data_axes) < len(self.strategy.parts)
             return "jit" if self.strategy.fsdp_axes and not has_tensor_axis else "shard_map"
         return self.compile
@@ -286,7 +298,7 @@ class _Step:
 
         def loss(params, model_state, batch, key, state):
             return _apply_loss(state, params, model_state, batch, model_rngs(key, self.rng_streams), self.loss_fn, None,
-                               self.precision, self.remat, self.train)
+                               self.precision, self.remat, self.train, mesh.axis_names)
 
         def gradients(state: TrainState, batch, key):
             if not self.train:
@@ -309,6 +321,7 @@ class _Step:
         param_specs = jax.tree.map(lambda s: without_axes(s, manual), specs.params, is_leaf=is_spec)
         state_in = jax.tree.map(lambda s: without_axes(s, manual), specs.model_state, is_leaf=is_spec)
         bn_axes = data_axes if self.batch_stats == "global" else None
+        auto_axes = tuple(a for a in mesh.axis_names if a not in manual)
         grad_accum = self.grad_accum
         train = self.train
 
@@ -331,10 +344,23 @@ class _Step:
         def local(state: TrainState, params, model_state, batch, key):
             key = fold_over_data(key)
 
-            def loss(p, m, b, k, boxed):
-                variables = box_for_gather(p, param_specs, fsdp_axes) if boxed else p
+            def apply(variables, m, b, k):
                 return _apply_loss(state, variables, m, b, model_rngs(k, self.rng_streams), self.loss_fn, bn_axes,
-                                   self.precision, self.remat, train)
+                                   self.precision, self.remat, train, auto_axes)
+
+            def loss(p, m, b, k, boxed):
+                if not boxed or not fsdp_axes:
+                    return apply(p, m, b, k)
+                try:  # each FSDP param gathered where its layer reads it (self.param) ...
+                    return apply(box_for_gather(p, param_specs, fsdp_axes), m, b, k)
+                except (AttributeError, TypeError) as err:
+                    if "GatherOnUse" not in str(err):
+                        raise
+                    # ... unless the model reads params another way (self.variables, a tied
+                    # embedding transposed): then all of them are gathered before the model runs.
+                    log.info("The model reads params other than through self.param (%s); FSDP gathers "
+                             "its params before the model runs instead of where each layer reads them.", err)
+                    return apply(gather_all(p, param_specs, fsdp_axes), m, b, k)
 
             if not train:
                 return reduce_sums(loss(params, model_state, batch, key, True)[1][0])
@@ -402,9 +428,12 @@ def make_train_step(
             ``model`` is the bound flax module (call it, or any of its methods). A metric
             may be a scalar mean, per-example values, or a ``(sum, count)`` pair.
         strategy: the parallelism strategy the state was built with.
-        compile: ``"shard_map"`` (explicit collectives), ``"jit"`` (compiler-placed), or
-            ``"auto"``: ``jit`` for FSDP without a tensor axis and for pure tensor
-            parallelism, ``shard_map`` otherwise (what measured fastest, see ``mode()``).
+        compile: ``"auto"`` (default: exact for any loss; the loss sees the global batch
+            unless it is marked :func:`parallax.per_example_loss`, see ``mode()``),
+            ``"jit"`` (compiler-placed collectives, the loss on the global batch) or
+            ``"shard_map"`` (explicit collectives; the loss runs on each data shard and
+            the shards' losses are averaged: per-shard semantics, exact only for a mean
+            of per-example terms).
         grad_accum: microbatches per step; the update equals one step on the whole batch.
         batch_stats: ``"global"`` (BatchNorm statistics over the whole batch, as on one
             device) or ``"local"`` (each data shard's own; running stats then averaged;

@@ -27,7 +27,7 @@ from parallax import metrics as metric_lib
 from parallax.callbacks import ProgressBar, StepInfo, due
 from parallax.checkpoint import Checkpointer
 from parallax.data import as_data, to_global
-from parallax.state import LossFn, TrainState, plan_state
+from parallax.state import LossFn, TrainState, check_model, plan_state
 from parallax.step import make_eval_step, make_train_step
 from parallax.strategy import DataParallel, Strategy
 
@@ -172,6 +172,7 @@ class Trainer:
                  strategy: Strategy | None = None, config: Any = None, eval_loss_fn: LossFn | None = None,
                  callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
         self.config = TrainerConfig.create(config, **options)
+        check_model(model)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.eval_loss_fn = eval_loss_fn or loss_fn
         self.strategy = strategy if strategy is not None else DataParallel()

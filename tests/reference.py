@@ -17,7 +17,7 @@ def plain_step(model, tx, loss_fn):
             out, updates = model.apply(
                 {"params": p, **model_state}, batch, method=lambda m, b: loss_fn(m, b), mutable=list(model_state)
             )
-            return out[0], updates
+            return (out[0] if isinstance(out, tuple) else out), updates
 
         (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(params)
         upd, opt_state = tx.update(grads, opt_state, params)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
@@ -126,3 +127,25 @@ def test_state_not_built_by_parallax():
     host_state = jax.device_get(state)
     with pytest.raises(ValueError, match=r"build the state with px.init_state"):
         px.make_train_step(classifier_loss, strategy)(host_state, batches("mlp", 1)[0])
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(24, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.up(x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda model: px.Trainer(model, optax.sgd(0.1), classifier_loss),
+    lambda model: px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.DataParallel(),
+                                loss_fn=classifier_loss),
+], ids=["Trainer", "init_state"])
+def test_models_parallax_cannot_take_yet_are_named_before_anything_compiles(make):
+    with pytest.raises(ValueError, match=r"Flax NNX module \(NNXModel\).*nnx\.bridge\.to_linen\(NNXModel"):
+        make(NNXModel(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"model is the class MLP; pass an instance, e\.g\. MLP\(\.\.\.\)"):
+        make(MLP)
+    with pytest.raises(ValueError, match=r"model must be a flax\.linen\.Module instance, got function"):
+        make(lambda x: x)
