@@ -1,8 +1,8 @@
 """Third-party Flax models, unchanged, train like one device under every strategy (8 fake devices).
 
 Models: transformers' Flax GPT-2, Llama, BERT, ViT and ResNet (see ``tests/third_party.py``),
-each against a plain one-device optax loop from the same initial variables, with SGD and
-AdamW, default step arguments. The bound is max(1e-5, twice the drift of plain ``jit`` on
+each against a plain one-device optax loop from the same initial variables, with SGD (every strategy) and
+AdamW (the three-axis hybrid), default step arguments. The bound is max(1e-5, twice the drift of plain ``jit`` on
 the same values placed on the mesh), computed here.
 """
 
@@ -65,8 +65,12 @@ def max_diff(a, b) -> float:
     return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+# SGD under every strategy (it shows a wrong gradient scale, which Adam hides); AdamW under the
+# hybrid that uses all three axes. Compiling dominates the cost: this grid keeps the suite short.
+GRID = [(s, "sgd") for s in STRATEGIES] + [("dp+fsdp+tp", "adamw")]
+
+
+@pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_third_party_model_matches_one_device(model_name, strategy_name, opt_name):
     _, loss_fn, kind = MODELS[model_name]
