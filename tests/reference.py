@@ -1,4 +1,9 @@
-"""A plain single-device training loop: the reference every strategy must match."""
+"""A plain single-device training loop: the reference every strategy must match.
+
+Also what every equivalence test shares: the strategy and optimizer grid, the largest
+difference between two trees, and the bound: 1e-5, or twice what plain ``jit`` already drifts
+when the same values are merely placed on the strategy's mesh (the compiler's own floor).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,33 @@ import numpy as np
 import optax
 
 import parallax as px
+
+TOL = 1e-5
+
+
+def _fsdp(size=-1):
+    return px.FSDP(size, min_weight_size=64)
+
+
+STRATEGIES = {
+    "dp": lambda: px.DataParallel(),
+    "fsdp": lambda: _fsdp(),
+    "tp": lambda: px.TensorParallel(),
+    "dp+fsdp": lambda: px.combine(px.DataParallel(2), _fsdp(4)),
+    "fsdp+tp": lambda: px.combine(_fsdp(4), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), _fsdp(2), px.TensorParallel(2)),
+}
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference between two trees of arrays with the same structure."""
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def bound(diff: float, floor) -> float:
+    """``TOL`` when ``diff`` is within it, else ``max(TOL, 2 * floor())`` (computed only then)."""
+    return TOL if diff <= TOL else max(TOL, 2 * floor())
 
 
 def plain_step(model, tx, loss_fn):
@@ -62,3 +94,12 @@ def mesh_placer(state: px.TrainState, strategy: px.Strategy):
         return jax.device_put(tree, replicated)
 
     return place
+
+
+def drift_floor(model, tx, loss_fn, start: px.TrainState, batches, strategy: px.Strategy, ref_losses, ref_params):
+    """How far plain jit drifts from the one-device run with ``start``'s values on the mesh.
+
+    Returns ``(loss floor, final-params floor)``.
+    """
+    losses, params, _ = run_plain(model, tx, loss_fn, start, batches, place=mesh_placer(start, strategy))
+    return float(np.abs(losses - ref_losses).max()), max_diff(params, ref_params)

@@ -6,30 +6,13 @@ import functools
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import parallax as px
 from tests.models import MODELS, batches
-from tests.reference import mesh_placer, run_plain
+from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain
 
 STEPS = 10
-TOL = 1e-5
-
-
-def _fsdp(size=-1):
-    return px.FSDP(size, min_weight_size=64)
-
-
-STRATEGIES = {
-    "dp": lambda: px.DataParallel(),
-    "fsdp": lambda: _fsdp(),
-    "tp": lambda: px.TensorParallel(),
-    "dp+fsdp": lambda: px.combine(px.DataParallel(2), _fsdp(4)),
-    "fsdp+tp": lambda: px.combine(_fsdp(4), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), _fsdp(2), px.TensorParallel(2)),
-}
-OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
 CNN_TP_RULES = ((r"Conv_1/kernel$", "column"), (r"head/kernel$", "row"))
 
 
@@ -69,28 +52,13 @@ def initial_state(model_name: str, opt_name: str, strategy: px.Strategy) -> px.T
     return state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
 
 
-def _max_diff(a, b) -> float:
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 @functools.lru_cache(maxsize=None)
 def _floor(model_name, opt_name, strategy):
     """How far plain jit drifts from one device with the same values merely placed on the mesh."""
-    state = initial_state(model_name, opt_name, strategy)
     model_cls, loss_fn = MODELS[model_name]
-    data = batches(model_name, STEPS)
     _, ref_losses, ref_params, _ = reference(model_name, opt_name)
-    floor_losses, floor_params, _ = run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data,
-                                              place=mesh_placer(state, strategy))
-    return float(np.abs(floor_losses - ref_losses).max()), _max_diff(floor_params, ref_params)
-
-
-def tolerance(model_name, opt_name, strategy, diff, which):
-    """1e-5, or twice what plain jit on mesh-placed inputs already drifts (the floor)."""
-    if diff <= TOL:
-        return TOL
-    losses_floor, params_floor = _floor(model_name, opt_name, strategy)
-    return max(TOL, 2 * (losses_floor if which == "loss" else params_floor))
+    return drift_floor(model_cls(), OPTIMIZERS[opt_name](), loss_fn, initial_state(model_name, opt_name, strategy),
+                       batches(model_name, STEPS), strategy, ref_losses, ref_params)
 
 
 CASES = [(s, c) for s in STRATEGIES for c in (("jit",) if s == "tp" else ("shard_map", "jit"))]
@@ -115,9 +83,9 @@ def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     diff = float(np.abs(np.array(losses) - ref_losses).max())
-    params_diff = _max_diff(jax.device_get(state.params), ref_params)
-    tol = tolerance(model_name, opt_name, strategy, diff, "loss")
-    params_tol = tolerance(model_name, opt_name, strategy, params_diff, "params")
+    params_diff = max_diff(jax.device_get(state.params), ref_params)
+    tol = bound(diff, lambda: _floor(model_name, opt_name, strategy)[0])
+    params_tol = bound(params_diff, lambda: _floor(model_name, opt_name, strategy)[1])
     print(f"{strategy_name}/{compile_mode}/{model_name}/{opt_name}: max loss diff {diff:.2e} (bound {tol:.1e}), "
           f"max final param diff {params_diff:.2e} (bound {params_tol:.1e})")
     assert diff <= tol, f"{strategy.describe()}: loss trajectory differs by {diff:.3g} > {tol:.3g}"

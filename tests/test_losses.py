@@ -21,10 +21,9 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import mesh_placer, run_plain
+from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain
 
 STEPS = 6
-TOL = 1e-5
 
 
 # --- the three losses, each on a small model ---------------------------------------------
@@ -100,21 +99,6 @@ def make_batches(kind: str, steps: int = STEPS, batch_size: int = 16) -> list[di
 CASES = {"masked_lm": (TinyLM, masked_lm_loss), "moe": (MoE, moe_loss), "contrastive": (Tower, contrastive_loss)}
 
 
-def _fsdp(size=-1):
-    return px.FSDP(size, min_weight_size=64)
-
-
-STRATEGIES = {
-    "dp": lambda: px.DataParallel(),
-    "fsdp": lambda: _fsdp(),
-    "tp": lambda: px.TensorParallel(),
-    "dp+fsdp": lambda: px.combine(px.DataParallel(2), _fsdp(4)),
-    "fsdp+tp": lambda: px.combine(_fsdp(4), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), _fsdp(2), px.TensorParallel(2)),
-}
-OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
-
-
 @functools.lru_cache(maxsize=None)
 def reference(case: str, opt_name: str):
     model_cls, loss_fn = CASES[case]
@@ -145,18 +129,13 @@ def train(case: str, opt_name: str, strategy: px.Strategy, **step_options):
     return np.array(losses), jax.device_get(state.params), step
 
 
+@functools.lru_cache(maxsize=None)
 def floor(case: str, opt_name: str, strategy: px.Strategy) -> tuple[float, float]:
     """How far plain jit drifts from one device with the same values placed on the mesh."""
     model_cls, loss_fn = CASES[case]
-    state = initial_state(case, opt_name, strategy)
     _, ref_losses, ref_params = reference(case, opt_name)
-    losses, params, _ = run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, make_batches(case),
-                                  place=mesh_placer(state, strategy))
-    return float(np.abs(losses - ref_losses).max()), max_param_diff(params, ref_params)
-
-
-def max_param_diff(a, b) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return drift_floor(model_cls(), OPTIMIZERS[opt_name](), loss_fn, initial_state(case, opt_name, strategy),
+                       make_batches(case), strategy, ref_losses, ref_params)
 
 
 # SGD on every strategy (it shows a wrong gradient scale; Adam hides it), AdamW on the hybrid.
@@ -171,11 +150,9 @@ def test_batch_level_loss_is_exact_by_default(case, strategy_name, opt_name):
     losses, params, step = train(case, opt_name, strategy)
     assert step.mode() == "jit"  # the loss sees the global batch
     loss_diff = float(np.abs(losses - ref_losses).max())
-    params_diff = max_param_diff(params, ref_params)
-    loss_tol = params_tol = TOL
-    if max(loss_diff, params_diff) > TOL:  # the bound: max(1e-5, twice plain jit's own drift)
-        loss_floor, params_floor = floor(case, opt_name, strategy)
-        loss_tol, params_tol = max(TOL, 2 * loss_floor), max(TOL, 2 * params_floor)
+    params_diff = max_diff(params, ref_params)
+    loss_tol = bound(loss_diff, lambda: floor(case, opt_name, strategy)[0])  # max(1e-5, twice jit's own drift)
+    params_tol = bound(params_diff, lambda: floor(case, opt_name, strategy)[1])
     print(f"{case}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
     assert loss_diff <= loss_tol, (case, strategy_name, losses, ref_losses)

@@ -12,16 +12,14 @@ import functools
 
 import jax
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from tests.reference import mesh_placer, run_plain
+from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, run_plain
 from tests.third_party import MODELS, batches
 
 STEPS = 6
-TOL = 1e-5
 MIN = 256  # FSDP splits params above this many elements (the tiny configs' kernels)
 
 # ResNet has no layer names that say Megatron column/row; until TensorParallel derives the
@@ -38,7 +36,6 @@ STRATEGIES = {
     "dp+fsdp+tp": lambda rules: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN),
                                            px.TensorParallel(2, rules=rules)),
 }
-OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
 
 
 def strategy_for(name: str, model_name: str) -> px.Strategy:
@@ -59,10 +56,6 @@ def reference(model_name: str, opt_name: str):
                           loss_fn=loss_fn, mesh=single.make_mesh(jax.devices()[:1]))
     losses, params, model_state = run_plain(module(model_name), OPTIMIZERS[opt_name](), loss_fn, state, data)
     return jax.device_get(state.params), losses, params, model_state
-
-
-def max_diff(a, b) -> float:
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 # SGD under every strategy (it shows a wrong gradient scale, which Adam hides); AdamW under the
@@ -87,13 +80,11 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
         losses.append(float(metrics["loss"]))
     loss_diff = float(np.abs(np.array(losses) - ref_losses).max())
     params_diff = max_diff(jax.device_get(state.params), ref_params)
-    loss_tol = params_tol = TOL
-    if max(loss_diff, params_diff) > TOL:
-        start = state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
-        floor_losses, floor_params, _ = run_plain(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start, data,
-                                                  place=mesh_placer(start, strategy))
-        loss_tol = max(TOL, 2 * float(np.abs(floor_losses - ref_losses).max()))
-        params_tol = max(TOL, 2 * max_diff(floor_params, ref_params))
+    start = state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
+    floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start, data,
+                                                strategy, ref_losses, ref_params))
+    loss_tol = bound(loss_diff, lambda: floor()[0])
+    params_tol = bound(params_diff, lambda: floor()[1])
     print(f"{model_name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
     assert loss_diff <= loss_tol, (losses, ref_losses.tolist())
