@@ -12,10 +12,11 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from parallax._tree import unbox
+from parallax._tree import is_box, path_str, unbox
 from parallax.constraints import constraints_within
-from parallax.specs import is_spec
-from parallax.strategy import Strategy
+from parallax.specs import annotation_dims, dims_axes, is_spec
+from parallax.strategy import Strategy, TensorParallel
+from parallax.tp_layout import TensorLayout, derive_layout
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -104,6 +105,8 @@ class StatePlan:
 
     Attributes:
         mesh: the device mesh.
+        strategy: the strategy as planned: a ``TensorParallel`` part carries the layout
+            derived from the computation (see :meth:`describe_layout`).
         abstract: the state's shapes and dtypes (params still in their flax boxes).
         specs: a ``PartitionSpec`` per leaf of the (unboxed) state.
         shardings: the matching ``NamedSharding`` tree.
@@ -112,11 +115,26 @@ class StatePlan:
     """
 
     mesh: Mesh
+    strategy: Strategy
     abstract: TrainState
     specs: Any
     shardings: Any
     build: Callable[[], TrainState]
     lower: Callable[[], Any]
+
+    def describe_layout(self) -> str:
+        """What each tensor-parallel axis splits, and why the rest stays whole.
+
+        Example:
+            >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2))
+            >>> print(plan.describe_layout())  # doctest: +SKIP
+            tensor-parallel layout over 'tensor' (size 2): 8 of 8 params split, 100.0% of param elements
+              Dense_0/kernel  (16, 64)  dim 1  column  chain of Dense_0/kernel[1], Dense_1/kernel[0] ...
+        """
+        parts = [p for p in self.strategy.parts if isinstance(p, TensorParallel)]
+        if not parts:
+            return f"{self.strategy.describe()}: no tensor-parallel axis."
+        return "\n".join(p.describe_layout() for p in parts)
 
     def abstract_arrays(self) -> Any:
         """``ShapeDtypeStruct`` s with shardings: a restore target for checkpoints."""
@@ -173,14 +191,66 @@ def plan_state(
         )
 
     abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
+    if strategy.needs_layout:
+        strategy = derive_tensor_layouts(strategy, model, abstract, example_batch, method, mesh, rng_streams)
     specs = strategy.state_specs(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     jitted = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
     return StatePlan(
-        mesh, abstract, specs, shardings,
+        mesh, strategy, abstract, specs, shardings,
         build=lambda: jitted(key, example_batch),
         lower=lambda: jitted.lower(key, example_batch),
     )
+
+
+def derive_tensor_layouts(
+    strategy: Strategy,
+    model: nn.Module,
+    abstract: TrainState,
+    example_batch: Any,
+    method: Callable,
+    mesh: Mesh,
+    rng_streams: Sequence[str],
+) -> Strategy:
+    """``strategy`` with a layout, read from the traced loss, on each ``TensorParallel`` that derives.
+
+    The loss is traced (``jax.make_jaxpr``, nothing runs) on the params' shapes, exactly as
+    a train step calls it; :func:`parallax.tp_layout.derive_layout` reads the trace.
+    """
+    boxed = jax.tree_util.tree_flatten_with_path(abstract.params, is_leaf=is_box)[0]
+    paths = [path_str(key_path) for key_path, _ in boxed]
+    plain_leaves, treedef = jax.tree.flatten(unbox(abstract.params))
+    state_leaves = jax.tree.leaves(abstract.model_state)
+
+    def loss(param_leaves, model_state, batch, key):
+        variables = {"params": jax.tree.unflatten(treedef, param_leaves), **model_state}
+        with constraints_within(mesh.axis_names):
+            return model.apply(variables, batch, rngs=model_rngs(key, rng_streams), method=method, mutable=True)
+
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    closed = jax.make_jaxpr(loss)(plain_leaves, abstract.model_state, example_batch, key)
+    first_batch = len(plain_leaves) + len(state_leaves)
+    batch_invars = range(first_batch, first_batch + len(jax.tree.leaves(example_batch)))
+    sizes = strategy.axis_sizes(mesh)
+    for part in strategy.parts:
+        if not part.needs_layout:
+            continue
+        fixed = {}
+        for path, (_, box) in zip(paths, boxed):
+            shape = tuple(box.value.shape) if is_box(box) else tuple(box.shape)
+            annotated = annotation_dims(box, shape, sizes)
+            dim = next((d for d, entry in enumerate(annotated) if part.axis in dims_axes([entry])), None)
+            if dim is not None:
+                fixed[path] = (dim, "annotation")
+                continue
+            ruled = part.rule_dims(path, shape, [None] * len(shape), sizes)
+            if ruled is not None:
+                fixed[path] = (next((d for d, entry in enumerate(ruled) if entry == part.axis), None), "rule")
+        layout: TensorLayout = derive_layout(
+            closed, paths, axis=part.axis, axis_size=sizes[part.axis], batch_invars=tuple(batch_invars), fixed=fixed,
+        )
+        strategy = strategy.with_part(part, part.with_layout(layout))
+    return strategy
 
 
 def init_state(

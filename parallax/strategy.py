@@ -154,6 +154,18 @@ class Strategy:
             if check is not None:
                 check(paths, sizes)
 
+    # --- derived layouts ----------------------------------------------------------------
+    @property
+    def needs_layout(self) -> bool:
+        """Whether a part (a ``TensorParallel`` that derives) still needs the computation."""
+        return any(part.needs_layout for part in self.parts if part is not self)
+
+    def with_part(self, old: "Strategy", new: "Strategy") -> "Strategy":
+        """This strategy with the part ``old`` replaced by ``new``."""
+        if self.parts == (self,):
+            return new if self is old else self
+        return Combined(tuple(new if part is old else part for part in self.parts))
+
     # --- shard_map -------------------------------------------------------------------
     def wrap(self, module: nn.Module, mesh: Mesh | None = None) -> nn.Module:
         """The same module, wrapped with ``nn.map_variables`` to run inside ``shard_map``.
@@ -292,19 +304,35 @@ class FSDP(Strategy):
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel(Strategy):
-    """Megatron tensor parallelism: weights split column- or row-wise by path rules.
+    """Megatron tensor parallelism, with the layout read from the model's computation.
 
-    The batch is replicated over ``axis``; the compiler (GSPMD) inserts the activation
-    collectives, so the model needs none in its code.
+    With no rules, the layout is derived when the state is planned (``init_state``,
+    ``plan_state``, ``Trainer``): the loss is traced once and each param's dims are
+    followed through the matmuls and convolutions (see :mod:`parallax.tp_layout`). A
+    hidden dim produced by one weight and consumed by the next is split (the first
+    column-wise, the second row-wise), attention by heads, embeddings by vocabulary,
+    whatever the layers are called and however their kernels are stored. Name rules,
+    when given, place the params they match; the rest is still derived (unless
+    ``derive=False``). The batch is replicated over ``axis``; the compiler (GSPMD)
+    inserts the activation collectives, so any layout trains exactly like one device:
+    the derivation is about speed.
 
     Args:
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
-        rules: ``(regex, layout)`` pairs searched in param paths, first match wins
-            (see :mod:`parallax.rules`); ``None`` uses :data:`parallax.rules.DEFAULT_RULES`.
-            A rule you pass that matches no param is an error.
+        rules: ``(regex, layout)`` pairs searched in param paths, first match wins (see
+            :mod:`parallax.rules`). A rule you pass that matches no param is an error.
+        derive: derive the layout of params no rule matches from the computation. With
+            ``derive=False`` and no rules, :data:`parallax.rules.DEFAULT_RULES` (common
+            layer names) are used instead.
+        min_split_fraction: a derived layout that splits less than this fraction of the
+            param elements is an error naming the reason (heads not divisible by the
+            axis size, no matmul chain); ``0`` allows any layout.
+        layout: the derived :class:`parallax.tp_layout.TensorLayout` (set by
+            :meth:`Strategy.with_layout`; not part of the strategy's identity).
 
     Example:
+        >>> tp = px.TensorParallel(2)                       # layout from the computation
         >>> tp = px.TensorParallel(2, rules=[(r"attn/(q|k|v)/kernel$", "column"),
         ...                                   (r"attn/o/kernel$", "row")])
     """
@@ -312,6 +340,9 @@ class TensorParallel(Strategy):
     size: int = -1
     axis: str = "tensor"
     rules: tuple | None = None
+    derive: bool = True
+    min_split_fraction: float = 0.1
+    layout: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = False
     placement_priority = 10
@@ -320,10 +351,58 @@ class TensorParallel(Strategy):
         _check_axis("TensorParallel", self.size, self.axis)
         if self.rules is not None:
             object.__setattr__(self, "rules", tp_rules.validate_rules(self.rules))
+        if not isinstance(self.derive, bool):
+            raise ValueError(f"TensorParallel(derive={self.derive!r}): use True or False.")
+        fraction = self.min_split_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(
+                f"TensorParallel(min_split_fraction={fraction!r}): use a number in [0, 1] (0 allows "
+                "any derived layout)."
+            )
 
     @property
     def active_rules(self) -> tuple:
-        return tp_rules.DEFAULT_RULES if self.rules is None else self.rules
+        """The name rules in force: the user's, or the defaults when nothing is derived."""
+        if self.rules is not None:
+            return self.rules
+        return () if self.derive else tp_rules.DEFAULT_RULES
+
+    @property
+    def needs_layout(self) -> bool:
+        """Whether this part still needs a layout derived from the computation."""
+        return self.derive and self.layout is None
+
+    def with_layout(self, layout: Any) -> "TensorParallel":
+        """This strategy with a derived layout in place.
+
+        Raises:
+            ValueError: the layout splits less than ``min_split_fraction`` of the param
+                elements; the message lists why the largest params were not split.
+        """
+        if layout.split_fraction < self.min_split_fraction:
+            reasons = "\n  ".join(layout.unsplit_reasons())
+            raise ValueError(
+                f"TensorParallel({self.axis}={layout.axis_size}) found a layout for only "
+                f"{100 * layout.split_fraction:.1f}% of the param elements (min_split_fraction="
+                f"{self.min_split_fraction}). The largest params it leaves whole:\n  {reasons}\n"
+                "Use an axis size that divides those dims, name layouts with rules=[(regex, 'column'|"
+                "'row'|...)], or allow it with TensorParallel(min_split_fraction=0)."
+            )
+        return dataclasses.replace(self, layout=layout)
+
+    def describe_layout(self) -> str:
+        """Which params the derived layout splits, along which dim, and why the rest are not.
+
+        Example:
+            >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2))
+            >>> print(plan.strategy.parts[0].describe_layout())  # doctest: +SKIP
+        """
+        if self.layout is None:
+            if not self.derive:
+                return f"TensorParallel({self.axis}): placed by name rules only (derive=False)."
+            return (f"TensorParallel({self.axis}): no layout derived yet; plan the state with "
+                    "px.plan_state(...) and read plan.strategy, or call plan.describe_layout().")
+        return self.layout.describe()
 
     def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int]) -> None:
         """Raises ``ValueError`` for a rule that matches no param, or an unknown axis."""
@@ -335,14 +414,22 @@ class TensorParallel(Strategy):
                         f"Tensor-parallel rule {pattern!r} names axis {sorted(unknown)} but the "
                         f"mesh has axes {sorted(axis_sizes)}; use one of those names."
                     )
+        if self.needs_layout:
+            raise ValueError(
+                f"TensorParallel({self.axis}) derives its layout from the model's computation, which "
+                "param shapes alone do not show. Plan the state with px.plan_state(model, optimizer, "
+                "batch, strategy=...) and use plan.specs (init_state and Trainer do this), or place "
+                "params by names only with TensorParallel(rules=..., derive=False)."
+            )
         matched = {tp_rules.match_rule(path, self.active_rules) for path in paths} - {None}
         matched_indices = {index for index, _ in matched}
         sample = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
         if self.rules is None:
-            if not matched_indices:
+            if not self.derive and not matched_indices:
                 raise ValueError(
                     "TensorParallel's default rules match none of the model's params "
-                    f"({sample}); pass rules=[(regex, 'column'|'row'|...), ...] naming your layers."
+                    f"({sample}); pass rules=[(regex, 'column'|'row'|...), ...] naming your layers, "
+                    "or let it derive the layout from the computation (derive=True, the default)."
                 )
             return
         for index, (pattern, _) in enumerate(self.rules):
@@ -352,12 +439,11 @@ class TensorParallel(Strategy):
                     f"takes all its matches). The param paths are: {sample}."
                 )
 
-    def place(self, path, shape, dims, axis_sizes):
-        if self.axis in spec_lib.dims_axes(dims):
-            return dims  # the model's own annotation already places this axis
+    def rule_dims(self, path, shape, dims, axis_sizes):
+        """``dims`` with the first matching name rule applied; ``None`` if no rule matches."""
         match = tp_rules.match_rule(path, self.active_rules)
         if match is None:
-            return dims
+            return None
         layout = match[1]
         if isinstance(layout, PartitionSpec):
             for dim, entry in enumerate(list(layout)[: len(shape)]):
@@ -369,6 +455,20 @@ class TensorParallel(Strategy):
             if dims[dim] is None and shape[dim] % size == 0:
                 dims[dim] = self.axis
                 break
+        return dims
+
+    def place(self, path, shape, dims, axis_sizes):
+        if self.needs_layout:
+            self.check_params([path], axis_sizes)  # raises: the layout needs the computation
+        if self.axis in spec_lib.dims_axes(dims):
+            return dims  # the model's own annotation already places this axis
+        ruled = self.rule_dims(path, shape, list(dims), axis_sizes)
+        if ruled is not None:
+            return ruled
+        if self.layout is not None:
+            dim = self.layout.dim_of(path)
+            if dim is not None and dim < len(shape) and dims[dim] is None and shape[dim] % axis_sizes[self.axis] == 0:
+                dims[dim] = self.axis
         return dims
 
 

@@ -13,17 +13,10 @@ from tests.models import MODELS, batches
 from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain
 
 STEPS = 10
-CNN_TP_RULES = ((r"Conv_1/kernel$", "column"), (r"head/kernel$", "row"))
 
 
 def strategy_for(name: str, model_name: str) -> px.Strategy:
-    strategy = STRATEGIES[name]()
-    if model_name == "cnn" and "tp" in name:
-        # A CNN has no Megatron names; say which convs to split.
-        parts = [p if not isinstance(p, px.TensorParallel) else px.TensorParallel(p.size, rules=CNN_TP_RULES)
-                 for p in strategy.parts]
-        strategy = px.combine(*parts)
-    return strategy
+    return STRATEGIES[name]()  # TensorParallel() derives each model's layout from its computation
 
 
 @functools.lru_cache(maxsize=None)

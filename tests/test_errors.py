@@ -34,6 +34,8 @@ def fsdp_state():
         (lambda: px.DataParallel(0), r"size=0"),
         (lambda: px.TensorParallel(rules=[("q/kernel", "diagonal")]), r"layout 'diagonal'"),
         (lambda: px.TensorParallel(rules=[("q/(kernel", "column")]), r"does not compile"),
+        (lambda: px.TensorParallel(derive="yes"), r"derive='yes'.*True or False"),
+        (lambda: px.TensorParallel(min_split_fraction=2), r"min_split_fraction=2.*\[0, 1\]"),
         (lambda: px.make_train_step(classifier_loss, px.FSDP(), grad_accum=0), r"grad_accum=0"),
         (lambda: px.make_train_step(classifier_loss, px.FSDP(), compile="pjit"), r"compile='pjit'"),
         (lambda: px.make_train_step(classifier_loss, px.FSDP(), batch_stats="local", compile="jit"),
@@ -61,8 +63,8 @@ def test_rule_that_matches_no_param():
 
 
 def test_default_rules_that_match_nothing():
-    with pytest.raises(ValueError, match=r"default rules match none.*Dense_0/kernel.*rules="):
-        px.TensorParallel().param_specs({"Dense_0": {"kernel": jnp.ones((8, 8))}})
+    with pytest.raises(ValueError, match=r"default rules match none.*Dense_0/kernel.*rules=.*derive=True"):
+        px.TensorParallel(derive=False).param_specs({"Dense_0": {"kernel": jnp.ones((8, 8))}})
 
 
 def test_rule_with_unknown_axis_name():

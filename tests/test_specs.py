@@ -61,11 +61,11 @@ TP4 = {"tensor": 4}
     ],
 )
 def test_tensor_parallel_default_rules(path, shape, expected):
-    assert place_param(path, shape, [px.TensorParallel()], TP4) == expected
+    assert place_param(path, shape, [px.TensorParallel(derive=False)], TP4) == expected
 
 
 def test_fsdp_and_tensor_compose():
-    parts = px.combine(px.FSDP(min_weight_size=0), px.TensorParallel()).parts
+    parts = px.combine(px.FSDP(min_weight_size=0), px.TensorParallel(derive=False)).parts
     sizes = {"fsdp": 2, "tensor": 4}
     assert place_param("mlp/up/kernel", (64, 256), parts, sizes) == P("fsdp", "tensor")
     assert place_param("mlp/down/kernel", (256, 64), parts, sizes) == P("tensor", "fsdp")
@@ -74,14 +74,14 @@ def test_fsdp_and_tensor_compose():
 
 def test_user_rules_and_explicit_specs():
     tp = px.TensorParallel(rules=[(r"linear/weight$", P("tensor", None)),  # PyTorch-style (out, in)
-                                  (r"experts/up/kernel$", P(None, None, "tensor"))])
+                                  (r"experts/up/kernel$", P(None, None, "tensor"))], derive=False)
     assert place_param("block/linear/weight", (128, 32), [tp], TP4) == P("tensor")
     assert place_param("moe/experts/up/kernel", (4, 32, 128), [tp], TP4) == P(None, None, "tensor")
     assert place_param("block/attn/query/kernel", (32, 4, 8), [tp], TP4) == P()  # defaults replaced
 
 
 def test_annotations_are_kept_and_composed():
-    parts = px.combine(px.FSDP(min_weight_size=0), px.TensorParallel()).parts
+    parts = px.combine(px.FSDP(min_weight_size=0), px.TensorParallel(derive=False)).parts
     sizes = {"fsdp": 2, "tensor": 4}
     # The model says "split dim 0 over tensor": kept (rules do not override it); FSDP takes dim 1.
     box = nn.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("tensor", None))

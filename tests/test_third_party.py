@@ -13,7 +13,6 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, run_plain
@@ -22,24 +21,18 @@ from tests.third_party import MODELS, batches
 STEPS = 6
 MIN = 256  # FSDP splits params above this many elements (the tiny configs' kernels)
 
-# ResNet has no layer names that say Megatron column/row; until TensorParallel derives the
-# layout from the computation (issue 10, open), its convolutions are named here.
-# Conv kernels are (h, w, in, out): out-features of the first conv, in-features of the second.
-RESNET_TP_RULES = ((r"layer_0/convolution/kernel$", P(None, None, None, "tensor")),
-                   (r"layer_1/convolution/kernel$", P(None, None, "tensor", None)))
-
+# TensorParallel() has no rules: each model's layout is derived from its computation.
 STRATEGIES = {
-    "dp": lambda rules: px.DataParallel(),
-    "fsdp": lambda rules: px.FSDP(min_weight_size=MIN),
-    "tp": lambda rules: px.TensorParallel(rules=rules),
-    "fsdp+tp": lambda rules: px.combine(px.FSDP(4, min_weight_size=MIN), px.TensorParallel(2, rules=rules)),
-    "dp+fsdp+tp": lambda rules: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN),
-                                           px.TensorParallel(2, rules=rules)),
+    "dp": lambda: px.DataParallel(),
+    "fsdp": lambda: px.FSDP(min_weight_size=MIN),
+    "tp": lambda: px.TensorParallel(),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN), px.TensorParallel(2)),
 }
 
 
 def strategy_for(name: str, model_name: str) -> px.Strategy:
-    return STRATEGIES[name](RESNET_TP_RULES if model_name == "resnet" else None)
+    return STRATEGIES[name]()
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,3 +89,16 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
     for part in strategy.parts:
         if not isinstance(part, px.DataParallel):
             assert any(part.axis in str(spec) for spec in specs), (part.axis, model_name)
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_derived_tensor_layout_splits_most_of_the_model(model_name):
+    """No rules: the layout read from the computation splits the bulk of every model's params."""
+    _, loss_fn, kind = MODELS[model_name]
+    import optax
+
+    plan = px.plan_state(module(model_name), optax.sgd(0.1), batches(kind, 1)[0], loss_fn=loss_fn,
+                         strategy=px.combine(px.DataParallel(4), px.TensorParallel(2)))
+    layout = plan.strategy.parts[1].layout
+    print(plan.describe_layout())
+    assert layout.split_fraction >= 0.5, plan.describe_layout()
