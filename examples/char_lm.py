@@ -4,8 +4,8 @@
     python examples/char_lm.py --devices 8 --strategy tp --text my_book.txt
     python examples/char_lm.py --config examples/configs/char_lm.py --config.model.layers=4
 
-Attention projections are split by heads and the MLP column/row-wise (Megatron), by
-parallax's default rules on the layer names: the model has no parallelism in its code.
+Attention projections are split by heads and the MLP column/row-wise (Megatron), a layout
+parallax reads from the model's computation: the model has no parallelism in its code.
 Prints a generated sample at the end.
 """
 

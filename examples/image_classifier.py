@@ -81,8 +81,7 @@ def load(name: str):
 def main(argv):
     del argv
     config = FLAGS.config
-    strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy,
-                                         tp_rules=[(r"Conv_1/kernel$", "column"), (r"Dense_0/kernel$", "row")])
+    strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy)  # TP: layout read from the model
     train, test = load(config.dataset)
     print(f"parallax: {config.dataset} ({len(train['label'])} train / {len(test['label'])} test) with "
           f"{_setup.describe_run(strategy)}", flush=True)

@@ -19,7 +19,6 @@ import time
 import numpy as np
 import optax
 from absl import app, flags, logging
-from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
 import data
@@ -28,7 +27,6 @@ import parallax as px
 config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "configs", "resnet.py"),
                                 "training config")
 FLAGS = flags.FLAGS
-CONV_RULES = [(r"Conv_\d+/kernel$", P(None, None, None, "tensor"))]
 
 
 def loss_fn(model, batch):
@@ -57,7 +55,7 @@ def main(argv):
     import jax_resnet  # the published model, used as it is
 
     config = FLAGS.config
-    strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy, tp_rules=CONV_RULES)
+    strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy)  # TP: layout read from the convs
     train, test = load(config.dataset, config.train_examples)
     model = getattr(jax_resnet, f"ResNet{config.depth}")(n_classes=10, hidden_sizes=tuple(config.hidden_sizes))
     print(f"parallax: jax_resnet.ResNet{config.depth} on {config.dataset} ({len(train['label'])} train images) "

@@ -79,3 +79,20 @@ def shard_map(fn: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any, manual
     """
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual_axes),
                          check_vma=False)
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's params.
+
+    jax 0.10 names them; jax 0.12 gives the flat tree of the operands instead
+    (``ft_in``: a ``(consts, carry, xs)`` tuple of groups, one entry per leaf).
+    """
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    flat = params["ft_in"]
+    groups = flat.unpack() if hasattr(flat, "unpack") else tuple(flat)
+
+    def leaves(group) -> int:
+        return len(list(group.vals)) if hasattr(group, "vals") else len(group)
+
+    return leaves(groups[0]), leaves(groups[1])

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from parallax._tree import is_box, path_str, unbox
 from parallax.constraints import constraints_within
 from parallax.specs import annotation_dims, dims_axes, is_spec
-from parallax.strategy import Strategy, TensorParallel
-from parallax.tp_layout import TensorLayout, derive_layout
+from parallax.strategy import FSDP, Strategy, TensorParallel
+from parallax.tp_layout import TensorLayout, derive_layout, scanned_dims
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -191,8 +191,7 @@ def plan_state(
         )
 
     abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
-    if strategy.needs_layout:
-        strategy = derive_tensor_layouts(strategy, model, abstract, example_batch, method, mesh, rng_streams)
+    strategy = fit_to_computation(strategy, model, abstract, example_batch, method, mesh, rng_streams)
     specs = strategy.state_specs(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     jitted = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
@@ -203,7 +202,7 @@ def plan_state(
     )
 
 
-def derive_tensor_layouts(
+def fit_to_computation(
     strategy: Strategy,
     model: nn.Module,
     abstract: TrainState,
@@ -212,11 +211,16 @@ def derive_tensor_layouts(
     mesh: Mesh,
     rng_streams: Sequence[str],
 ) -> Strategy:
-    """``strategy`` with a layout, read from the traced loss, on each ``TensorParallel`` that derives.
+    """``strategy`` with what only the computation shows: TP layouts, and the dims scans step over.
 
-    The loss is traced (``jax.make_jaxpr``, nothing runs) on the params' shapes, exactly as
-    a train step calls it; :func:`parallax.tp_layout.derive_layout` reads the trace.
+    The loss is traced once (``jax.make_jaxpr``, nothing runs) on the params' shapes, as a
+    train step calls it. Each ``TensorParallel`` that derives gets a layout from
+    :func:`parallax.tp_layout.derive_layout`; each ``FSDP`` learns which param dims an
+    ``nn.scan`` steps over, so that it splits another one.
     """
+    fsdp_parts = [part for part in strategy.parts if isinstance(part, FSDP)]
+    if not strategy.needs_layout and not fsdp_parts:
+        return strategy
     boxed = jax.tree_util.tree_flatten_with_path(abstract.params, is_leaf=is_box)[0]
     paths = [path_str(key_path) for key_path, _ in boxed]
     plain_leaves, treedef = jax.tree.flatten(unbox(abstract.params))
@@ -231,6 +235,11 @@ def derive_tensor_layouts(
     closed = jax.make_jaxpr(loss)(plain_leaves, abstract.model_state, example_batch, key)
     first_batch = len(plain_leaves) + len(state_leaves)
     batch_invars = range(first_batch, first_batch + len(jax.tree.leaves(example_batch)))
+    if fsdp_parts:
+        scanned = scanned_dims(closed, paths)
+        if scanned:
+            for part in fsdp_parts:
+                strategy = strategy.with_part(part, part.skipping_scanned(scanned))
     sizes = strategy.axis_sizes(mesh)
     for part in strategy.parts:
         if not part.needs_layout:

@@ -271,6 +271,8 @@ class FSDP(Strategy):
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
         min_weight_size: params with at most this many elements stay replicated.
+        scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
+            not part of the strategy's identity).
 
     Example:
         >>> strategy = px.FSDP(min_weight_size=2**14)
@@ -279,6 +281,7 @@ class FSDP(Strategy):
     size: int = -1
     axis: str = "fsdp"
     min_weight_size: int = 2**18
+    scanned: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True
     placement_priority = 20
@@ -291,12 +294,21 @@ class FSDP(Strategy):
                 "(0 splits every param whose dims allow it)."
             )
 
+    def skipping_scanned(self, scanned: Mapping[str, tuple[int, ...]]) -> "FSDP":
+        """This strategy, told which param dims a ``scan`` steps over (never split those).
+
+        Set when the state is planned (the loss is traced): splitting the stacked layer dim
+        of ``nn.scan``'s params would gather the whole stack on every device each step.
+        """
+        return dataclasses.replace(self, scanned=tuple(sorted(scanned.items())))
+
     def place(self, path, shape, dims, axis_sizes):
         size = axis_sizes[self.axis]
         if size == 1 or self.axis in spec_lib.dims_axes(dims) or math.prod(shape) <= self.min_weight_size:
             return dims
+        skip = dict(self.scanned or ()).get(path, ())
         for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
-            if dims[dim] is None and shape[dim] % size == 0:
+            if dims[dim] is None and shape[dim] % size == 0 and dim not in skip:
                 dims[dim] = self.axis
                 break
         return dims

@@ -39,7 +39,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from jax.extend import core
 
-__all__ = ["ParamLayout", "TensorLayout", "derive_layout"]
+from parallax._compat import scan_counts
+
+__all__ = ["ParamLayout", "TensorLayout", "derive_layout", "scanned_dims"]
 
 _REDUCTIONS = {
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
@@ -482,7 +484,7 @@ def _scan(graph: _Graph, eqn: Any, invars: list, outvars: list, weight: int) -> 
     """A scan: consts and carry are tied whole; xs and ys lose their leading (scanned) dim."""
     params = eqn.params
     body = _inner(params["jaxpr"])
-    consts, carry = params["num_consts"], params["num_carry"]
+    consts, carry = scan_counts(params)
     env: dict = {}
     inner_in = [_val(env, v) for v in body.invars]
     _link_in(graph, invars[: consts + carry], inner_in[: consts + carry])
@@ -580,6 +582,43 @@ class _Class:
         return self.param_bytes / self.comm_bytes if self.comm_bytes else math.inf
 
 
+def _build(closed_jaxpr: Any, num_params: int, batch_invars: Sequence[int] = ()) -> tuple[_Graph, list, list]:
+    """The graph of tied dims of a traced loss whose first ``num_params`` invars are the params."""
+    jaxpr = closed_jaxpr.jaxpr
+    graph = _Graph()
+    env: dict = {}
+    invars = [_val(env, v) for v in jaxpr.invars]
+    params = invars[:num_params]
+    for index, var in enumerate(params):
+        graph.add(var)
+        graph.needs_grad.add(id(var))
+        graph.origin[id(var)] = (index, {d: d for d in range(len(_shape(var)))})
+    for index in batch_invars:
+        if _is_var(invars[index]) and _shape(invars[index]):
+            graph.forbid(invars[index], 0, "the batch dim")
+    for var in invars:
+        if _is_var(var):
+            graph.add(var)
+    _walk(graph, jaxpr, env, 1)
+    return graph, params, [_val(env, v) for v in jaxpr.outvars]
+
+
+def scanned_dims(closed_jaxpr: Any, param_paths: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The dims of params that a ``scan`` steps over (``nn.scan``'s stacked layer dim), by path.
+
+    FSDP splits another dim of these params: a scan over a split dim would gather the whole
+    stacked param on every device.
+    """
+    graph, params, _ = _build(closed_jaxpr, len(param_paths))
+    scanned_roots = {graph.find(node) for node, why in graph.forbidden.items() if "scanned" in why}
+    found = {}
+    for path, var in zip(param_paths, params):
+        dims = tuple(d for d in range(len(_shape(var))) if graph.find((id(var), d)) in scanned_roots)
+        if dims:
+            found[path] = dims
+    return found
+
+
 def derive_layout(
     closed_jaxpr: Any,
     param_paths: Sequence[str],
@@ -606,24 +645,7 @@ def derive_layout(
         A :class:`TensorLayout` with one entry per param path.
     """
     fixed = dict(fixed or {})
-    jaxpr = closed_jaxpr.jaxpr
-    graph = _Graph()
-    env: dict = {}
-    invars = [_val(env, v) for v in jaxpr.invars]
-    params = invars[: len(param_paths)]
-    for index, var in enumerate(params):
-        graph.add(var)
-        graph.needs_grad.add(id(var))
-        graph.origin[id(var)] = (index, {d: d for d in range(len(_shape(var)))})
-    for index in batch_invars:
-        if _is_var(invars[index]) and _shape(invars[index]):
-            graph.forbid(invars[index], 0, "the batch dim")
-    for var in invars:
-        if _is_var(var):
-            graph.add(var)
-    _walk(graph, jaxpr, env, 1)
-    outvars = [_val(env, v) for v in jaxpr.outvars]
-
+    graph, params, outvars = _build(closed_jaxpr, len(param_paths), batch_invars)
     classes = _classes(graph, params, axis_size)
     _add_costs(graph, classes, outvars)
     conflicts = _conflicts(graph)

@@ -48,3 +48,19 @@ def test_compiled_fsdp_step_scatters_what_it_gathers():
                    if any(x.sharding.spec))
     assert stats["all-gather"].bytes == gathered
     assert stats["reduce-scatter"].bytes == gathered
+
+
+def test_scan_counts_on_this_stack():
+    import jax.numpy as jnp
+
+    from parallax._compat import scan_counts
+
+    def f(w, x, k):
+        def body(carry, wi):
+            return (carry[0] @ wi * k, carry[1] + 1), carry[0].sum()
+
+        return jax.lax.scan(body, (x, 0.0), w)[0][0].sum()
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 4, 4)), jnp.ones((2, 4)), jnp.ones(()))
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan_counts(scan.params) == (1, 2)  # k closed over; (x, count) carried

@@ -53,20 +53,27 @@ class OutInMLP(nn.Module):
 
 
 class ScanLayer(nn.Module):
+    hidden: int
+
     @nn.compact
     def __call__(self, x, _):
-        h = nn.relu(nn.Dense(32, name="up")(x))
+        h = nn.relu(nn.Dense(self.hidden, name="up")(x))
         return x + nn.Dense(x.shape[-1], name="down")(h), None
 
 
 class ScannedMLP(nn.Module):
-    """Three residual MLP layers under ``nn.scan`` (params stacked on a leading layer dim), remat'd."""
+    """Residual MLP layers under ``nn.scan`` (params stacked on a leading layer dim), remat'd."""
+
+    layers: int = 3
+    features: int = 16
+    hidden: int = 32
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        x = nn.Dense(16, name="embed")(x)
-        layers = nn.scan(nn.remat(ScanLayer), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
-        x, _ = layers(name="layers")(x, None)
+        x = nn.Dense(self.features, name="embed")(x)
+        layers = nn.scan(nn.remat(ScanLayer), variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=self.layers)
+        x, _ = layers(self.hidden, name="layers")(x, None)
         return nn.Dense(10, name="head")(x)
 
 
@@ -131,6 +138,13 @@ def test_scanned_layers_split_a_feature_dim_never_the_layer_dim():
     assert specs["layers/up/kernel"] == P(None, None, "tensor"), specs  # (layers, in, hidden): hidden
     assert specs["layers/down/kernel"] == P(None, "tensor"), specs      # (layers, hidden, out): hidden
     assert "scanned layer dim" not in plan.describe_layout() or specs
+
+
+def test_fsdp_never_splits_the_scanned_layer_dim():
+    # 8 layers of 8x8 kernels: the layer dim is as large as any other and comes first.
+    plan = _plan(ScannedMLP(layers=8, features=8, hidden=8), _data((16, 24))[0], px.FSDP(min_weight_size=0))
+    assert plan.specs.params["layers"]["up"]["kernel"] == P(None, "fsdp")
+    assert plan.specs.params["layers"]["up"]["bias"] == P(None, "fsdp")
 
 
 def test_heads_not_divisible_still_splits_the_mlp_and_says_why():
