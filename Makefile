@@ -9,6 +9,9 @@ VENV ?= .venv
 VENV_LATEST ?= .venv-latest
 PY := $(VENV)/bin/python
 PY_LATEST := $(VENV_LATEST)/bin/python
+# Test files run in parallel, one file per worker (its compiled fixtures stay shared): as many
+# workers as cores, at most 4 (each holds a JAX runtime with 8 simulated devices).
+PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 STAMP := $(VENV)/.installed
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
@@ -37,13 +40,13 @@ setup: $(STAMP)
 setup-latest: $(STAMP_LATEST)
 
 test: $(STAMP)
-	$(PY) -m pytest -x -q
+	$(PY) -m pytest -x -q $(PYTEST_ARGS)
 
 test-latest: $(STAMP_LATEST)
-	$(PY_LATEST) -m pytest -x -q
+	$(PY_LATEST) -m pytest -x -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -x -q -m "not slow"
+	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/image_classifier.py --devices 8 --strategy fsdp

@@ -15,12 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_benchmark_runner_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--models", "mlp,lm,cnn",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--models", "mlp,cnn",
                            "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "smoke.json").read_text())
     rows = {(r["model"], r["strategy"]) for r in report["results"]}
-    assert rows == {(m, s) for m in ("mlp", "lm", "cnn") for s in ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp")}
+    # The LM adds compile time, not coverage of the runner: it is left to `make bench`.
+    assert rows == {(m, s) for m in ("mlp", "cnn") for s in ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp")}
     for row in report["results"]:
         assert row["step_ms"][row["best"]] > 0 and row["state_bytes_per_device"] > 0
         # Per-device state: each strategy stores what its spec says, no extra copies.
@@ -32,3 +33,12 @@ def test_benchmark_runner_smoke(tmp_path):
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert report["extras"]["grad_accum"]["k=4"]["collectives"]["reduce-scatter"] == \
         report["extras"]["grad_accum"]["k=1"]["collectives"]["reduce-scatter"]
+
+
+@pytest.mark.slow
+def test_tp_layout_benchmark_smoke():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tp_layout", "--smoke", "--models", "mlp",
+                           "--strategies", "fsdp+tp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| mlp | fsdp+tp |" in proc.stdout, proc.stdout
