@@ -341,7 +341,7 @@ class TensorParallel(Strategy):
             param elements is an error naming the reason (heads not divisible by the
             axis size, no matmul chain); ``0`` allows any layout.
         layout: the derived :class:`parallax.tp_layout.TensorLayout` (set by
-            :meth:`Strategy.with_layout`; not part of the strategy's identity).
+            :meth:`with_layout` when the state is planned; not part of the strategy's identity).
 
     Example:
         >>> tp = px.TensorParallel(2)                       # layout from the computation

@@ -84,7 +84,7 @@ class OddHeads(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        x = x + nn.SelfAttention(num_heads=self.heads, qkv_features=9, out_features=x.shape[-1], name="attn")(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=9, out_features=x.shape[-1], name="attn")(x)
         x = x + nn.Dense(x.shape[-1], name="down")(nn.relu(nn.Dense(64, name="up")(x)))
         return nn.Dense(10, name="head")(x.mean(axis=1))
 
@@ -160,7 +160,7 @@ def test_too_little_split_is_an_error_naming_the_reason():
     class OnlyOddHeads(nn.Module):
         @nn.compact
         def __call__(self, x, train: bool = True):
-            x = nn.SelfAttention(num_heads=3, qkv_features=9, out_features=9, name="attn")(x)
+            x = nn.MultiHeadDotProductAttention(num_heads=3, qkv_features=9, out_features=9, name="attn")(x)
             return nn.Dense(5, name="head", use_bias=False)(x.mean(axis=1))
 
     def loss_fn(model, batch):
