@@ -58,8 +58,9 @@ class TrainerConfig:
             :func:`parallax.make_train_step`.
         on_nonfinite: ``"stop"`` (raise :class:`NonFiniteLossError` naming the step) or
             ``"skip"`` (skip that update and go on).
-        on_preemption: on SIGTERM, finish the step, save, then ``"exit"`` (status 0) or
-            ``"return"`` from ``fit``.
+        on_preemption: on SIGTERM or a first SIGINT (Ctrl-C), finish the step, save it
+            (whenever the signal arrives), then ``"exit"`` (status 0) or ``"return"`` from
+            ``fit``. A second SIGINT stops at once (``KeyboardInterrupt``).
         progress: show a progress bar.
         log_every: refresh the progress bar every this many steps.
         fetch_every: read metrics back from the device at least every this many steps
@@ -204,7 +205,7 @@ class Trainer:
         self.max_steps: int | None = None
         self.history = History()
         self._stop_reason: str | None = None
-        self._preempted = False
+        self._preempted: str | None = None  # the signal that asked to stop ("SIGTERM", "SIGINT")
         self._last_saved: int | None = None
 
     # --- state ---------------------------------------------------------------------------
@@ -267,7 +268,7 @@ class Trainer:
             raise ValueError("The training data yields no batches.")
         self.max_steps = self._resolve_max_steps(source)
         self.start_step = self._start(first, resume)
-        self._stop_reason, self._preempted = None, False
+        self._stop_reason, self._preempted = None, None
         try:
             stop_reason = self._loop(source, eval_data)
         finally:
@@ -276,9 +277,12 @@ class Trainer:
                     callback.on_fit_end(self)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
-        if stop_reason == "preempted" and cfg.on_preemption == "exit":
-            log.warning("Preempted (SIGTERM): saved step %s, exiting.", self._last_saved)
-            raise SystemExit(0)
+        if stop_reason == "preempted":
+            saved = f"saved step {self._last_saved}" if self._last_saved is not None else "no checkpoint_dir, nothing saved"
+            if cfg.on_preemption == "exit":
+                log.warning("Preempted (%s): %s, exiting.", self._preempted, saved)
+                raise SystemExit(0)
+            log.warning("Preempted (%s): %s, returning.", self._preempted, saved)
         return FitResult(self.state, self.history, stop_reason)
 
     def _start(self, example_batch: Any, resume: bool) -> int:
@@ -337,10 +341,14 @@ class Trainer:
                     reason = "preempted"
                     break
             self._flush(pending)
+            if self._preempted:
+                # The signal may have landed after this step's save check (while metrics were
+                # read): the step it stops at is saved all the same.
+                reason = "preempted"
             if eval_data is not None and evaluated_at != step and reason != "preempted":
                 self.evaluate(eval_data)
                 self.history.eval[-1]["final"] = True
-            if self.checkpointer is not None and reason != "preempted":
+            if self.checkpointer is not None:
                 self._save(step)
         finally:
             self._restore_sigterm(previous_handler)
@@ -425,17 +433,25 @@ class Trainer:
 
     # --- preemption -------------------------------------------------------------------------
     def _install_sigterm(self):
+        """SIGTERM, and a first SIGINT (Ctrl-C): finish the step, save it, stop. A second SIGINT stops at once."""
         if threading.current_thread() is not threading.main_thread():
             return None
 
         def handler(signum, frame):
-            self._preempted = True
+            if signum == signal.SIGINT and self._preempted == "SIGINT":
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt("second SIGINT: stopped at once, without saving")
+            if self._preempted is None:
+                self._preempted = signal.Signals(signum).name
+                if signum == signal.SIGINT:
+                    log.warning("SIGINT: finishing this step and saving it; press Ctrl-C again to stop at once.")
 
-        return signal.signal(signal.SIGTERM, handler)
+        return signal.signal(signal.SIGTERM, handler), signal.signal(signal.SIGINT, handler)
 
     def _restore_sigterm(self, previous) -> None:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
 
 
 def _jsonable(value: Any) -> Any:

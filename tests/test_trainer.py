@@ -57,6 +57,33 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     assert not (tmp_path / "out.npz").exists()  # exited before the end of fit
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_metric_read_still_saves_the_step_it_stops_at(tmp_path, signame):
+    # Step 8 is not a checkpoint step; the signal lands while step 7's metrics are read,
+    # after step 8 was dispatched and its save check passed. Step 8 is saved all the same.
+    flag = "--sigterm-at" if signame == "SIGTERM" else "--sigint-at"
+    proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, flag, 7)
+    assert sorted(int(s) for s in os.listdir(tmp_path / "ckpt")) == [3, 6, 8]
+    assert f"Preempted ({signame}): saved step 8, exiting." in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_signal_with_no_checkpoint_yet_saves_and_returns(tmp_path):
+    proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, "--sigterm-at", 1, "--every", 100, "--return")
+    # Before: the loop stopped at step 2 with nothing on disk at all.
+    assert sorted(int(s) for s in os.listdir(tmp_path / "ckpt")) == [2]
+    assert "Preempted (SIGTERM): saved step 2, returning." in proc.stderr
+    assert (tmp_path / "out.npz").exists()  # fit returned
+
+
+@pytest.mark.slow
+def test_a_second_sigint_stops_at_once(tmp_path):
+    proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, "--sigint-twice-at", 4, expect=-signal.SIGINT)
+    assert "KeyboardInterrupt" in proc.stderr and "second SIGINT" in proc.stderr
+    assert not (tmp_path / "out.npz").exists()
+
+
 def data(n=96, seed=0, nan_at=None):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 24)).astype(np.float32)

@@ -1,6 +1,9 @@
 """A training run in its own process, for the preemption and resume tests.
 
-usage: train_run.py CKPT_DIR OUT.npz MAX_STEPS [--resume] [--sigkill-at N] [--sigterm-at N]
+usage: train_run.py CKPT_DIR OUT.npz MAX_STEPS [--resume] [--sigkill-at N] [--sigterm-at N] [--sigint-at N]
+                    [--sigint-twice-at N] [--every N] [--return]
+
+A signal "at N" is sent while step N's metrics are read (after step N+1 was dispatched).
 """
 
 import os
@@ -24,26 +27,29 @@ from tests.models import TinyLM, lm_loss  # noqa: E402
 class Interrupt:
     every = 1
 
-    def __init__(self, at, signum):
-        self.at, self.signum = at, signum
+    def __init__(self, at, signum, times=1):
+        self.at, self.signum, self.times = at, signum, times
 
     def on_step(self, info):
         if info.step == self.at:
             info.trainer.checkpointer.wait()
-            os.kill(os.getpid(), self.signum)
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
 
 
 def main(argv):
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
     ckpt, out, max_steps = argv[0], argv[1], int(argv[2])
     callbacks = []
-    for flag, signum in (("--sigkill-at", signal.SIGKILL), ("--sigterm-at", signal.SIGTERM)):
+    for flag, signum, times in (("--sigkill-at", signal.SIGKILL, 1), ("--sigterm-at", signal.SIGTERM, 1),
+                                ("--sigint-at", signal.SIGINT, 1), ("--sigint-twice-at", signal.SIGINT, 2)):
         if flag in argv:
-            callbacks.append(Interrupt(int(argv[argv.index(flag) + 1]), signum))
+            callbacks.append(Interrupt(int(argv[argv.index(flag) + 1]), signum, times))
+    every = int(argv[argv.index("--every") + 1]) if "--every" in argv else 3
     tokens = np.random.default_rng(0).integers(0, 64, (80, 9)).astype(np.int32)
     trainer = px.Trainer(TinyLM(dropout_rate=0.1), optax.adamw(3e-3), lm_loss, strategy=px.FSDP(min_weight_size=256),
-                         max_steps=max_steps, batch_size=16, checkpoint_dir=ckpt, checkpoint_every=3,
-                         callbacks=callbacks, progress=False)
+                         max_steps=max_steps, batch_size=16, checkpoint_dir=ckpt, checkpoint_every=every,
+                         callbacks=callbacks, progress=False, on_preemption="return" if "--return" in argv else "exit")
     state = trainer.fit({"x": tokens}, resume="--resume" in argv).state
     flat = jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
     np.savez(out, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
