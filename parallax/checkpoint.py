@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -78,16 +80,57 @@ class Checkpointer:
             raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True),
-        )
+        self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                     create=True)
+        self._manager = None
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """The orbax manager, made (and the directory created) only when first needed."""
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+        return self._manager
+
+    def check_writable(self, nbytes: int) -> None:
+        """Raises ``ValueError`` now, before training, if a checkpoint of ``nbytes`` cannot be written.
+
+        Checks that the directory is not an existing file, that it (or, before it exists, its
+        nearest existing parent) accepts a new file, and that the disk has room for one
+        checkpoint. Leaves nothing behind.
+        """
+        path = self.directory
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"checkpoint_dir {path} is an existing file, not a directory; pass a directory path "
+                "(it is created when the first checkpoint is due)."
+            )
+        existing = path
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ValueError(f"checkpoint_dir {path} cannot be created: {existing} is a file; choose another path.")
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".parallax-write-test-", dir=existing)
+            os.close(handle)
+            os.remove(probe)
+        except OSError as err:
+            raise ValueError(
+                f"checkpoint_dir {path} is not writable ({existing}: {err.strerror}); choose a directory "
+                "this process can write to."
+            ) from None
+        free = shutil.disk_usage(existing).free
+        if free < nbytes:
+            raise ValueError(
+                f"checkpoint_dir {path} has {free / 2**20:.1f} MiB free, but one checkpoint of this train "
+                f"state takes about {nbytes / 2**20:.1f} MiB; free some space or choose another disk."
+            )
 
     def due(self, step: int) -> bool:
         return self.every is not None and step % self.every == 0
 
     def steps(self) -> list[int]:
+        if not os.path.isdir(self.directory):
+            return []
         self.manager.reload()  # another process may have written since
         return list(self.manager.all_steps())
 
@@ -155,8 +198,10 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until background saves have finished."""
-        self.manager.wait_until_finished()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()

@@ -267,6 +267,9 @@ class Trainer:
         if first is None:
             raise ValueError("The training data yields no batches.")
         self.max_steps = self._resolve_max_steps(source)
+        if self.checkpointer is not None:
+            arrays = self._plan(first).abstract_arrays()
+            self.checkpointer.check_writable(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
         self.start_step = self._start(first, resume)
         self._stop_reason, self._preempted = None, None
         try:

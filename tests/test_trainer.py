@@ -235,3 +235,33 @@ def test_iterable_data_and_progress_output(capsys):
     assert int(result.state.step) == 12
     err = capsys.readouterr().err
     assert "step 12/12" in err and "it/s" in err and "loss=" in err
+
+
+@pytest.mark.parametrize("kind", ["file", "unwritable"])
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_step_one(tmp_path, kind):
+    if kind == "file":
+        path = tmp_path / "ckpt"
+        path.write_text("not a directory")
+        expected = r"is an existing file, not a directory"
+    elif os.geteuid() == 0:  # root writes through permission bits: use a filesystem nobody writes to
+        path = "/sys/parallax-test/ckpt"
+        expected = r"/sys/parallax-test/ckpt is not writable \(/sys: Permission denied\)"
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        path = tmp_path / "ro" / "ckpt"
+        expected = r"is not writable"
+    trainer = make_trainer(max_steps=4, checkpoint_dir=str(path))
+    with pytest.raises(ValueError, match=expected):
+        trainer.fit(data())
+    assert trainer.history.train == [] and trainer.state is None  # nothing ran
+
+
+def test_nothing_is_created_on_disk_until_a_checkpoint_is_due(tmp_path):
+    path = tmp_path / "run" / "ckpt"
+    trainer = make_trainer(max_steps=2, checkpoint_dir=str(path))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError):
+        trainer.fit({"x": data()["x"][:8], "y": data()["y"][:8]})  # fewer examples than one batch
+    assert not (tmp_path / "run").exists()
+    trainer.fit(data())
+    assert sorted(os.listdir(path)) == ["2"]
