@@ -27,7 +27,8 @@ from parallax import metrics as metric_lib
 from parallax.callbacks import ProgressBar, StepInfo, due
 from parallax.checkpoint import Checkpointer
 from parallax.data import as_data, to_global
-from parallax.state import LossFn, TrainState, check_model, plan_state
+from parallax._tree import unbox
+from parallax.state import LossFn, TrainState, call_model, check_model, model_rngs, plan_state
 from parallax.step import make_eval_step, make_train_step
 from parallax.strategy import DataParallel, Strategy
 
@@ -267,6 +268,8 @@ class Trainer:
         if first is None:
             raise ValueError("The training data yields no batches.")
         self.max_steps = self._resolve_max_steps(source)
+        if eval_data is not None:
+            self._check_eval_data(eval_data, first)
         if self.checkpointer is not None:
             arrays = self._plan(first).abstract_arrays()
             self.checkpointer.check_writable(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
@@ -328,7 +331,7 @@ class Trainer:
                 evaluate = eval_data is not None and cfg.eval_every is not None and step % cfg.eval_every == 0
                 save = self.checkpointer is not None and self.checkpointer.due(step)
                 if evaluate or save or self._preempted or self._stop_reason or step == self.max_steps:
-                    eval_metrics = self.evaluate(eval_data) if evaluate else None
+                    eval_metrics = self._evaluate_or_save(eval_data, step, pending) if evaluate else None
                     evaluated_at = step if evaluate else evaluated_at
                     self._flush(pending, eval_metrics)
                     if save or self._preempted:
@@ -349,7 +352,7 @@ class Trainer:
                 # read): the step it stops at is saved all the same.
                 reason = "preempted"
             if eval_data is not None and evaluated_at != step and reason != "preempted":
-                self.evaluate(eval_data)
+                self._evaluate_or_save(eval_data, step, pending)
                 self.history.eval[-1]["final"] = True
             if self.checkpointer is not None:
                 self._save(step)
@@ -407,6 +410,45 @@ class Trainer:
         self._last_saved = step
 
     # --- evaluation -----------------------------------------------------------------------
+    def _check_eval_data(self, eval_data: Any, example_batch: Any) -> None:
+        """Runs ``eval_loss_fn`` on the first eval batch abstractly (shapes only) before step 1."""
+        cfg = self.config
+        source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0,
+                         drop_remainder=False)
+        batch = next(iter(source.epoch()), None)
+        if batch is None:
+            raise ValueError("eval_data yields no batches; pass at least one example, or no eval_data.")
+        abstract = self._plan(example_batch).abstract
+        method = call_model(self.model, batch, self.eval_loss_fn)
+
+        def run(params, model_state, batch, key):
+            return self.model.apply({"params": params, **model_state}, batch, method=method, mutable=True,
+                                    rngs=model_rngs(key, cfg.rng_streams))
+
+        try:
+            jax.eval_shape(run, unbox(abstract.params), abstract.model_state, batch, abstract.rng)
+        except Exception as err:  # whatever flax/jax raise, it is the eval data against this model
+            shapes = {path: f"{leaf.dtype}{tuple(np.shape(leaf))}" for path, leaf in
+                      zip((jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(batch)[0]),
+                          jax.tree.leaves(batch))}
+            raise ValueError(
+                f"eval_data does not fit the model: its first batch {shapes} fails in the eval loss with "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Checked before training; "
+                "give eval_data the training data's feature shapes and dtypes."
+            ) from err
+
+    def _evaluate_or_save(self, eval_data: Any, step: int, pending: list) -> dict[str, float]:
+        """Evaluates; if evaluation fails, the state of ``step`` is checkpointed before the error propagates."""
+        try:
+            return self.evaluate(eval_data)
+        except Exception:
+            if self.checkpointer is not None:
+                log.error("Evaluation at step %d failed; saving step %d before the error propagates.", step, step)
+                self._flush(pending)
+                self._save(step)
+                self.checkpointer.wait()
+            raise
+
     def evaluate(self, eval_data: Any, state: TrainState | None = None) -> dict[str, float]:
         """Exact metric means over a whole eval set, the last partial batch included.
 

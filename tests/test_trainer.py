@@ -265,3 +265,20 @@ def test_nothing_is_created_on_disk_until_a_checkpoint_is_due(tmp_path):
     assert not (tmp_path / "run").exists()
     trainer.fit(data())
     assert sorted(os.listdir(path)) == ["2"]
+
+
+def test_eval_data_that_does_not_fit_the_model_fails_before_step_one(tmp_path):
+    trainer = make_trainer(max_steps=4, eval_every=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    wrong = {"x": data()["x"][:, :20], "y": data()["y"]}  # 20 features, the model was built for 24
+    with pytest.raises(ValueError, match=r"eval_data does not fit the model.*float32\(16, 20\).*before training"):
+        trainer.fit(data(), eval_data=wrong)
+    assert trainer.history.train == [] and not (tmp_path / "ckpt").exists()
+
+
+def test_an_error_during_evaluation_leaves_the_newest_state_checkpointed(tmp_path):
+    good = {k: v[:16] for k, v in data().items()}
+    bad = {"x": data()["x"][:16, :20], "y": data()["y"][:16]}  # only the second eval batch is wrong
+    trainer = make_trainer(max_steps=6, eval_every=3, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=100)
+    with pytest.raises(Exception):
+        trainer.fit(data(), eval_data=[good, bad])
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["3"]  # saved at the failing evaluation's step
