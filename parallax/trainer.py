@@ -208,6 +208,9 @@ class Trainer:
         self._stop_reason: str | None = None
         self._preempted: str | None = None  # the signal that asked to stop ("SIGTERM", "SIGINT")
         self._last_saved: int | None = None
+        self._batch_size: int | None = None  # global batch size of the data being fit
+        self._steps_per_epoch: int | None = None
+        self._data_offset = 0  # data position (in batches) minus step: nonzero after resuming with another batch size
 
     # --- state ---------------------------------------------------------------------------
     def _plan(self, example_batch: Any):
@@ -273,6 +276,9 @@ class Trainer:
         if self.checkpointer is not None:
             arrays = self._plan(first).abstract_arrays()
             self.checkpointer.check_writable(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+        self._batch_size = int(getattr(source, "batch_size", None) or
+                               np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
+        self._steps_per_epoch = source.steps_per_epoch
         self.start_step = self._start(first, resume)
         self._stop_reason, self._preempted = None, None
         try:
@@ -296,14 +302,51 @@ class Trainer:
         if resume and existing is not None:
             metadata = self.restore(example_batch, existing)
             log.info("Resumed from step %d in %s.", existing, self.checkpointer.directory)
-            return int(metadata["position"])
+            self._data_offset = self._data_position(metadata) - existing
+            return existing
         if existing is not None:
             raise ValueError(
                 f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints (newest: step "
                 f"{existing}); pass fit(..., resume=True) to continue, or choose another directory."
             )
         self.init(example_batch)
+        self._data_offset = 0
         return 0
+
+    def _data_position(self, metadata: dict) -> int:
+        """The batch to resume at: the same example as when the checkpoint was written.
+
+        A checkpoint records its position in batches and the batch size. With another batch
+        size, training continues at the same example of the same epoch when the new size
+        divides the examples already seen in it; otherwise it is an error with the options.
+        """
+        position = int(metadata["position"])
+        saved_size = metadata.get("batch_size")
+        if saved_size is None or int(saved_size) == self._batch_size:
+            return position
+        saved_size, new_size = int(saved_size), self._batch_size
+        saved_epoch_steps = metadata.get("steps_per_epoch")
+        epoch, offset = divmod(position, saved_epoch_steps) if saved_epoch_steps else (0, position)
+        seen = offset * saved_size  # examples of this epoch already trained on
+        if seen % new_size:
+            divisors = [d for d in range(1, seen + 1) if seen % d == 0 and d % self.strategy.data_shards(self.mesh) == 0]
+            nearby = sorted(divisors, key=lambda d: abs(d - new_size))[:3]
+            raise ValueError(
+                f"The checkpoint was written with batch_size={saved_size} after {seen} examples of epoch "
+                f"{epoch}; batch_size={new_size} does not divide {seen}, so training cannot continue at the "
+                f"same example. Resume with batch_size={saved_size}, or one that divides {seen} "
+                f"(e.g. {', '.join(map(str, nearby))}), or start a new run in another checkpoint_dir."
+            )
+        if epoch and not self._steps_per_epoch:
+            raise ValueError(
+                f"The checkpoint was written with batch_size={saved_size} in epoch {epoch}; with batch_size="
+                f"{new_size} the epoch length of this data is unknown, so the position cannot be carried "
+                f"over. Resume with batch_size={saved_size}."
+            )
+        new_position = epoch * (self._steps_per_epoch or 0) + seen // new_size
+        log.warning("Resuming with batch_size=%d instead of %d: continuing at example %d of epoch %d (batch %d).",
+                    new_size, saved_size, seen, epoch, new_position)
+        return new_position
 
     def _loop(self, source, eval_data) -> str:
         cfg = self.config
@@ -313,14 +356,14 @@ class Trainer:
                 callback.on_fit_start(self)
         step, reason, evaluated_at = self.start_step, "max_steps", None
         pending: list[tuple] = []  # (step, epoch, device metrics) not yet read from the device
-        batches = source.iter_from(self.start_step)
+        batches = source.iter_from(self.start_step + self._data_offset)
         try:
             while step < self.max_steps:
                 batch = next(batches, None)
                 if batch is None:
                     reason = "data exhausted"
                     break
-                epoch = step // source.steps_per_epoch if source.steps_per_epoch else None
+                epoch = (step + self._data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
                 self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
                 step += 1
                 if pending:
@@ -402,7 +445,9 @@ class Trainer:
         if not bool(_all_finite(self.state)):
             self._raise_nonfinite(step, "the state holds NaN or Inf values, so it was not saved")
         self.checkpointer.save(self.state, {
-            "position": step,
+            "position": step + self._data_offset,
+            "batch_size": self._batch_size,
+            "steps_per_epoch": self._steps_per_epoch,
             "strategy": self.strategy.describe(),
             "mesh": {name: int(size) for name, size in self.mesh.shape.items()},
             "config": _jsonable(dataclasses.asdict(self.config)),

@@ -282,3 +282,33 @@ def test_an_error_during_evaluation_leaves_the_newest_state_checkpointed(tmp_pat
     with pytest.raises(Exception):
         trainer.fit(data(), eval_data=[good, bad])
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["3"]  # saved at the failing evaluation's step
+
+
+def test_resuming_with_another_batch_size_continues_at_the_same_example(tmp_path, caplog):
+    ckpt = str(tmp_path / "ckpt")
+    make_trainer(max_steps=3, batch_size=16, checkpoint_dir=ckpt, shuffle=False).fit(data())  # 48 examples seen
+    trainer = make_trainer(max_steps=5, batch_size=24, checkpoint_dir=ckpt, shuffle=False)
+    seen = []
+
+    class Record:
+        every = 1
+
+        def on_step(self, info):
+            seen.append(info.step)
+
+    trainer.callbacks.append(Record())
+    with caplog.at_level("WARNING", logger="parallax"):
+        result = trainer.fit(data(), resume=True)
+    assert "batch_size=24 instead of 16: continuing at example 48 of epoch 0 (batch 2)" in caplog.text
+    assert seen == [4, 5] and int(result.state.step) == 5
+    # Batches 2 and 3 of 24 (examples 48-95) were trained on; the next resume starts at batch 4.
+    metadata = px.checkpoint.Checkpointer(ckpt).read_metadata(5)
+    assert (metadata["position"], metadata["batch_size"]) == (4, 24)
+
+
+def test_resuming_with_a_batch_size_that_cannot_continue_says_what_to_do(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    make_trainer(max_steps=3, batch_size=16, checkpoint_dir=ckpt).fit(data())  # 48 examples seen
+    with pytest.raises(ValueError, match=r"batch_size=16 after 48 examples of epoch 0; batch_size=40 does not "
+                                         r"divide 48.*Resume with batch_size=16, or one that divides 48 \(e\.g\. 48"):
+        make_trainer(max_steps=5, batch_size=40, checkpoint_dir=ckpt).fit(data(), resume=True)
