@@ -11,6 +11,8 @@ wants, so a checkpoint written under FSDP on 8 devices restores under DP or on 4
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -25,6 +27,28 @@ from parallax._tree import path_str
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored here; the files are left as they are."""
+
+
+CHECKSUMS = "parallax_checksums.json"
+"""Written into each step's folder once orbax has committed it: ``{relative path: [bytes, sha256]}``."""
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            relative = os.path.relpath(os.path.join(root, name), folder)
+            if relative != CHECKSUMS:
+                found.append(relative)
+    return sorted(found)
 
 
 def state_arrays(state: Any) -> dict:
@@ -83,6 +107,7 @@ class Checkpointer:
         self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                      create=True)
         self._manager = None
+        self._unrecorded: list[int] = []  # saved steps whose checksums are not written yet
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -143,10 +168,80 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         if step in self.steps():
             return
+        if self._manager is not None:
+            self._manager.wait_until_finished()  # the previous save is committed: record it
+            self._record_checksums()
         arrays = state_arrays(state)
         record = {**metadata, "step": step, "signature": signature(arrays)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                         meta=ocp.args.JsonSave(record)))
+        self._unrecorded.append(step)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _record_checksums(self) -> None:
+        """Writes the checksums of every committed step saved since the last call (atomically)."""
+        for step in self._unrecorded:
+            folder = self.step_dir(step)
+            if not os.path.isdir(folder):
+                continue  # already removed by keep_checkpoints
+            sums = {name: [os.path.getsize(os.path.join(folder, name)), _sha256(os.path.join(folder, name))]
+                    for name in _files(folder)}
+            partial = os.path.join(folder, CHECKSUMS + ".partial")
+            with open(partial, "w") as stream:
+                json.dump(sums, stream)
+            os.replace(partial, os.path.join(folder, CHECKSUMS))
+        self._unrecorded = []
+
+    def verify(self, step: int) -> str | None:
+        """Why checkpoint ``step`` fails verification, or ``None`` if every file matches its checksum.
+
+        A checkpoint written without checksums (by parallax before 0.2, or by a process killed
+        between orbax's commit and the checksum record) returns ``"unrecorded"``.
+        """
+        folder = self.step_dir(step)
+        record = os.path.join(folder, CHECKSUMS)
+        if not os.path.exists(record):
+            return "unrecorded"
+        try:
+            with open(record) as stream:
+                sums = json.load(stream)
+        except (OSError, ValueError) as err:
+            return f"its checksum record is unreadable ({err})"
+        present = set(_files(folder))
+        for name, (size, digest) in sorted(sums.items()):
+            path = os.path.join(folder, name)
+            if name not in present:
+                return f"{name} is missing"
+            if os.path.getsize(path) != size:
+                return f"{name} has {os.path.getsize(path)} bytes, {size} when written"
+            if _sha256(path) != digest:
+                return f"{name} differs from what was written (sha256 mismatch)"
+        extra = sorted(present - set(sums))
+        if extra:
+            return f"{extra[0]} was added after the checkpoint was written"
+        return None
+
+    def newest_verified(self, before: int | None = None) -> tuple[int | None, list[str]]:
+        """The newest step (below ``before``) that verifies, and why newer ones did not.
+
+        Steps without a checksum record count as verified when nothing newer verifies
+        either; each is named in the reasons.
+        """
+        reasons = []
+        for step in sorted(self.steps(), reverse=True):
+            if before is not None and step >= before:
+                continue
+            problem = self.verify(step)
+            if problem is None:
+                return step, reasons
+            if problem == "unrecorded":
+                reasons.append(f"step {step} has no checksum record (written before checksums, or killed "
+                               "before recording them); restored unverified")
+                return step, reasons
+            reasons.append(f"step {step} fails verification: {problem}")
+        return None, reasons
 
     def read_metadata(self, step: int) -> dict:
         """The JSON record of checkpoint ``step``."""
@@ -176,6 +271,12 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"No checkpoint in {self.directory} to resume from.")
+        problem = self.verify(step)
+        if problem not in (None, "unrecorded"):
+            raise CheckpointError(
+                f"Checkpoint step {step} in {self.directory} is damaged: {problem}. It was left in place; "
+                "resume from an older step (fit(..., resume=True) picks the newest one that verifies)."
+            )
         metadata = self.read_metadata(step)
         target_arrays = state_arrays(target)
         differences = _differences(metadata.get("signature", {}), signature(target_arrays))
@@ -197,11 +298,12 @@ class Checkpointer:
         return dict(restored["state"]), metadata
 
     def wait(self) -> None:
-        """Blocks until background saves have finished."""
+        """Blocks until background saves have finished, then records their checksums."""
         if self._manager is not None:
             self._manager.wait_until_finished()
+            self._record_checksums()
 
     def close(self) -> None:
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            self.wait()
             self._manager.close()

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax import metrics as metric_lib
 from parallax.callbacks import ProgressBar, StepInfo, due
-from parallax.checkpoint import Checkpointer
+from parallax.checkpoint import CheckpointError, Checkpointer
 from parallax.data import as_data, to_global
 from parallax._tree import unbox
 from parallax.state import LossFn, TrainState, call_model, check_model, model_rngs, plan_state
@@ -300,10 +300,18 @@ class Trainer:
     def _start(self, example_batch: Any, resume: bool) -> int:
         existing = self.checkpointer.latest_step() if self.checkpointer is not None else None
         if resume and existing is not None:
-            metadata = self.restore(example_batch, existing)
-            log.info("Resumed from step %d in %s.", existing, self.checkpointer.directory)
-            self._data_offset = self._data_position(metadata) - existing
-            return existing
+            step, reasons = self.checkpointer.newest_verified()
+            for reason in reasons:
+                log.warning("Checkpoint %s (left in place).", reason)
+            if step is None:
+                raise CheckpointError(
+                    f"No checkpoint in {self.checkpointer.directory} verifies:\n  " + "\n  ".join(reasons)
+                    + "\nAll were left in place; start a new run in another checkpoint_dir."
+                )
+            metadata = self.restore(example_batch, step)
+            log.info("Resumed from step %d in %s.", step, self.checkpointer.directory)
+            self._data_offset = self._data_position(metadata) - step
+            return step
         if existing is not None:
             raise ValueError(
                 f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints (newest: step "
@@ -430,10 +438,12 @@ class Trainer:
         pending.clear()
 
     def _raise_nonfinite(self, step: int, what: str):
-        last = self._last_saved if self._last_saved is not None else (
-            self.checkpointer.latest_step() if self.checkpointer else None)
-        where = (f" The last good checkpoint, step {last} in {self.checkpointer.directory}, is kept." if last is not None
-                 else "")
+        last = None
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            last = self.checkpointer.newest_verified()[0]
+        where = (f" The newest checkpoint that verifies, step {last} in {self.checkpointer.directory}, is kept."
+                 if last is not None else "")
         raise NonFiniteLossError(
             f"Training stopped at step {step}: {what}.{where} Lower the learning rate, check the data, or "
             "pass on_nonfinite='skip' to skip such updates."

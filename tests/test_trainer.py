@@ -120,7 +120,7 @@ def test_checkpoint_from_fsdp8_restores_under_dp_and_fsdp4(tmp_path):
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     trainer = make_trainer(max_steps=6, checkpoint_dir=ckpt, checkpoint_every=2, shuffle=False)
-    with pytest.raises(px.NonFiniteLossError, match=r"step 5: the loss is nan.*step 4 .* is kept"):
+    with pytest.raises(px.NonFiniteLossError, match=r"step 5: the loss is nan.*newest checkpoint that verifies, step 4 .* is kept"):
         trainer.fit(data(nan_at=4 * 16 + 3))  # a NaN example in the 5th batch
     trainer.checkpointer.wait()
     assert sorted(int(s) for s in os.listdir(ckpt) if s.isdigit()) == [2, 4]
@@ -157,7 +157,7 @@ def test_corrupted_checkpoint_is_a_clear_error_and_is_not_deleted(tmp_path):
             with open(os.path.join(root, name), "wb") as stream:
                 stream.write(b"\x00garbage")
     before = sorted(str(p) for p in ckpt.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"(?s)step 2 .* cannot be (read|restored).*left in place"):
+    with pytest.raises(CheckpointError, match=r"(?s)No checkpoint in .* verifies:.*step 2 fails verification.*left in place"):
         make_trainer(max_steps=4, checkpoint_dir=str(ckpt)).fit(data(), resume=True)
     assert sorted(str(p) for p in ckpt.rglob("*")) == before
 
@@ -312,3 +312,35 @@ def test_resuming_with_a_batch_size_that_cannot_continue_says_what_to_do(tmp_pat
     with pytest.raises(ValueError, match=r"batch_size=16 after 48 examples of epoch 0; batch_size=40 does not "
                                          r"divide 48.*Resume with batch_size=16, or one that divides 48 \(e\.g\. 48"):
         make_trainer(max_steps=5, batch_size=40, checkpoint_dir=ckpt).fit(data(), resume=True)
+
+
+@pytest.mark.parametrize("damage", ["flip one bit", "truncate", "delete a file"])
+def test_a_damaged_checkpoint_is_never_used_and_resume_falls_back_to_one_that_verifies(tmp_path, caplog, damage):
+    ckpt = tmp_path / "ckpt"
+    make_trainer(max_steps=4, checkpoint_dir=str(ckpt), checkpoint_every=2, shuffle=False).fit(data())
+    reference = make_trainer(max_steps=4, shuffle=False, checkpoint_dir=str(tmp_path / "other"),
+                             checkpoint_every=2)
+    reference.fit(data())
+    # Damage the biggest array file of step 4 the way disks and copies do.
+    files = [p for p in (ckpt / "4").rglob("*") if p.is_file() and p.name != "parallax_checksums.json"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    if damage == "flip one bit":
+        raw[len(raw) // 2] ^= 0x01
+        victim.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        victim.unlink()
+    before = sorted(str(p) for p in ckpt.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"step 4 .* is damaged: .*left in place"):
+        make_trainer(max_steps=6, checkpoint_dir=str(ckpt)).restore({k: v[:16] for k, v in data().items()}, 4)
+    trainer = make_trainer(max_steps=6, checkpoint_dir=str(ckpt), shuffle=False)
+    with caplog.at_level("WARNING", logger="parallax"):
+        result = trainer.fit(data(), resume=True)
+    assert "step 4 fails verification" in caplog.text and result.history.train[0]["step"] == 3
+    assert str(ckpt / "4") in before and (ckpt / "4").exists()  # left in place
+    # Resumed from step 2 (verified): steps 3-6 equal an uninterrupted run's.
+    straight = make_trainer(max_steps=6, shuffle=False).fit(data())
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(result.state.params),
+                 jax.device_get(straight.state.params))
