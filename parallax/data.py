@@ -138,11 +138,50 @@ class IterableData:
         return self._iterate()
 
 
-def as_data(data: Any, batch_size: int | None, *, shuffle: bool, seed: int, drop_remainder: bool):
+def _not_numeric(leaf: Any) -> str | None:
+    """Why a batch leaf cannot be fed to a model, or ``None``."""
+    kind = np.asarray(leaf).dtype.kind if isinstance(leaf, (np.ndarray, jax.Array, str, bytes)) else None
+    if isinstance(leaf, (str, bytes)) or kind in ("U", "S", "O"):
+        return "holds strings or Python objects; encode them as numbers (e.g. integer ids) before training"
+    return None
+
+
+def check_batch_leaves(batch: Any, what: str = "a batch") -> None:
+    """Raises ``ValueError`` naming the first leaf of ``batch`` a model cannot take (strings, objects)."""
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        problem = _not_numeric(leaf)
+        if problem is not None:
+            raise ValueError(f"{what}{jax.tree_util.keystr(key_path)} {problem}.")
+
+
+def _explain(data: Any, what: str) -> None:
+    """Raises a clear error for data that looks like a dataset but is not one parallax reads."""
+    if isinstance(data, (tuple, Mapping)):
+        items = data.items() if isinstance(data, Mapping) else enumerate(data)
+        for key, value in items:
+            if isinstance(value, list):
+                raise ValueError(f"{what}[{key!r}] is a Python list; make it an array (np.asarray).")
+        check_batch_leaves(data, what)
+    if isinstance(data, list) and data and isinstance(data[0], Mapping):
+        leaves = jax.tree.leaves(data[0])
+        if leaves and all(np.ndim(leaf) == 0 for leaf in leaves):
+            keys = ", ".join(map(repr, list(data[0])[:4]))
+            raise ValueError(
+                f"{what} is a list of {len(data)} per-example dicts ({{{keys}}}); pass one dict of arrays "
+                "with a leading example dim instead, e.g. {k: np.stack([ex[k] for ex in examples]) for k in "
+                "examples[0]}, with batch_size=..."
+            )
+
+
+def as_data(data: Any, batch_size: int | None, *, shuffle: bool, seed: int, drop_remainder: bool,
+            what: str = "the training data"):
     """``ArrayData`` for arrays (``batch_size`` required), ``IterableData`` otherwise."""
     if isinstance(data, (ArrayData, IterableData)):
         return data
+    if not is_array_data(data):
+        _explain(data, what)
     if is_array_data(data):
+        check_batch_leaves(data, what)
         if batch_size is None:
             raise ValueError("Array data needs batch_size=...; e.g. fit((x, y), batch_size=128).")
         return ArrayData(data, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import signal
@@ -26,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from parallax import metrics as metric_lib
 from parallax.callbacks import ProgressBar, StepInfo, due
 from parallax.checkpoint import CheckpointError, Checkpointer
-from parallax.data import as_data, to_global
+from parallax.data import as_data, check_batch_leaves, to_global
 from parallax._tree import unbox
 from parallax.state import LossFn, TrainState, call_model, check_model, model_rngs, plan_state
 from parallax.step import make_eval_step, make_train_step
@@ -175,6 +176,10 @@ class Trainer:
                  callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
         self.config = TrainerConfig.create(config, **options)
         check_model(model)
+        _check_optimizer(optimizer)
+        _check_loss_fn(loss_fn, "loss_fn")
+        if eval_loss_fn is not None:
+            _check_loss_fn(eval_loss_fn, "eval_loss_fn")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.eval_loss_fn = eval_loss_fn or loss_fn
         self.strategy = strategy if strategy is not None else DataParallel()
@@ -270,6 +275,7 @@ class Trainer:
         first = next(iter(source.iter_from(0)), None)
         if first is None:
             raise ValueError("The training data yields no batches.")
+        check_batch_leaves(first, "a training batch")
         self.max_steps = self._resolve_max_steps(source)
         if eval_data is not None:
             self._check_eval_data(eval_data, first)
@@ -552,6 +558,36 @@ class Trainer:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Raises a clear error for anything that is not an optax ``GradientTransformation``."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return
+    name = getattr(optimizer, "__qualname__", None) or type(optimizer).__name__
+    if callable(optimizer):
+        raise ValueError(
+            f"optimizer is {getattr(optimizer, '__module__', '')}.{name}, a function; pass the optimizer it "
+            f"builds, e.g. {name}(1e-3) (an optax GradientTransformation)."
+        )
+    raise ValueError(f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {optimizer!r:.80}.")
+
+
+def _check_loss_fn(loss_fn: Any, what: str) -> None:
+    """Raises a clear error for a loss function that cannot be called as ``loss_fn(model, batch)``."""
+    if not callable(loss_fn):
+        raise ValueError(f"{what} must be a function loss_fn(model, batch) -> loss | (loss, metrics), got {loss_fn!r:.80}.")
+    try:
+        parameters = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: nothing to check
+    try:
+        parameters.bind(object(), object())
+    except TypeError:
+        raise ValueError(
+            f"{what} is called as {what}(model, batch), but {getattr(loss_fn, '__name__', what)}{parameters} "
+            "does not take two arguments; write it as def loss_fn(model, batch): ..."
+        ) from None
 
 
 def _jsonable(value: Any) -> Any:

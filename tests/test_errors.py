@@ -151,3 +151,37 @@ def test_models_parallax_cannot_take_yet_are_named_before_anything_compiles(make
         make(MLP)
     with pytest.raises(ValueError, match=r"model must be a flax\.linen\.Module instance, got function"):
         make(lambda x: x)
+
+
+def _trainer(**kwargs):
+    args = {"model": MLP(), "optimizer": optax.sgd(0.1), "loss_fn": classifier_loss}
+    args.update(kwargs)
+    return px.Trainer(args.pop("model"), args.pop("optimizer"), args.pop("loss_fn"), batch_size=16, max_steps=2,
+                      progress=False, **args)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: _trainer(optimizer=optax.adam), r"optimizer is optax.*adam, a function; pass the optimizer it builds, "
+                                                 r"e.g. adam\(1e-3\)"),
+        (lambda: _trainer(optimizer=lambda grads: grads), r"optimizer is .*a function"),
+        (lambda: _trainer(optimizer="adam"), r"must be an optax GradientTransformation.*'adam'"),
+        (lambda: _trainer(loss_fn=lambda batch: 0.0), r"loss_fn is called as loss_fn\(model, batch\), but .*\(batch\) "
+                                                      r"does not take two arguments"),
+    ],
+)
+def test_trainer_arguments_are_checked_at_construction(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_data_that_is_not_a_dataset_says_what_to_do():
+    examples = [{"x": np.float32(i), "y": np.int32(i % 2)} for i in range(32)]
+    with pytest.raises(ValueError, match=r"list of 32 per-example dicts \({'x', 'y'}\); pass one dict of arrays"):
+        _trainer().fit(examples)
+    x = np.ones((32, 24), np.float32)
+    with pytest.raises(ValueError, match=r"the training data\['y'\] holds strings.*encode them as numbers"):
+        _trainer().fit({"x": x, "y": np.array(["cat", "dog"] * 16)})
+    with pytest.raises(ValueError, match=r"the training data\['y'\] is a Python list; make it an array"):
+        _trainer().fit({"x": x, "y": ["cat", "dog"] * 16})
