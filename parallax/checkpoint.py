@@ -65,6 +65,11 @@ def signature(arrays: Any) -> dict[str, list]:
     return out
 
 
+def structure(arrays: dict) -> dict[str, str]:
+    """The tree structure of each part of the state (optimizer state types included)."""
+    return {name: str(jax.tree.structure(value)) for name, value in arrays.items()}
+
+
 def _differences(saved: dict, expected: dict, limit: int = 5) -> list[str]:
     order = {"params": 0, "model_state": 1, "step": 2, "rng": 2, "opt_state": 3}
     lines = []
@@ -172,7 +177,7 @@ class Checkpointer:
             self._manager.wait_until_finished()  # the previous save is committed: record it
             self._record_checksums()
         arrays = state_arrays(state)
-        record = {**metadata, "step": step, "signature": signature(arrays)}
+        record = {**metadata, "step": step, "signature": signature(arrays), "structure": structure(arrays)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                         meta=ocp.args.JsonSave(record)))
         self._unrecorded.append(step)
@@ -279,6 +284,15 @@ class Checkpointer:
             )
         metadata = self.read_metadata(step)
         target_arrays = state_arrays(target)
+        saved_structure, expected = metadata.get("structure", {}), structure(target_arrays)
+        changed = [name for name in expected if name in saved_structure and saved_structure[name] != expected[name]]
+        if "opt_state" in changed and "params" not in changed:
+            raise CheckpointError(
+                f"Checkpoint step {step} in {self.directory} was saved with a different optimizer state "
+                f"structure:\n  then: {saved_structure['opt_state'][:300]}\n  now:  {expected['opt_state'][:300]}\n"
+                "Resume with the optimizer it was written with (e.g. adam vs adamw, another chain). "
+                "Nothing was deleted."
+            )
         differences = _differences(metadata.get("signature", {}), signature(target_arrays))
         if differences:
             raise CheckpointError(

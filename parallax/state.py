@@ -190,7 +190,15 @@ def plan_state(
             tx=optimizer,
         )
 
-    abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
+    try:
+        abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
+    except jax.errors.ConcretizationTypeError as err:
+        raise ValueError(
+            "The loss function (or the model) turns a traced array into a Python value: float(x), int(x), "
+            "x.item(), bool(x) or `if x:` on an array. parallax compiles the loss, so values stay arrays: "
+            "return the loss array (not float(loss)), and use jnp.where / lax.cond instead of Python `if`. "
+            f"JAX's message: {str(err).splitlines()[0]}"
+        ) from err
     strategy = fit_to_computation(strategy, model, abstract, example_batch, method, mesh, rng_streams)
     specs = strategy.state_specs(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)

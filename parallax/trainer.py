@@ -285,6 +285,7 @@ class Trainer:
         self._batch_size = int(getattr(source, "batch_size", None) or
                                np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         self._steps_per_epoch = source.steps_per_epoch
+        self.strategy.check_batch_size(self._batch_size, self.mesh, multiple=cfg.grad_accum)
         self.start_step = self._start(first, resume)
         self._stop_reason, self._preempted = None, None
         try:
@@ -326,6 +327,16 @@ class Trainer:
         self.init(example_batch)
         self._data_offset = 0
         return 0
+
+    def _check_batch(self, batch: Any, step: int) -> None:
+        """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
+        rows = int(np.shape(jax.tree.leaves(batch)[0])[0]) * jax.process_count()
+        if rows != self._batch_size:
+            try:
+                self.strategy.check_batch_size(rows, self.mesh, multiple=self.config.grad_accum)
+            except ValueError as err:
+                raise ValueError(f"The batch for step {step} has {rows} examples (the first had {self._batch_size}). "
+                                 f"{err} Drop or pad the last batch of the data.") from None
 
     def _data_position(self, metadata: dict) -> int:
         """The batch to resume at: the same example as when the checkpoint was written.
@@ -378,6 +389,7 @@ class Trainer:
                     reason = "data exhausted"
                     break
                 epoch = (step + self._data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
+                self._check_batch(batch, step + 1)
                 self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
                 step += 1
                 if pending:

@@ -185,3 +185,24 @@ def test_data_that_is_not_a_dataset_says_what_to_do():
         _trainer().fit({"x": x, "y": np.array(["cat", "dog"] * 16)})
     with pytest.raises(ValueError, match=r"the training data\['y'\] is a Python list; make it an array"):
         _trainer().fit({"x": x, "y": ["cat", "dog"] * 16})
+
+
+def test_a_batch_size_the_data_axes_do_not_divide_fails_before_step_one_on_the_trainer_path():
+    data = {"x": np.ones((96, 24), np.float32), "y": np.zeros(96, np.int32)}
+    trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, batch_size=12, max_steps=2, progress=False)
+    with pytest.raises(ValueError, match=r"Batch size 12 is not divisible by 8 \(data=8\); use a multiple of 8"):
+        trainer.fit(data)
+    assert trainer.state is None
+    ragged = [{k: v[:16] for k, v in data.items()}, {k: v[:12] for k, v in data.items()}]
+    trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, max_steps=2, progress=False)
+    with pytest.raises(ValueError, match=r"The batch for step 2 has 12 examples \(the first had 16\).*Drop or pad"):
+        trainer.fit(ragged)
+
+
+def test_a_python_float_inside_the_loss_is_named_before_compiling():
+    def loss_fn(model, batch):
+        loss, metrics = classifier_loss(model, batch)
+        return float(loss), metrics
+
+    with pytest.raises(ValueError, match=r"turns a traced array into a Python value: float\(x\).*return the loss array"):
+        px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.DataParallel(), loss_fn=loss_fn)

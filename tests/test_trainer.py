@@ -344,3 +344,13 @@ def test_a_damaged_checkpoint_is_never_used_and_resume_falls_back_to_one_that_ve
     straight = make_trainer(max_steps=6, shuffle=False).fit(data())
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(result.state.params),
                  jax.device_get(straight.state.params))
+
+
+def test_a_checkpoint_from_another_optimizer_says_so(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    make_trainer(max_steps=2, checkpoint_dir=ckpt).fit(data())  # adam
+    other = px.Trainer(MLP(), optax.adamw(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0), max_steps=4,
+                       batch_size=16, checkpoint_dir=ckpt, progress=False)
+    with pytest.raises(CheckpointError, match=r"(?s)saved with a different optimizer state structure.*then: .*now: .*"
+                                              r"optimizer it was written with.*Nothing was deleted"):
+        other.fit(data(), resume=True)
