@@ -186,7 +186,13 @@ class Checkpointer:
         return os.path.join(self.directory, str(step))
 
     def _record_checksums(self) -> None:
-        """Writes the checksums of every committed step saved since the last call (atomically)."""
+        """Writes the checksums of every committed step saved since the last call (atomically).
+
+        Process 0 writes them (the folder is shared; orbax has committed every process's files).
+        """
+        if jax.process_index() != 0:
+            self._unrecorded = []
+            return
         for step in self._unrecorded:
             folder = self.step_dir(step)
             if not os.path.isdir(folder):

@@ -343,7 +343,6 @@ def _visit(graph: _Graph, eqn: Any, env: dict, weight: int) -> None:
             if np.issubdtype(v.dtype, np.floating):
                 graph.needs_grad.add(id(v))
     reduced: set = set()
-    record = True
     params = eqn.params
 
     if name == "scan":
@@ -476,8 +475,7 @@ def _visit(graph: _Graph, eqn: Any, env: dict, weight: int) -> None:
             same = [v for v in ins if _shape(v) == shape]
             if len(same) == 1 and len(outs) == 1:
                 graph.pass_origin(same[0], outs[0], {d: d for d in range(len(shape))})
-    if record:
-        graph.eqns.append(_Eqn(name, ins, outs, reduced, weight))
+    graph.eqns.append(_Eqn(name, ins, outs, reduced, weight))
 
 
 def _scan(graph: _Graph, eqn: Any, invars: list, outvars: list, weight: int) -> None:
@@ -694,7 +692,7 @@ def derive_layout(
             role = _role(graph.roles, index, dim) or "elementwise"
             entries.append(ParamLayout(path, shape, dim, role, _split_reason(cls, param_paths, params, graph.roles)))
         else:
-            entries.append(ParamLayout(path, shape, None, "", _unsplit_reason(graph, var, classes, reasons, axis_size)))
+            entries.append(ParamLayout(path, shape, None, "", _unsplit_reason(graph, var, classes, reasons)))
     return TensorLayout(axis, axis_size, tuple(entries))
 
 
@@ -790,7 +788,7 @@ def _split_reason(cls: _Class, param_paths, params, roles: Mapping) -> str:
     return f"splits {_describe_class(cls, param_paths, params, roles)} (size {size}); communicates {comm} per step"
 
 
-def _unsplit_reason(graph: _Graph, var: Any, classes: dict, reasons: dict, axis_size: int) -> str:
+def _unsplit_reason(graph: _Graph, var: Any, classes: dict, reasons: dict) -> str:
     shape = _shape(var)
     if not shape:
         return "a scalar"

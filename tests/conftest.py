@@ -25,3 +25,12 @@ def pytest_sessionstart(session):
         reporter.write_line(line)
     else:
         print(line)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Prints the fault suite's ``faults survived k/n`` line (also from xdist workers)."""
+    for outcome in ("passed", "failed"):
+        for report in terminalreporter.stats.get(outcome, []):
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "faults_survived" and getattr(report, "when", "call") == "call":
+                    terminalreporter.write_line(f"faults survived {value}")

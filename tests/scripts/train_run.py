@@ -1,7 +1,7 @@
 """A training run in its own process, for the preemption and resume tests.
 
 usage: train_run.py CKPT_DIR OUT.npz MAX_STEPS [--resume] [--sigkill-at N] [--sigterm-at N] [--sigint-at N]
-                    [--sigint-twice-at N] [--every N] [--return]
+                    [--sigint-twice-at N] [--every N] [--return] [--strategy fsdp|dp] [--devices N]
 
 A signal "at N" is sent while step N's metrics are read (after step N+1 was dispatched).
 """
@@ -47,7 +47,10 @@ def main(argv):
             callbacks.append(Interrupt(int(argv[argv.index(flag) + 1]), signum, times))
     every = int(argv[argv.index("--every") + 1]) if "--every" in argv else 3
     tokens = np.random.default_rng(0).integers(0, 64, (80, 9)).astype(np.int32)
-    trainer = px.Trainer(TinyLM(dropout_rate=0.1), optax.adamw(3e-3), lm_loss, strategy=px.FSDP(min_weight_size=256),
+    strategy = px.DataParallel() if "--strategy" in argv and argv[argv.index("--strategy") + 1] == "dp" \
+        else px.FSDP(min_weight_size=256)
+    devices = jax.devices()[: int(argv[argv.index("--devices") + 1])] if "--devices" in argv else None
+    trainer = px.Trainer(TinyLM(dropout_rate=0.1), optax.adamw(3e-3), lm_loss, strategy=strategy, devices=devices,
                          max_steps=max_steps, batch_size=16, checkpoint_dir=ckpt, checkpoint_every=every,
                          callbacks=callbacks, progress=False, on_preemption="return" if "--return" in argv else "exit")
     state = trainer.fit({"x": tokens}, resume="--resume" in argv).state
