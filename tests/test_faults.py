@@ -14,6 +14,7 @@ bound). The suite prints ``faults survived k/n`` in the test summary.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,8 +55,8 @@ def scenarios(seed=0):
     rng = np.random.default_rng(seed)
     at = lambda: int(rng.integers(2, STEPS - 1))  # noqa: E731
     # (name, fault, exit code of the faulted run, damage to the newest checkpoint, resume args, resume to step)
-    out = [(f"SIGKILL at step {k}", ("--sigkill-at", k), -signal.SIGKILL, None, (), STEPS) for k in (at(), at())]
-    out += [(f"SIGTERM at step {k}", ("--sigterm-at", k), 0, None, (), STEPS) for k in (at(), at())]
+    out = [(f"SIGKILL at step {k}", ("--sigkill-at", k), -signal.SIGKILL, None, (), STEPS) for k in (at(),)]
+    out += [(f"SIGTERM at step {k}", ("--sigterm-at", k), 0, None, (), STEPS) for k in (at(),)]
     out += [(f"SIGINT at step {k}", ("--sigint-at", k), 0, None, (), STEPS) for k in (at(),)]
     out += [(f"SIGKILL at step 7, then {how} in the newest checkpoint", ("--sigkill-at", 7), -signal.SIGKILL, how, (),
              STEPS) for how in ("flip a bit", "truncate", "delete a file")]
@@ -72,11 +73,18 @@ def test_faults_survived(tmp_path, record_property):
         straight = run(tmp_path / f"straight{steps}", tmp_path / f"straight{steps}.npz", steps)
         assert straight.returncode == 0, straight.stderr[-3000:]
         references[steps] = load(tmp_path / f"straight{steps}.npz")
-    survived, failures = 0, []
+    survived, failures, interrupted = 0, [], {}
     cases = scenarios()
     for index, (name, fault, code, how, resume_args, resume_steps) in enumerate(cases):
         ckpt, out = tmp_path / f"run{index}", tmp_path / f"run{index}.npz"
-        broken = run(ckpt, tmp_path / "unused.npz", STEPS, *fault)
+        if fault in interrupted:  # the same faulted run: work on a copy of its checkpoints
+            shutil.copytree(interrupted[fault][0], ckpt)
+            broken = interrupted[fault][1]
+        else:
+            broken = run(ckpt, tmp_path / "unused.npz", STEPS, *fault)
+            keep = tmp_path / f"pristine{index}"
+            shutil.copytree(ckpt, keep)
+            interrupted[fault] = (keep, broken)
         problems = []
         if broken.returncode != code:
             problems.append(f"the interrupted run exited {broken.returncode}, not {code}: {broken.stderr[-500:]}")
