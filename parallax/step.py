@@ -81,6 +81,21 @@ def check_batch(batch: Any, strategy: Strategy, mesh: Mesh, grad_accum: int = 1)
     return batch_size
 
 
+def _check_batch_devices(batch: Any, mesh: Mesh) -> None:
+    """Raises ``ValueError`` for a batch array that lives on devices outside the state's mesh."""
+    mesh_devices = set(mesh.devices.flat)
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and sharding is not None and not set(sharding.device_set) <= mesh_devices:
+            where = (f"a mesh with axes {dict(sharding.mesh.shape)}" if isinstance(sharding, NamedSharding)
+                     else f"{len(sharding.device_set)} device(s)")
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(key_path)} is placed on {where}, other devices than the state's mesh "
+                f"{dict(mesh.shape)}. Pass host (numpy) arrays, or place the batch on the state's mesh: "
+                "px.data.to_global(batch, NamedSharding(mesh, strategy.batch_spec()))."
+            )
+
+
 def state_specs_of(state: TrainState) -> tuple[Mesh, Any]:
     """The mesh and ``PartitionSpec`` tree a (concrete) state is laid out with."""
     meshes = set()
@@ -245,6 +260,7 @@ class _Step:
             return found
         mesh, specs = state_specs_of(state)
         self.strategy.check_mesh(mesh)
+        _check_batch_devices(batch, mesh)
         if self.replicated_batch:
             _leading_dims(batch)
         else:

@@ -474,6 +474,7 @@ class Trainer:
             self._raise_nonfinite(step, "the state holds NaN or Inf values, so it was not saved")
         self.checkpointer.save(self.state, {
             "position": step + self._data_offset,
+            "examples": (step + self._data_offset) * self._batch_size,
             "batch_size": self._batch_size,
             "steps_per_epoch": self._steps_per_epoch,
             "strategy": self.strategy.describe(),

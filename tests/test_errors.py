@@ -206,3 +206,15 @@ def test_a_python_float_inside_the_loss_is_named_before_compiling():
 
     with pytest.raises(ValueError, match=r"turns a traced array into a Python value: float\(x\).*return the loss array"):
         px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.DataParallel(), loss_fn=loss_fn)
+
+
+def test_a_batch_placed_on_another_mesh_is_named():
+    strategy = px.FSDP(4, min_weight_size=0)
+    batch = batches("mlp", 1)[0]
+    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=classifier_loss,
+                          mesh=strategy.make_mesh(jax.devices()[:4]))
+    elsewhere = strategy.make_mesh(jax.devices()[4:])
+    placed = px.data.to_global(batch, jax.sharding.NamedSharding(elsewhere, strategy.batch_spec()))
+    with pytest.raises(ValueError, match=r"batch\['x'\] is placed on a mesh with axes \{'fsdp': 4\}, other devices "
+                                         r"than the state's mesh.*to_global"):
+        px.make_train_step(classifier_loss, strategy)(state, placed)

@@ -303,7 +303,7 @@ def test_resuming_with_another_batch_size_continues_at_the_same_example(tmp_path
     assert seen == [4, 5] and int(result.state.step) == 5
     # Batches 2 and 3 of 24 (examples 48-95) were trained on; the next resume starts at batch 4.
     metadata = px.checkpoint.Checkpointer(ckpt).read_metadata(5)
-    assert (metadata["position"], metadata["batch_size"]) == (4, 24)
+    assert (metadata["position"], metadata["batch_size"], metadata["examples"]) == (4, 24, 96)
 
 
 def test_resuming_with_a_batch_size_that_cannot_continue_says_what_to_do(tmp_path):
@@ -354,3 +354,16 @@ def test_a_checkpoint_from_another_optimizer_says_so(tmp_path):
     with pytest.raises(CheckpointError, match=r"(?s)saved with a different optimizer state structure.*then: .*now: .*"
                                               r"optimizer it was written with.*Nothing was deleted"):
         other.fit(data(), resume=True)
+
+
+def test_a_disk_without_room_for_one_checkpoint_fails_before_step_one(tmp_path, monkeypatch):
+    import collections
+
+    from parallax import checkpoint
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 1024, 1024))
+    trainer = make_trainer(max_steps=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match=r"has 0.0 MiB free, but one checkpoint of this train state takes about"):
+        trainer.fit(data())
+    assert trainer.state is None and not (tmp_path / "ckpt").exists()
