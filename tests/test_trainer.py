@@ -29,22 +29,7 @@ def run_script(*args, expect=0):
     return proc
 
 
-def load(path):
-    with np.load(path) as data:
-        return {k: data[k] for k in data.files}
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    run_script(tmp_path / "straight", tmp_path / "straight.npz", 10)
-    run_script(tmp_path / "broken", tmp_path / "unused.npz", 10, "--sigkill-at", 7, expect=-signal.SIGKILL)
-    assert sorted(os.listdir(tmp_path / "broken"))[-1] == "6"
-    resumed = run_script(tmp_path / "broken", tmp_path / "resumed.npz", 10, "--resume")
-    assert "Resumed from step 6" in resumed.stderr
-    straight, again = load(tmp_path / "straight.npz"), load(tmp_path / "resumed.npz")
-    assert straight.keys() == again.keys()
-    for name in straight:
-        np.testing.assert_array_equal(again[name], straight[name], err_msg=name)
+# SIGKILL and resume (bitwise equal to an uninterrupted run): tests/test_faults.py, at seeded steps.
 
 
 @pytest.mark.slow
