@@ -25,10 +25,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallax import metrics as metric_lib
-from parallax.callbacks import ProgressBar, StepInfo, due
-from parallax.checkpoint import CheckpointError, Checkpointer
-from parallax.data import as_data, check_batch_leaves, to_global
 from parallax._tree import unbox
+from parallax.callbacks import ProgressBar, StepInfo, due
+from parallax.checkpoint import Checkpointer, CheckpointError
+from parallax.data import as_data, check_batch_leaves, to_global
 from parallax.state import LossFn, TrainState, call_model, check_model, model_rngs, plan_state
 from parallax.step import make_eval_step, make_train_step
 from parallax.strategy import DataParallel, Strategy
@@ -354,8 +354,10 @@ class Trainer:
         epoch, offset = divmod(position, saved_epoch_steps) if saved_epoch_steps else (0, position)
         seen = offset * saved_size  # examples of this epoch already trained on
         if seen % new_size:
-            divisors = [d for d in range(1, seen + 1) if seen % d == 0 and d % self.strategy.data_shards(self.mesh) == 0]
-            nearby = sorted(divisors, key=lambda d: abs(d - new_size))[:3]
+            shards = self.strategy.data_shards(self.mesh)
+            small = [d for d in range(1, math.isqrt(seen) + 1) if seen % d == 0]
+            divisors = [d for d in set(small + [seen // d for d in small]) if d % shards == 0]
+            nearby = sorted(divisors, key=lambda d: (abs(d - new_size), d))[:3]
             raise ValueError(
                 f"The checkpoint was written with batch_size={saved_size} after {seen} examples of epoch "
                 f"{epoch}; batch_size={new_size} does not divide {seen}, so training cannot continue at the "
