@@ -38,8 +38,9 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.devices:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ARGS.devices}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from benchmarks import simulate_cpu_devices
+
+    simulate_cpu_devices(ARGS.devices)
 
 import json  # noqa: E402
 

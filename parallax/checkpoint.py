@@ -265,12 +265,14 @@ class Checkpointer:
             ) from err
         return dict(restored["meta"])
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[dict, dict]:
+    def restore(self, target: Any, step: int | None = None, *, verify: bool = True) -> tuple[dict, dict]:
         """Restores the arrays of ``step`` (the latest by default) laid out as ``target``.
 
         Args:
             target: ``ShapeDtypeStruct`` s with shardings (``StatePlan.abstract_arrays()``).
             step: which checkpoint; the latest if ``None``.
+            verify: check the files against their checksums first (``False`` only when the
+                caller just did, e.g. through :meth:`newest_verified`).
 
         Returns:
             ``(arrays, metadata)``; ``arrays`` has the keys of :func:`state_arrays`.
@@ -282,7 +284,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"No checkpoint in {self.directory} to resume from.")
-        problem = self.verify(step)
+        problem = self.verify(step) if verify else None
         if problem not in (None, "unrecorded"):
             raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} is damaged: {problem}. It was left in place; "

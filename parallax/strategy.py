@@ -300,13 +300,13 @@ class FSDP(Strategy):
         Set when the state is planned (the loss is traced): splitting the stacked layer dim
         of ``nn.scan``'s params would gather the whole stack on every device each step.
         """
-        return dataclasses.replace(self, scanned=tuple(sorted(scanned.items())))
+        return dataclasses.replace(self, scanned=dict(scanned))
 
     def place(self, path, shape, dims, axis_sizes):
         size = axis_sizes[self.axis]
         if size == 1 or self.axis in spec_lib.dims_axes(dims) or math.prod(shape) <= self.min_weight_size:
             return dims
-        skip = dict(self.scanned or ()).get(path, ())
+        skip = (self.scanned or {}).get(path, ())
         for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
             if dims[dim] is None and shape[dim] % size == 0 and dim not in skip:
                 dims[dim] = self.axis
@@ -426,13 +426,7 @@ class TensorParallel(Strategy):
                         f"Tensor-parallel rule {pattern!r} names axis {sorted(unknown)} but the "
                         f"mesh has axes {sorted(axis_sizes)}; use one of those names."
                     )
-        if self.needs_layout:
-            raise ValueError(
-                f"TensorParallel({self.axis}) derives its layout from the model's computation, which "
-                "param shapes alone do not show. Plan the state with px.plan_state(model, optimizer, "
-                "batch, strategy=...) and use plan.specs (init_state and Trainer do this), or place "
-                "params by names only with TensorParallel(rules=..., derive=False)."
-            )
+        self._require_layout()
         matched = {tp_rules.match_rule(path, self.active_rules) for path in paths} - {None}
         matched_indices = {index for index, _ in matched}
         sample = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
@@ -450,6 +444,15 @@ class TensorParallel(Strategy):
                     f"Tensor-parallel rule {pattern!r} matches no param (or an earlier rule "
                     f"takes all its matches). The param paths are: {sample}."
                 )
+
+    def _require_layout(self) -> None:
+        if self.needs_layout:
+            raise ValueError(
+                f"TensorParallel({self.axis}) derives its layout from the model's computation, which "
+                "param shapes alone do not show. Plan the state with px.plan_state(model, optimizer, "
+                "batch, strategy=...) and use plan.specs (init_state and Trainer do this), or place "
+                "params by names only with TensorParallel(rules=..., derive=False)."
+            )
 
     def rule_dims(self, path, shape, dims, axis_sizes):
         """``dims`` with the first matching name rule applied; ``None`` if no rule matches."""
@@ -470,8 +473,7 @@ class TensorParallel(Strategy):
         return dims
 
     def place(self, path, shape, dims, axis_sizes):
-        if self.needs_layout:
-            self.check_params([path], axis_sizes)  # raises: the layout needs the computation
+        self._require_layout()
         if self.axis in spec_lib.dims_axes(dims):
             return dims  # the model's own annotation already places this axis
         ruled = self.rule_dims(path, shape, list(dims), axis_sizes)

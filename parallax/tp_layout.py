@@ -33,6 +33,7 @@ so the result is the same as on one device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -94,12 +95,13 @@ class TensorLayout:
     axis_size: int
     params: tuple[ParamLayout, ...]
 
+    @functools.cached_property
+    def _dims(self) -> dict[str, int | None]:
+        return {entry.path: entry.dim for entry in self.params}
+
     def dim_of(self, path: str) -> int | None:
         """The dim of ``path`` split over the tensor axis (``None``: not split or unknown)."""
-        for entry in self.params:
-            if entry.path == path:
-                return entry.dim
-        return None
+        return self._dims.get(path)
 
     @property
     def split_fraction(self) -> float:
@@ -601,12 +603,25 @@ def _build(closed_jaxpr: Any, num_params: int, batch_invars: Sequence[int] = ())
     return graph, params, [_val(env, v) for v in jaxpr.outvars]
 
 
+def _has_scan(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)) and _has_scan(_inner(sub)):
+                    return True
+    return False
+
+
 def scanned_dims(closed_jaxpr: Any, param_paths: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """The dims of params that a ``scan`` steps over (``nn.scan``'s stacked layer dim), by path.
 
     FSDP splits another dim of these params: a scan over a split dim would gather the whole
     stacked param on every device.
     """
+    if not _has_scan(closed_jaxpr.jaxpr):
+        return {}  # the common case: no graph to build
     graph, params, _ = _build(closed_jaxpr, len(param_paths))
     scanned_roots = {graph.find(node) for node, why in graph.forbidden.items() if "scanned" in why}
     found = {}

@@ -235,8 +235,11 @@ class Trainer:
         for this trainer's strategy and mesh; returns the checkpoint's metadata."""
         if self.checkpointer is None:
             raise ValueError("This trainer has no checkpoint_dir to restore from.")
+        return self._load(example_batch, step, verify=True)
+
+    def _load(self, example_batch: Any, step: int | None, verify: bool) -> dict:
         plan = self._plan(example_batch)
-        arrays, metadata = self.checkpointer.restore(plan.abstract_arrays(), step)
+        arrays, metadata = self.checkpointer.restore(plan.abstract_arrays(), step, verify=verify)
         self.state = TrainState(model=self.model, tx=self.optimizer, **arrays)
         return metadata
 
@@ -315,7 +318,7 @@ class Trainer:
                     f"No checkpoint in {self.checkpointer.directory} verifies:\n  " + "\n  ".join(reasons)
                     + "\nAll were left in place; start a new run in another checkpoint_dir."
                 )
-            metadata = self.restore(example_batch, step)
+            metadata = self._load(example_batch, step, verify=False)  # newest_verified just checked it
             log.info("Resumed from step %d in %s.", step, self.checkpointer.directory)
             self._data_offset = self._data_position(metadata) - step
             return step
@@ -504,9 +507,8 @@ class Trainer:
         try:
             jax.eval_shape(run, unbox(abstract.params), abstract.model_state, batch, abstract.rng)
         except Exception as err:  # whatever flax/jax raise, it is the eval data against this model
-            shapes = {path: f"{leaf.dtype}{tuple(np.shape(leaf))}" for path, leaf in
-                      zip((jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(batch)[0]),
-                          jax.tree.leaves(batch))}
+            shapes = {jax.tree_util.keystr(key_path): f"{leaf.dtype}{tuple(np.shape(leaf))}"
+                      for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]}
             raise ValueError(
                 f"eval_data does not fit the model: its first batch {shapes} fails in the eval loss with "
                 f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Checked before training; "

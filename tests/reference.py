@@ -36,6 +36,20 @@ def max_diff(a, b) -> float:
     return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def with_params(state: px.TrainState, params) -> px.TrainState:
+    """``state`` holding ``params`` (e.g. the one-device initial values), laid out like its own params."""
+    return state.replace(params=jax.device_put(params, jax.tree.map(lambda x: x.sharding, state.params)))
+
+
+def run_steps(step, state: px.TrainState, batches) -> tuple[px.TrainState, np.ndarray]:
+    """Runs ``step`` over ``batches``: the final state and the loss trajectory."""
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses)
+
+
 def bound(diff: float, floor) -> float:
     """``TOL`` when ``diff`` is within it, else ``max(TOL, 2 * floor())`` (computed only then)."""
     return TOL if diff <= TOL else max(TOL, 2 * floor())

@@ -10,13 +10,9 @@ import pytest
 
 import parallax as px
 from tests.models import MODELS, batches
-from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain
+from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain, run_steps, with_params
 
 STEPS = 10
-
-
-def strategy_for(name: str, model_name: str) -> px.Strategy:
-    return STRATEGIES[name]()  # TensorParallel() derives each model's layout from its computation
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +38,7 @@ def initial_state(model_name: str, opt_name: str, strategy: px.Strategy) -> px.T
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  jax.device_get(state.params), init_params)
     # ... and the comparison starts from exactly the same initial variables.
-    return state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
+    return with_params(state, init_params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,18 +60,14 @@ def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
     _, ref_losses, ref_params, ref_model_state = reference(model_name, opt_name)
-    strategy = strategy_for(strategy_name, model_name)
+    strategy = STRATEGIES[strategy_name]()  # TensorParallel() derives each model's layout from its computation
 
     state = initial_state(model_name, opt_name, strategy)
     used = set().union(*(px.specs.dims_axes(list(spec)) for spec in jax.tree.leaves(
         px.step.state_specs_of(state)[1].params, is_leaf=px.specs.is_spec)))
     assert used == {p.axis for p in strategy.parts if not isinstance(p, px.DataParallel)}, used
-    step = px.make_train_step(loss_fn, strategy, compile=compile_mode)
-    losses = []
-    for batch in data:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    diff = float(np.abs(np.array(losses) - ref_losses).max())
+    state, losses = run_steps(px.make_train_step(loss_fn, strategy, compile=compile_mode), state, data)
+    diff = float(np.abs(losses - ref_losses).max())
     params_diff = max_diff(jax.device_get(state.params), ref_params)
     tol = bound(diff, lambda: _floor(model_name, opt_name, strategy)[0])
     params_tol = bound(params_diff, lambda: _floor(model_name, opt_name, strategy)[1])

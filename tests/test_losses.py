@@ -21,7 +21,7 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain
+from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain, run_steps, with_params
 
 STEPS = 6
 
@@ -115,18 +115,15 @@ def initial_state(case: str, opt_name: str, strategy: px.Strategy) -> px.TrainSt
     init_params = reference(case, opt_name)[0]
     state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), make_batches(case, 1)[0], strategy=strategy, rng=0,
                           loss_fn=loss_fn)
-    return state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
+    return with_params(state, init_params)
 
 
 def train(case: str, opt_name: str, strategy: px.Strategy, **step_options):
     _, loss_fn = CASES[case]
     state = initial_state(case, opt_name, strategy)
     step = px.make_train_step(loss_fn, strategy, **step_options)
-    losses = []
-    for batch in make_batches(case):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params), step
+    state, losses = run_steps(step, state, make_batches(case))
+    return losses, jax.device_get(state.params), step
 
 
 @functools.lru_cache(maxsize=None)

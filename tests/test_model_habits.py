@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import parallax as px
-from tests.reference import run_plain
+from tests.reference import run_plain, run_steps, with_params
 
 STEPS = 4
 TOL = 1e-5
@@ -101,12 +101,8 @@ def test_trains_like_one_device(case, strategy_name, compile_mode):
     strategy = STRATEGIES[strategy_name]()
     with nn.logical_axis_rules(RULES):
         state = px.init_state(model_cls(), optax.sgd(0.1), data[0], strategy=strategy, loss_fn=loss_fn)
-        state = state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
-        step = px.make_train_step(loss_fn, strategy, compile=compile_mode)
-        losses = []
-        for batch in data:
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        state, losses = run_steps(px.make_train_step(loss_fn, strategy, compile=compile_mode),
+                                  with_params(state, init_params), data)
     np.testing.assert_allclose(losses, ref_losses, atol=TOL)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=TOL), jax.device_get(state.params), ref_params)
     if case == "tied" and "fsdp" in strategy_name:

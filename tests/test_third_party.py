@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import parallax as px
-from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, run_plain
+from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, run_plain, run_steps, with_params
 from tests.third_party import MODELS, batches
 
 STEPS = 6
@@ -29,10 +29,6 @@ STRATEGIES = {
     "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN), px.TensorParallel(2)),
     "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN), px.TensorParallel(2)),
 }
-
-
-def strategy_for(name: str, model_name: str) -> px.Strategy:
-    return STRATEGIES[name]()
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,25 +58,22 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
     _, loss_fn, kind = MODELS[model_name]
     data = batches(kind, STEPS)
     init_params, ref_losses, ref_params, ref_model_state = reference(model_name, opt_name)
-    strategy = strategy_for(strategy_name, model_name)
-    state = px.init_state(module(model_name), OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0,
-                          loss_fn=loss_fn)
-    state = state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
-    step = px.make_train_step(loss_fn, strategy)
-    losses = []
-    for batch in data:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    loss_diff = float(np.abs(np.array(losses) - ref_losses).max())
+    strategy = STRATEGIES[strategy_name]()
+
+    def start():  # the step donates its input state: each run gets its own
+        return with_params(px.init_state(module(model_name), OPTIMIZERS[opt_name](), data[0], strategy=strategy,
+                                         rng=0, loss_fn=loss_fn), init_params)
+
+    state, losses = run_steps(px.make_train_step(loss_fn, strategy), start(), data)
+    loss_diff = float(np.abs(losses - ref_losses).max())
     params_diff = max_diff(jax.device_get(state.params), ref_params)
-    start = state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
-    floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start, data,
+    floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start(), data,
                                                 strategy, ref_losses, ref_params))
     loss_tol = bound(loss_diff, lambda: floor()[0])
     params_tol = bound(params_diff, lambda: floor()[1])
     print(f"{model_name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
-    assert loss_diff <= loss_tol, (losses, ref_losses.tolist())
+    assert loss_diff <= loss_tol, (losses.tolist(), ref_losses.tolist())
     assert params_diff <= params_tol
     if ref_model_state:  # BatchNorm statistics
         assert max_diff(jax.device_get(state.model_state), ref_model_state) <= 10 * max(loss_tol, TOL)

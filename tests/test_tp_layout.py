@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from tests.models import CNN, classifier_loss
-from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, run_plain
+from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, run_plain, run_steps, with_params
 
 TP2 = lambda: px.combine(px.DataParallel(4), px.TensorParallel(2))  # noqa: E731
 
@@ -213,18 +213,16 @@ def test_derived_layout_trains_like_one_device(name, strategy_name, opt_name):
     data = _data(shape)
     init_params, ref_losses, ref_params = _reference(name, opt_name)
     strategy = HYBRIDS[strategy_name]()
-    state = px.init_state(model, OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0, loss_fn=classifier_loss)
-    state = state.replace(params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params)))
-    step = px.make_train_step(classifier_loss, strategy)
-    losses = []
-    for batch in data:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    diff = float(np.abs(np.array(losses) - ref_losses).max())
+
+    def start():  # the step donates its input state: each run gets its own
+        return with_params(px.init_state(model, OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0,
+                                         loss_fn=classifier_loss), init_params)
+
+    state, losses = run_steps(px.make_train_step(classifier_loss, strategy), start(), data)
+    diff = float(np.abs(losses - ref_losses).max())
     params_diff = max_diff(jax.device_get(state.params), ref_params)
-    floor = functools.cache(lambda: drift_floor(model, OPTIMIZERS[opt_name](), classifier_loss, state.replace(
-        params=jax.device_put(init_params, jax.tree.map(lambda x: x.sharding, state.params))), data, strategy,
-        ref_losses, ref_params))
+    floor = functools.cache(lambda: drift_floor(model, OPTIMIZERS[opt_name](), classifier_loss, start(), data, strategy,
+                                                ref_losses, ref_params))
     print(f"{name}/{strategy_name}/{opt_name}: loss diff {diff:.2e}, final params diff {params_diff:.2e}")
     assert diff <= bound(diff, lambda: floor()[0])
     assert params_diff <= bound(params_diff, lambda: floor()[1])
