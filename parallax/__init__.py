@@ -1,9 +1,16 @@
 """parallax: train an unchanged Flax model with DP, FSDP and tensor parallelism.
 
+The package is layered, and imports flow one way: ``sharding`` (where things live) →
+``models`` (the model seam) → ``step`` (the state and the compiled steps) → ``train`` (the
+Trainer). This module only re-exports the public names.
+
 Example:
     >>> import parallax as px
-    >>> trainer = px.Trainer(model, optax.adamw(3e-4), loss_fn, strategy=px.FSDP())
+    >>> trainer = px.Trainer(model, optax.adamw(3e-4), loss_fn, strategy=px.FSDP(), max_steps=4,
+    ...                      batch_size=32, progress=False)
     >>> state, history = trainer.fit(train_data, eval_data=eval_data)
+    >>> len(history.train), sorted(history.eval[-1])
+    (4, ['accuracy', 'final', 'loss', 'step'])
 """
 
 # Read by the import guard that parallax-flax installs (packaging/_parallax_flax_guard.py): it
@@ -12,35 +19,24 @@ __distribution__ = "parallax-flax"
 __version__ = "0.1.0"
 
 try:
-    from parallax import callbacks
     from parallax import inspect
-    from parallax import metrics
-    from parallax.callbacks import EarlyStopping
-    from parallax.callbacks import JSONLogger
-    from parallax.callbacks import LearningRateLogger
-    from parallax.callbacks import ProgressBar
-    from parallax.callbacks import TensorBoardLogger
-    from parallax.checkpoint import CheckpointError
-    from parallax.per_example import PerExampleLoss
-    from parallax.per_example import is_per_example_loss
-    from parallax.per_example import per_example_loss
-    from parallax.rules import DEFAULT_RULES
-    from parallax.state import StatePlan
-    from parallax.state import TrainState
-    from parallax.state import init_state
-    from parallax.state import plan_state
-    from parallax.step import make_eval_step
-    from parallax.step import make_train_step
-    from parallax.strategy import FSDP
-    from parallax.strategy import Combined
-    from parallax.strategy import DataParallel
-    from parallax.strategy import Strategy
-    from parallax.strategy import TensorParallel
-    from parallax.strategy import combine
-    from parallax.trainer import FitResult
-    from parallax.trainer import NonFiniteLossError
-    from parallax.trainer import Trainer
-    from parallax.trainer import TrainerConfig
+    from parallax.models.linen import wrap_for_shard_map
+    from parallax.sharding import specs
+    from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
+    from parallax.sharding.rules import DEFAULT_RULES
+    from parallax.sharding.strategy import Combined, Strategy, combine
+    from parallax.step import metrics
+    from parallax.step.build import make_eval_step, make_train_step
+    from parallax.step.options import StepOptions
+    from parallax.step.per_example import PerExampleLoss, is_per_example_loss, per_example_loss
+    from parallax.step.plan import StatePlan, init_state, plan_state
+    from parallax.step.state import TrainState
+    from parallax.train import callbacks, checkpoint, data
+    from parallax.train.callbacks import EarlyStopping, JSONLogger, LearningRateLogger, ProgressBar, TensorBoardLogger
+    from parallax.train.checkpoint import CheckpointError
+    from parallax.train.config import FitResult, TrainerConfig
+    from parallax.train.guard import NonFiniteLossError
+    from parallax.train.trainer import Trainer
 except ImportError as err:  # a file of this package overwritten by another project's `parallax`?
     try:
         import _parallax_flax_guard as _guard
@@ -55,8 +51,8 @@ except ImportError as err:  # a file of this package overwritten by another proj
 
 __all__ = [
     "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "DataParallel", "EarlyStopping", "FitResult",
-    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "ProgressBar", "StatePlan", "Strategy",
-    "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig", "callbacks", "combine",
-    "init_state", "inspect", "is_per_example_loss", "make_eval_step", "make_train_step", "metrics",
-    "per_example_loss", "plan_state",
+    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "ProgressBar", "StatePlan",
+    "StepOptions", "Strategy", "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig",
+    "callbacks", "checkpoint", "combine", "data", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
+    "make_train_step", "metrics", "per_example_loss", "plan_state", "specs", "step", "wrap_for_shard_map",
 ]

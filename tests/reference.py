@@ -7,6 +7,8 @@ when the same values are merely placed on the strategy's mesh (the compiler's ow
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import numpy as np
 import optax
@@ -32,8 +34,13 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, 
 
 
 def max_diff(a, b) -> float:
-    """The largest absolute difference between two trees of arrays with the same structure."""
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    """The largest absolute difference between two trees of arrays with the same structure.
+
+    0.0 for trees without leaves (e.g. SGD's ``EmptyState``s); different structures fail.
+    """
+    assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max((float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in pairs), default=0.0)
 
 
 def with_params(state: px.TrainState, params) -> px.TrainState:
@@ -72,10 +79,27 @@ def plain_step(model, tx, loss_fn):
     return jax.jit(step)
 
 
-def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None):
-    """Trains from ``state``'s values; ``place(tree, kind)`` puts inputs somewhere.
+class PlainRun(NamedTuple):
+    """What :func:`run_plain` returns: the loss trajectory and the final values (on the host)."""
 
-    Returns the loss trajectory and the final (params, model_state).
+    losses: np.ndarray
+    params: Any
+    model_state: Any
+    opt_state: Any
+
+
+class Drift(NamedTuple):
+    """How far one run is from another: losses (max over steps) and final params and optimizer state."""
+
+    losses: float
+    params: float
+    opt_state: float
+
+
+def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None) -> PlainRun:
+    """Trains from ``state``'s values (the optimizer state starts from ``tx.init``).
+
+    ``place(tree, kind)`` puts inputs somewhere.
     """
     params = jax.device_get(state.params)
     model_state = jax.device_get(state.model_state)
@@ -89,7 +113,7 @@ def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None):
             batch = place(batch, "batch")
         params, model_state, opt_state, value = step(params, model_state, opt_state, batch)
         losses.append(float(value))
-    return np.array(losses), jax.device_get(params), jax.device_get(model_state)
+    return PlainRun(np.array(losses), *jax.device_get((params, model_state, opt_state)))
 
 
 def mesh_placer(state: px.TrainState, strategy: px.Strategy):
@@ -110,10 +134,8 @@ def mesh_placer(state: px.TrainState, strategy: px.Strategy):
     return place
 
 
-def drift_floor(model, tx, loss_fn, start: px.TrainState, batches, strategy: px.Strategy, ref_losses, ref_params):
-    """How far plain jit drifts from the one-device run with ``start``'s values on the mesh.
-
-    Returns ``(loss floor, final-params floor)``.
-    """
-    losses, params, _ = run_plain(model, tx, loss_fn, start, batches, place=mesh_placer(start, strategy))
-    return float(np.abs(losses - ref_losses).max()), max_diff(params, ref_params)
+def drift_floor(model, tx, loss_fn, start: px.TrainState, batches, strategy: px.Strategy, ref: PlainRun) -> Drift:
+    """How far plain jit drifts from the one-device run ``ref`` with ``start``'s values on the mesh."""
+    run = run_plain(model, tx, loss_fn, start, batches, place=mesh_placer(start, strategy))
+    return Drift(float(np.abs(run.losses - ref.losses).max()), max_diff(run.params, ref.params),
+                 max_diff(run.opt_state, ref.opt_state))

@@ -1,4 +1,8 @@
-"""Every strategy matches one device, step by step, with SGD and AdamW (8 fake devices)."""
+"""Every strategy matches one device, step by step, with SGD and AdamW (8 fake devices).
+
+Compared: the loss trajectory, the final params, the final optimizer state (Adam's moments and step
+count; SGD's state has no arrays, so its tree structure) and BatchNorm statistics.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +21,13 @@ STEPS = 10
 
 @functools.lru_cache(maxsize=None)
 def reference(model_name: str, opt_name: str):
-    """Initial state (as built on one device) and the one-device trajectory."""
+    """Initial params (as built on one device) and the one-device run (a ``PlainRun``)."""
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
     single = px.DataParallel(1)
     state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), data[0], strategy=single, rng=0,
                           loss_fn=loss_fn, mesh=single.make_mesh(jax.devices()[:1]))
-    losses, params, model_state = run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data)
-    return jax.device_get(state.params), losses, params, model_state
+    return jax.device_get(state.params), run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data)
 
 
 def initial_state(model_name: str, opt_name: str, strategy: px.Strategy) -> px.TrainState:
@@ -43,11 +46,10 @@ def initial_state(model_name: str, opt_name: str, strategy: px.Strategy) -> px.T
 
 @functools.lru_cache(maxsize=None)
 def _floor(model_name, opt_name, strategy):
-    """How far plain jit drifts from one device with the same values merely placed on the mesh."""
+    """How far plain jit drifts from one device with the same values merely placed on the mesh (a ``Drift``)."""
     model_cls, loss_fn = MODELS[model_name]
-    _, ref_losses, ref_params, _ = reference(model_name, opt_name)
     return drift_floor(model_cls(), OPTIMIZERS[opt_name](), loss_fn, initial_state(model_name, opt_name, strategy),
-                       batches(model_name, STEPS), strategy, ref_losses, ref_params)
+                       batches(model_name, STEPS), strategy, reference(model_name, opt_name)[1])
 
 
 CASES = [(s, c) for s in STRATEGIES for c in (("jit",) if s == "tp" else ("shard_map", "jit"))]
@@ -59,7 +61,7 @@ CASES = [(s, c) for s in STRATEGIES for c in (("jit",) if s == "tp" else ("shard
 def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name):
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
-    _, ref_losses, ref_params, ref_model_state = reference(model_name, opt_name)
+    _, ref = reference(model_name, opt_name)
     strategy = STRATEGIES[strategy_name]()  # TensorParallel() derives each model's layout from its computation
 
     state = initial_state(model_name, opt_name, strategy)
@@ -67,15 +69,21 @@ def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name
         px.step.state_specs_of(state)[1].params, is_leaf=px.specs.is_spec)))
     assert used == {p.axis for p in strategy.parts if not isinstance(p, px.DataParallel)}, used
     state, losses = run_steps(px.make_train_step(loss_fn, strategy, compile=compile_mode), state, data)
-    diff = float(np.abs(losses - ref_losses).max())
-    params_diff = max_diff(jax.device_get(state.params), ref_params)
-    tol = bound(diff, lambda: _floor(model_name, opt_name, strategy)[0])
-    params_tol = bound(params_diff, lambda: _floor(model_name, opt_name, strategy)[1])
+    diff = float(np.abs(losses - ref.losses).max())
+    params_diff = max_diff(jax.device_get(state.params), ref.params)
+    # The same optax state tree as one device's (max_diff checks the structure): moments, counts.
+    opt_diff = max_diff(jax.device_get(state.opt_state), ref.opt_state)
+    floor = functools.partial(_floor, model_name, opt_name, strategy)  # cached; run only past TOL
+    tol = bound(diff, lambda: floor().losses)
+    params_tol = bound(params_diff, lambda: floor().params)
+    opt_tol = bound(opt_diff, lambda: floor().opt_state)
     print(f"{strategy_name}/{compile_mode}/{model_name}/{opt_name}: max loss diff {diff:.2e} (bound {tol:.1e}), "
-          f"max final param diff {params_diff:.2e} (bound {params_tol:.1e})")
+          f"max final param diff {params_diff:.2e} (bound {params_tol:.1e}), "
+          f"max final opt-state diff {opt_diff:.2e} (bound {opt_tol:.1e})")
     assert diff <= tol, f"{strategy.describe()}: loss trajectory differs by {diff:.3g} > {tol:.3g}"
     assert params_diff <= params_tol, f"{strategy.describe()}: final params differ by {params_diff:.3g} > {params_tol:.3g}"
+    assert opt_diff <= opt_tol, f"{strategy.describe()}: final opt state differs by {opt_diff:.3g} > {opt_tol:.3g}"
     # BatchNorm statistics after N steps match one device.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=max(tol, 1e-5) * 10),
-                 jax.device_get(state.model_state), ref_model_state)
+                 jax.device_get(state.model_state), ref.model_state)
     assert int(state.step) == STEPS

@@ -65,11 +65,11 @@ def test_init_never_materialises_a_whole_param_on_one_device():
 
 
 def test_wrap_runs_the_notebook_recipe_inside_shard_map():
-    """strategy.wrap: shard on write at init, gather on read, inside the user's shard_map."""
+    """px.wrap_for_shard_map: shard on write at init, gather on read, inside the user's shard_map."""
     model = TinyLM(vocab=64, features=32)
     strategy = px.FSDP(min_weight_size=256)
     mesh = strategy.make_mesh()
-    wrapped = strategy.wrap(model)
+    wrapped = px.wrap_for_shard_map(model, strategy)
     tokens = batches("lm", 1)[0]["x"]
 
     def local_init(x):
@@ -99,7 +99,7 @@ def test_wrapped_module_matches_the_unwrapped_one():
     boxed = jax.tree.map(lambda v, s: nn.Partitioned(v, tuple(s) + (None,) * (v.ndim - len(s))) if len(s) else v,
                          variables["params"], specs, is_leaf=px.specs.is_spec)
     boxed_specs = nn.get_partition_spec(boxed)
-    wrapped = strategy.wrap(model)
+    wrapped = px.wrap_for_shard_map(model, strategy)
     apply = jax.jit(jax.shard_map(lambda p, x: wrapped.apply({"params": p}, x, train=False), mesh=mesh,
                                   in_specs=(boxed_specs, P("fsdp")), out_specs=P("fsdp"), check_vma=False))
     np.testing.assert_allclose(apply(boxed, tokens), expected, atol=1e-5)

@@ -21,7 +21,8 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain, run_steps, with_params
+from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, max_diff, run_plain, run_steps,
+                             with_params)
 
 STEPS = 6
 
@@ -106,8 +107,7 @@ def reference(case: str, opt_name: str):
     single = px.DataParallel(1)
     state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), data[0], strategy=single, rng=0, loss_fn=loss_fn,
                           mesh=single.make_mesh(jax.devices()[:1]))
-    losses, params, _ = run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data)
-    return jax.device_get(state.params), losses, params
+    return jax.device_get(state.params), run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data)
 
 
 def initial_state(case: str, opt_name: str, strategy: px.Strategy) -> px.TrainState:
@@ -127,12 +127,11 @@ def train(case: str, opt_name: str, strategy: px.Strategy, **step_options):
 
 
 @functools.lru_cache(maxsize=None)
-def floor(case: str, opt_name: str, strategy: px.Strategy) -> tuple[float, float]:
+def floor(case: str, opt_name: str, strategy: px.Strategy) -> Drift:
     """How far plain jit drifts from one device with the same values placed on the mesh."""
     model_cls, loss_fn = CASES[case]
-    _, ref_losses, ref_params = reference(case, opt_name)
     return drift_floor(model_cls(), OPTIMIZERS[opt_name](), loss_fn, initial_state(case, opt_name, strategy),
-                       make_batches(case), strategy, ref_losses, ref_params)
+                       make_batches(case), strategy, reference(case, opt_name)[1])
 
 
 # SGD on every strategy (it shows a wrong gradient scale; Adam hides it), AdamW on the hybrid.
@@ -142,27 +141,27 @@ GRID = [(s, "sgd") for s in STRATEGIES] + [("dp+fsdp+tp", "adamw")]
 @pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
 @pytest.mark.parametrize("case", list(CASES))
 def test_batch_level_loss_is_exact_by_default(case, strategy_name, opt_name):
-    _, ref_losses, ref_params = reference(case, opt_name)
+    _, ref = reference(case, opt_name)
     strategy = STRATEGIES[strategy_name]()
     losses, params, step = train(case, opt_name, strategy)
     assert step.mode() == "jit"  # the loss sees the global batch
-    loss_diff = float(np.abs(losses - ref_losses).max())
-    params_diff = max_diff(params, ref_params)
-    loss_tol = bound(loss_diff, lambda: floor(case, opt_name, strategy)[0])  # max(1e-5, twice jit's own drift)
-    params_tol = bound(params_diff, lambda: floor(case, opt_name, strategy)[1])
+    loss_diff = float(np.abs(losses - ref.losses).max())
+    params_diff = max_diff(params, ref.params)
+    loss_tol = bound(loss_diff, lambda: floor(case, opt_name, strategy).losses)  # max(1e-5, twice jit's own drift)
+    params_tol = bound(params_diff, lambda: floor(case, opt_name, strategy).params)
     print(f"{case}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
-    assert loss_diff <= loss_tol, (case, strategy_name, losses, ref_losses)
+    assert loss_diff <= loss_tol, (case, strategy_name, losses, ref.losses)
     assert params_diff <= params_tol, (case, strategy_name, params_diff)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_per_shard_semantics_only_when_asked(case):
     """compile="shard_map" (explicit) averages per-shard losses: a different objective here."""
-    _, ref_losses, _ = reference(case, "sgd")
+    _, ref = reference(case, "sgd")
     losses, _, step = train(case, "sgd", px.DataParallel(), compile="shard_map")
     assert step.mode() == "shard_map"
-    assert np.abs(losses - ref_losses).max() > 1e-3
+    assert np.abs(losses - ref.losses).max() > 1e-3
 
 
 def test_a_marked_per_example_loss_may_run_per_shard():

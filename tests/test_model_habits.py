@@ -87,8 +87,8 @@ def reference(case):
     with nn.logical_axis_rules(RULES):
         state = px.init_state(model_cls(), optax.sgd(0.1), data[0], strategy=single, loss_fn=loss_fn,
                               mesh=single.make_mesh(jax.devices()[:1]))
-    losses, params, _ = run_plain(model_cls(), optax.sgd(0.1), loss_fn, state, data)
-    return jax.device_get(state.params), losses, params
+    ref = run_plain(model_cls(), optax.sgd(0.1), loss_fn, state, data)
+    return jax.device_get(state.params), ref.losses, ref.params
 
 
 @pytest.mark.parametrize("compile_mode", ["shard_map", "jit"])

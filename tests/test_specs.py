@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from parallax.specs import place_param
+from parallax.sharding.specs import place_param
 
 FSDP8 = {"fsdp": 8}
 

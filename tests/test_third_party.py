@@ -43,8 +43,7 @@ def reference(model_name: str, opt_name: str):
     single = px.DataParallel(1)
     state = px.init_state(module(model_name), OPTIMIZERS[opt_name](), data[0], strategy=single, rng=0,
                           loss_fn=loss_fn, mesh=single.make_mesh(jax.devices()[:1]))
-    losses, params, model_state = run_plain(module(model_name), OPTIMIZERS[opt_name](), loss_fn, state, data)
-    return jax.device_get(state.params), losses, params, model_state
+    return jax.device_get(state.params), run_plain(module(model_name), OPTIMIZERS[opt_name](), loss_fn, state, data)
 
 
 # SGD under every strategy (it shows a wrong gradient scale, which Adam hides); AdamW under the
@@ -57,7 +56,7 @@ GRID = [(s, "sgd") for s in STRATEGIES] + [("dp+fsdp+tp", "adamw")]
 def test_third_party_model_matches_one_device(model_name, strategy_name, opt_name):
     _, loss_fn, kind = MODELS[model_name]
     data = batches(kind, STEPS)
-    init_params, ref_losses, ref_params, ref_model_state = reference(model_name, opt_name)
+    init_params, ref = reference(model_name, opt_name)
     strategy = STRATEGIES[strategy_name]()
 
     def start():  # the step donates its input state: each run gets its own
@@ -65,18 +64,18 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
                                          rng=0, loss_fn=loss_fn), init_params)
 
     state, losses = run_steps(px.make_train_step(loss_fn, strategy), start(), data)
-    loss_diff = float(np.abs(losses - ref_losses).max())
-    params_diff = max_diff(jax.device_get(state.params), ref_params)
+    loss_diff = float(np.abs(losses - ref.losses).max())
+    params_diff = max_diff(jax.device_get(state.params), ref.params)
     floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start(), data,
-                                                strategy, ref_losses, ref_params))
-    loss_tol = bound(loss_diff, lambda: floor()[0])
-    params_tol = bound(params_diff, lambda: floor()[1])
+                                                strategy, ref))
+    loss_tol = bound(loss_diff, lambda: floor().losses)
+    params_tol = bound(params_diff, lambda: floor().params)
     print(f"{model_name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
-    assert loss_diff <= loss_tol, (losses.tolist(), ref_losses.tolist())
+    assert loss_diff <= loss_tol, (losses.tolist(), ref.losses.tolist())
     assert params_diff <= params_tol
-    if ref_model_state:  # BatchNorm statistics
-        assert max_diff(jax.device_get(state.model_state), ref_model_state) <= 10 * max(loss_tol, TOL)
+    if ref.model_state:  # BatchNorm statistics
+        assert max_diff(jax.device_get(state.model_state), ref.model_state) <= 10 * max(loss_tol, TOL)
     # Every non-data axis really splits something.
     specs = [x.sharding.spec for x in jax.tree.leaves(state.params)]
     for part in strategy.parts:

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import parallax as px
-from parallax.checkpoint import CheckpointError
+from parallax import CheckpointError
 from tests.models import MLP, classifier_loss
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_run.py")

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import jax
 import numpy as np
 from flax.core import meta
-from flax.linen import spmd as nn_partitioning
+from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
 from parallax._tree import is_box, path_str
@@ -51,6 +51,31 @@ def entry_size(entry: Any, axis_sizes: Mapping[str, int]) -> int:
     return int(np.prod([axis_sizes[a] for a in axes]))
 
 
+def logical_to_mesh(names: Sequence[Any], rules: Sequence[tuple[str, Any]] | None = None) -> tuple:
+    """Mesh axes for logical dim names, by rules in order of precedence (flax's resolution).
+
+    A rule ``(logical, mesh)`` gives the first dim named ``logical`` the mesh axes ``mesh``
+    if that dim is still free and no dim took those axes yet. ``rules=None`` reads the
+    ``logical_axis_rules`` context. Names no rule resolves stay unsplit (``None``).
+
+    Example:
+        >>> logical_to_mesh(("embed", "mlp"), [("mlp", "tensor"), ("embed", "fsdp")])
+        ('fsdp', 'tensor')
+    """
+    rules = tuple(core_spmd.get_logical_axis_rules() if rules is None else rules)
+    unassigned = object()
+    result: list[Any] = [unassigned if isinstance(name, str) else name for name in names]
+    for logical, mesh_axes in rules:
+        if logical not in names:
+            continue
+        taken = dims_axes([r for r in result if r is not unassigned])
+        wanted = mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+        position = list(names).index(logical)
+        if result[position] is unassigned and not taken & {a for a in wanted if a is not None}:
+            result[position] = mesh_axes
+    return tuple(None if r is unassigned else r for r in result)
+
+
 def annotation_dims(box: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, int]) -> Dims:
     """The dims a model's own ``nn.with_partitioning`` / logical annotation asks for.
 
@@ -62,9 +87,8 @@ def annotation_dims(box: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, i
     if not isinstance(box, meta.Partitioned):
         return dims
     names = tuple(box.names)
-    if isinstance(box, nn_partitioning.LogicallyPartitioned):
-        resolved = nn_partitioning.logical_to_mesh_axes(names, box.rules)
-        names = tuple(resolved) if resolved is not None else (None,) * len(shape)
+    if hasattr(box, "rules"):  # logical names (nn.with_logical_partitioning): resolve through the rules
+        names = logical_to_mesh(names, box.rules)
     for d, entry in enumerate(names[: len(shape)]):
         axes = entry if isinstance(entry, tuple) else (entry,)
         kept = tuple(a for a in axes if isinstance(a, str) and a in axis_sizes)

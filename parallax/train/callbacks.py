@@ -1,7 +1,8 @@
 """Callbacks: one hook per step, called every ``every`` steps with the step's info.
 
 A callback is any object with an ``every`` attribute and an ``on_step(info)`` method;
-``on_fit_start(trainer)`` and ``on_fit_end(trainer)`` are optional. Metrics reach
+``on_fit_start(trainer)`` and ``on_fit_end(trainer)`` are optional, and ``needs_state = True``
+gives it the state of the step it is told about (``info.state``). Metrics reach
 callbacks late, never early: step t's metrics are read from the device only after step
 t+1 has been dispatched (in batches, see ``TrainerConfig.fetch_every``), so logging
 never stalls the accelerator.
@@ -35,6 +36,10 @@ class StepInfo:
         eval_metrics: evaluation metrics if an evaluation just ran at this step, else None.
         max_steps: the planned number of steps, if known.
         trainer: the running trainer (``trainer.request_stop(reason)`` ends training).
+        state: the train state right after this step, for a callback that sets
+            ``needs_state = True`` (the trainer then reads such a step back before it
+            dispatches the next one); otherwise ``None`` for steps whose state a later step
+            has already replaced (its buffers are donated).
     """
 
     step: int
@@ -43,6 +48,7 @@ class StepInfo:
     eval_metrics: dict[str, float] | None
     max_steps: int | None
     trainer: Any = None
+    state: Any = None
 
 
 @runtime_checkable
@@ -203,17 +209,22 @@ class EarlyStopping:
 
 
 class LearningRateLogger:
-    """Adds ``learning_rate`` to the step's metrics (put it before the loggers).
+    """Adds ``learning_rate`` (the rate step ``t`` was taken with) to the step's metrics.
+
+    Put it before the loggers.
 
     Args:
-        schedule: the optax schedule (``step -> lr``) or a constant. Without one the
-            rate is read from an ``optax.inject_hyperparams`` optimizer state.
+        schedule: the optax schedule (``count -> lr``, step ``t`` uses ``schedule(t - 1)``)
+            or a constant. Without one the rate is read from the step's own state, built
+            with ``optax.inject_hyperparams`` (the trainer then reads each logged step back
+            before dispatching the next).
         every: how often.
     """
 
     def __init__(self, schedule: Callable[[int], Any] | float | None = None, every: int = 1):
         self.schedule = schedule
         self.every = every
+        self.needs_state = schedule is None
 
     def on_step(self, info: StepInfo) -> None:
         if callable(self.schedule):
@@ -221,7 +232,9 @@ class LearningRateLogger:
         elif self.schedule is not None:
             rate = self.schedule
         else:
-            rate = _injected_learning_rate(info.trainer.state.opt_state)
+            if info.state is None:
+                return  # not a step it asked for (an eval or the last step read with older ones)
+            rate = _injected_learning_rate(info.state.opt_state)
             if rate is None:
                 raise ValueError("LearningRateLogger found no learning rate: pass schedule=..., or build the "
                                  "optimizer with optax.inject_hyperparams.")

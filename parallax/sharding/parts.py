@@ -1,14 +1,8 @@
-"""Strategies: where params live and how the batch is split, over named mesh axes.
+"""The single-axis strategy parts: ``DataParallel``, ``FSDP`` and ``TensorParallel``.
 
-A strategy is a frozen dataclass. ``DataParallel``, ``FSDP`` and ``TensorParallel`` each
-own one mesh axis; :func:`combine` joins them into one strategy over a multi-axis mesh,
-the way ``optax.chain`` joins transformations.
-
-Example:
-    >>> import parallax as px
-    >>> strategy = px.combine(px.DataParallel(2), px.FSDP(-1))
-    >>> strategy.batch_spec()
-    PartitionSpec(('data', 'fsdp'),)
+Each is a frozen dataclass that declares what it is through the part protocol of
+:class:`parallax.sharding.strategy.Strategy` (its axis, whether it splits the batch, whether
+its params are gathered where a layer uses them, how it places a param).
 """
 
 from __future__ import annotations
@@ -17,17 +11,13 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-import flax.linen as nn
-import jax
-from flax.core import meta
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from parallax import rules as tp_rules
-from parallax import specs as spec_lib
-from parallax.gather import GatherOnUse, gather_dim
-from parallax.mesh import build_mesh, resolve_axis_sizes
+from parallax.sharding import rules as tp_rules
+from parallax.sharding import specs as spec_lib
+from parallax.sharding.strategy import Strategy
 
-__all__ = ["Strategy", "DataParallel", "FSDP", "TensorParallel", "Combined", "combine"]
+__all__ = ["DataParallel", "FSDP", "TensorParallel"]
 
 
 def _check_axis(kind: str, size: Any, axis: Any) -> None:
@@ -38,199 +28,6 @@ def _check_axis(kind: str, size: Any, axis: Any) -> None:
             f"{kind}(size={size!r}): use a positive number of devices, or -1 for the "
             "devices left over."
         )
-
-
-class Strategy:
-    """Methods every strategy shares; subclasses are frozen dataclasses.
-
-    Subclasses provide ``parts`` (the single-axis strategies they are made of).
-    """
-
-    @property
-    def parts(self) -> tuple["Strategy", ...]:
-        return (self,)
-
-    # --- mesh -------------------------------------------------------------------------
-    def mesh_axes(self) -> tuple[tuple[str, int], ...]:
-        """``(name, size)`` of each mesh axis, in mesh order (sizes may be ``-1``)."""
-        return tuple((part.axis, part.size) for part in self.parts)
-
-    def axis_sizes(self, mesh: Mesh | None = None) -> dict[str, int]:
-        """Resolved axis sizes: from ``mesh`` if given, else over all devices."""
-        if mesh is not None:
-            self.check_mesh(mesh)
-            return {name: int(mesh.shape[name]) for name, _ in self.mesh_axes()}
-        return dict(resolve_axis_sizes(self.mesh_axes(), jax.device_count()))
-
-    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """The device mesh of this strategy (Auto axes, topology-ordered devices).
-
-        Example:
-            >>> mesh = px.FSDP().make_mesh()
-            >>> mesh.axis_names
-            ('fsdp',)
-        """
-        return build_mesh(self.mesh_axes(), devices)
-
-    def check_mesh(self, mesh: Mesh) -> None:
-        """Raises ``ValueError`` when ``mesh`` lacks an axis or has a wrong size."""
-        for name, size in self.mesh_axes():
-            if name not in mesh.shape:
-                raise ValueError(
-                    f"The mesh has axes {tuple(mesh.axis_names)} but the strategy needs axis "
-                    f"{name!r}; build the mesh with strategy.make_mesh()."
-                )
-            if size != -1 and mesh.shape[name] != size:
-                raise ValueError(
-                    f"Mesh axis {name!r} has size {mesh.shape[name]} but the strategy asks "
-                    f"for {size}; build the mesh with strategy.make_mesh()."
-                )
-
-    # --- batch ------------------------------------------------------------------------
-    @property
-    def data_axes(self) -> tuple[str, ...]:
-        """The axes the batch's leading dim is split over (DP and FSDP axes)."""
-        return tuple(part.axis for part in self.parts if part.splits_batch)
-
-    @property
-    def fsdp_axes(self) -> tuple[str, ...]:
-        """The axes whose params are gathered inside ``shard_map`` (FSDP axes)."""
-        return tuple(part.axis for part in self.parts if isinstance(part, FSDP))
-
-    def batch_spec(self) -> PartitionSpec:
-        """The ``PartitionSpec`` of a batch leaf: leading dim over every data-like axis."""
-        axes = self.data_axes
-        if not axes:
-            return PartitionSpec()
-        return PartitionSpec(axes if len(axes) > 1 else axes[0])
-
-    def data_shards(self, mesh: Mesh | None = None) -> int:
-        """How many pieces the batch's leading dim is split into."""
-        sizes = self.axis_sizes(mesh)
-        return math.prod(sizes[a] for a in self.data_axes)
-
-    def check_batch_size(self, batch_size: int, mesh: Mesh | None = None, multiple: int = 1) -> None:
-        """Raises ``ValueError`` unless ``batch_size`` splits evenly over the data axes."""
-        shards = self.data_shards(mesh) * multiple
-        if batch_size % shards:
-            sizes = self.axis_sizes(mesh)
-            what = " × ".join(f"{a}={sizes[a]}" for a in self.data_axes) or "1"
-            if multiple > 1:
-                what += f" × grad_accum={multiple}"
-            lower = batch_size - batch_size % shards
-            nearest = f"{lower} or {lower + shards}" if lower else f"{shards}"
-            raise ValueError(
-                f"Batch size {batch_size} is not divisible by {shards} ({what}); use a "
-                f"multiple of {shards}, e.g. {nearest}."
-            )
-
-    # --- params and state --------------------------------------------------------------
-    def param_specs(self, abstract_params: Any, mesh: Mesh | None = None) -> Any:
-        """A ``PartitionSpec`` for every param (boxes of ``nn.with_partitioning`` are read)."""
-        sizes = self.axis_sizes(mesh)
-        self._check_params(abstract_params, sizes)
-        return spec_lib.param_specs(abstract_params, self.parts, sizes)
-
-    def state_specs(self, abstract_state: Any, mesh: Mesh | None = None) -> Any:
-        """A ``PartitionSpec`` tree matching a train state.
-
-        Params follow the strategy; optimizer leaves shaped like a param (Adam moments)
-        follow that param; step, counts, rng and other collections are replicated.
-
-        Example:
-            >>> specs = px.FSDP(min_weight_size=0).state_specs(jax.eval_shape(make_state))
-        """
-        sizes = self.axis_sizes(mesh)
-        self._check_params(spec_lib.params_of(abstract_state), sizes)
-        return spec_lib.state_specs(abstract_state, self.parts, sizes)
-
-    def _check_params(self, abstract_params: Any, sizes: Mapping[str, int]) -> None:
-        paths = [
-            spec_lib.path_str(key_path)
-            for key_path, _ in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=spec_lib.is_box)[0]
-        ]
-        for part in self.parts:
-            check = getattr(part, "check_params", None)
-            if check is not None:
-                check(paths, sizes)
-
-    # --- derived layouts ----------------------------------------------------------------
-    @property
-    def needs_layout(self) -> bool:
-        """Whether a part (a ``TensorParallel`` that derives) still needs the computation."""
-        return any(part.needs_layout for part in self.parts if part is not self)
-
-    def with_part(self, old: "Strategy", new: "Strategy") -> "Strategy":
-        """This strategy with the part ``old`` replaced by ``new``."""
-        if self.parts == (self,):
-            return new if self is old else self
-        return Combined(tuple(new if part is old else part for part in self.parts))
-
-    # --- shard_map -------------------------------------------------------------------
-    def wrap(self, module: nn.Module, mesh: Mesh | None = None) -> nn.Module:
-        """The same module, wrapped with ``nn.map_variables`` to run inside ``shard_map``.
-
-        Inside ``shard_map`` (with the FSDP axes manual) the wrapped module takes params
-        as ``nn.Partitioned`` boxes of local shards, as the notebook recipe keeps them:
-        on read, each shard split over an FSDP axis is all-gathered where the layer
-        uses it (gradient: reduce-scatter / N); on write (``init``), a full param is cut
-        to this device's shard and boxed with its spec's names. Param paths are
-        unchanged.
-
-        Example:
-            >>> wrapped = strategy.wrap(model)
-            >>> # inside jax.shard_map(..., axis_names=set(strategy.data_axes)):
-            >>> variables = wrapped.init(rng, x)   # params: nn.Partitioned local shards
-            >>> y = wrapped.apply(variables, x)    # same y as model.apply on full params
-        """
-        fsdp_axes = set(self.fsdp_axes)
-        sizes = self.axis_sizes(mesh)
-
-        def gather_in(params):
-            def to_gather(leaf):
-                if isinstance(leaf, meta.Partitioned):
-                    found = gather_dim(PartitionSpec(*leaf.names), fsdp_axes)
-                    if found is not None:
-                        return GatherOnUse(leaf.value, found[0], found[1])
-                    return leaf.value
-                return leaf
-
-            return jax.tree.map(to_gather, params, is_leaf=spec_lib.is_box)
-
-        def shard_out(params):
-            def to_shard(key_path, leaf):
-                if isinstance(leaf, GatherOnUse):
-                    names = [None] * leaf.value.ndim
-                    names[leaf.dim] = leaf.axis_name
-                    return nn.Partitioned(leaf.value, tuple(names))
-                if spec_lib.is_box(leaf) and not isinstance(leaf, meta.Partitioned):
-                    return leaf
-                value = leaf.value if isinstance(leaf, meta.Partitioned) else leaf
-                spec = spec_lib.place_param(spec_lib.path_str(key_path), value.shape, self.parts, sizes, box=leaf)
-                names = list(spec) + [None] * (value.ndim - len(spec))
-                found = gather_dim(spec, fsdp_axes)
-                if found is not None:
-                    dim, axis = found
-                    chunk = value.shape[dim] // sizes[axis]
-                    start = jax.lax.axis_index(axis) * chunk
-                    value = jax.lax.dynamic_slice_in_dim(value, start, chunk, axis=dim)
-                return nn.Partitioned(value, tuple(names))
-
-            return jax.tree_util.tree_map_with_path(to_shard, params, is_leaf=spec_lib.is_box)
-
-        wrapped_cls = nn.map_variables(
-            type(module), "params", trans_in_fn=gather_in, trans_out_fn=shard_out, init=True, mutable=True
-        )
-        fields = {
-            f.name: getattr(module, f.name)
-            for f in dataclasses.fields(module)
-            if f.init and f.name not in ("parent", "name")
-        }
-        return wrapped_cls(**fields)
-
-    def describe(self) -> str:
-        """A one-line summary, e.g. ``"DataParallel(data=2) × FSDP(fsdp=-1)"``."""
-        return " × ".join(f"{type(p).__name__}({p.axis}={p.size})" for p in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +46,7 @@ class DataParallel(Strategy):
     axis: str = "data"
 
     splits_batch = True
+    gathers_params = False
     placement_priority = 30
 
     def __post_init__(self):
@@ -284,7 +82,9 @@ class FSDP(Strategy):
     scanned: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True
+    gathers_params = True
     placement_priority = 20
+    uses_computation = True  # to learn which param dims a scan steps over
 
     def __post_init__(self):
         _check_axis("FSDP", self.size, self.axis)
@@ -301,6 +101,10 @@ class FSDP(Strategy):
         of ``nn.scan``'s params would gather the whole stack on every device each step.
         """
         return dataclasses.replace(self, scanned=dict(scanned))
+
+    def fit_to_computation(self, computation: Any) -> "FSDP":
+        scanned = computation.scanned_dims()
+        return self.skipping_scanned(scanned) if scanned else self
 
     def place(self, path, shape, dims, axis_sizes):
         size = axis_sizes[self.axis]
@@ -320,7 +124,7 @@ class TensorParallel(Strategy):
 
     With no rules, the layout is derived when the state is planned (``init_state``,
     ``plan_state``, ``Trainer``): the loss is traced once and each param's dims are
-    followed through the matmuls and convolutions (see :mod:`parallax.tp_layout`). A
+    followed through the matmuls and convolutions (see :mod:`parallax.sharding.tp_layout`). A
     hidden dim produced by one weight and consumed by the next is split (the first
     column-wise, the second row-wise), attention by heads, embeddings by vocabulary,
     whatever the layers are called and however their kernels are stored. Name rules,
@@ -333,14 +137,14 @@ class TensorParallel(Strategy):
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
         rules: ``(regex, layout)`` pairs searched in param paths, first match wins (see
-            :mod:`parallax.rules`). A rule you pass that matches no param is an error.
+            :mod:`parallax.sharding.rules`). A rule you pass that matches no param is an error.
         derive: derive the layout of params no rule matches from the computation. With
-            ``derive=False`` and no rules, :data:`parallax.rules.DEFAULT_RULES` (common
+            ``derive=False`` and no rules, :data:`parallax.sharding.rules.DEFAULT_RULES` (common
             layer names) are used instead.
         min_split_fraction: a derived layout that splits less than this fraction of the
             param elements is an error naming the reason (heads not divisible by the
             axis size, no matmul chain); ``0`` allows any layout.
-        layout: the derived :class:`parallax.tp_layout.TensorLayout` (set by
+        layout: the derived :class:`parallax.sharding.tp_layout.TensorLayout` (set by
             :meth:`with_layout` when the state is planned; not part of the strategy's identity).
 
     Example:
@@ -357,6 +161,7 @@ class TensorParallel(Strategy):
     layout: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = False
+    gathers_params = False
     placement_priority = 10
 
     def __post_init__(self):
@@ -383,6 +188,28 @@ class TensorParallel(Strategy):
     def needs_layout(self) -> bool:
         """Whether this part still needs a layout derived from the computation."""
         return self.derive and self.layout is None
+
+    @property
+    def uses_computation(self) -> bool:
+        return self.needs_layout
+
+    def fit_to_computation(self, computation: Any) -> "TensorParallel":
+        """This part with its layout derived from the traced loss (params its rules or the
+        model's annotations place are fixed, the rest derived)."""
+        if not self.needs_layout:
+            return self
+        sizes = computation.axis_sizes
+        fixed = {}
+        for path, shape, box in zip(computation.param_paths, computation.param_shapes, computation.param_boxes):
+            annotated = spec_lib.annotation_dims(box, shape, sizes)
+            dim = next((d for d, entry in enumerate(annotated) if self.axis in spec_lib.dims_axes([entry])), None)
+            if dim is not None:
+                fixed[path] = (dim, "annotation")
+                continue
+            ruled = self.rule_dims(path, shape, [None] * len(shape), sizes)
+            if ruled is not None:
+                fixed[path] = (next((d for d, entry in enumerate(ruled) if entry == self.axis), None), "rule")
+        return self.with_layout(computation.derive_layout(self.axis, fixed))
 
     def with_layout(self, layout: Any) -> "TensorParallel":
         """This strategy with a derived layout in place.
@@ -484,43 +311,3 @@ class TensorParallel(Strategy):
             if dim is not None and dim < len(shape) and dims[dim] is None and shape[dim] % axis_sizes[self.axis] == 0:
                 dims[dim] = self.axis
         return dims
-
-
-@dataclasses.dataclass(frozen=True)
-class Combined(Strategy):
-    """Several single-axis strategies over one multi-axis mesh; build with :func:`combine`."""
-
-    members: tuple = ()
-
-    @property
-    def parts(self) -> tuple[Strategy, ...]:
-        return self.members
-
-
-def combine(*strategies: Strategy) -> Combined:
-    """One strategy over a multi-axis mesh, axes in the order given.
-
-    Example:
-        >>> strategy = px.combine(px.DataParallel(2), px.FSDP(2), px.TensorParallel(2))
-        >>> strategy.make_mesh().shape
-        OrderedDict([('data', 2), ('fsdp', 2), ('tensor', 2)])
-    """
-    parts: list[Strategy] = []
-    for strategy in strategies:
-        if not isinstance(strategy, Strategy):
-            raise ValueError(f"combine() takes parallax strategies, got {strategy!r}.")
-        parts.extend(strategy.parts)
-    if not parts:
-        raise ValueError("combine() needs at least one strategy, e.g. combine(DataParallel(2), FSDP(4)).")
-    kinds = [type(p).__name__ for p in parts]
-    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
-    if repeated:
-        raise ValueError(f"combine() got more than one {repeated[0]} ({kinds}); use each kind once.")
-    names = [p.axis for p in parts]
-    clash = sorted({n for n in names if names.count(n) > 1})
-    if clash:
-        raise ValueError(
-            f"combine() got the axis name {clash[0]!r} twice ({names}); give each strategy "
-            "its own axis name."
-        )
-    return Combined(tuple(parts))

@@ -1,0 +1,51 @@
+"""What only the computation shows: the traced loss, and the facts placement reads from it.
+
+A strategy part that ``uses_computation`` (a ``TensorParallel`` that derives its layout, an
+``FSDP`` that must not split a dim a ``scan`` steps over) is given a :class:`Computation`
+when the state is planned. The model layer traces the loss (nothing runs); this module only
+reads the jaxpr, so it stays free of any model library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+from parallax.sharding.tp_layout import TensorLayout, derive_layout, scanned_dims
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+    """A traced loss and the params it reads.
+
+    Attributes:
+        jaxpr: ``jax.make_jaxpr`` of the loss; its invars are the param leaves first, then
+            the model state's leaves, then the batch's, then the rng key.
+        param_paths: the path of each param leaf (``"Dense_0/kernel"``).
+        param_shapes: each param's global shape.
+        param_boxes: each param's abstract leaf as the model declared it (metadata boxes
+            such as ``nn.Partitioned`` kept, for the model's own annotations).
+        batch_invars: the indices of the batch leaves among the invars.
+        axis_sizes: the mesh's axis sizes.
+    """
+
+    jaxpr: Any
+    param_paths: tuple[str, ...]
+    param_shapes: tuple[tuple[int, ...], ...]
+    param_boxes: tuple
+    batch_invars: tuple[int, ...]
+    axis_sizes: Mapping[str, int]
+
+    @functools.cached_property
+    def _scanned(self) -> dict[str, tuple[int, ...]]:
+        return scanned_dims(self.jaxpr, self.param_paths)
+
+    def scanned_dims(self) -> dict[str, tuple[int, ...]]:
+        """The param dims a ``scan`` steps over (``nn.scan``'s stacked layer dim), by path."""
+        return self._scanned
+
+    def derive_layout(self, axis: str, fixed: Mapping[str, tuple[int | None, str]]) -> TensorLayout:
+        """The Megatron layout over ``axis`` (see :func:`parallax.sharding.tp_layout.derive_layout`)."""
+        return derive_layout(self.jaxpr, self.param_paths, axis=axis, axis_size=self.axis_sizes[axis],
+                             batch_invars=self.batch_invars, fixed=fixed)

@@ -1,0 +1,242 @@
+"""Strategies: where params live and how the batch is split, over named mesh axes.
+
+A strategy is a frozen dataclass. ``DataParallel``, ``FSDP`` and ``TensorParallel`` each
+own one mesh axis; :func:`combine` joins them into one strategy over a multi-axis mesh,
+the way ``optax.chain`` joins transformations.
+
+Example:
+    >>> import parallax as px
+    >>> strategy = px.combine(px.DataParallel(2), px.FSDP(-1))
+    >>> strategy.batch_spec()
+    PartitionSpec(('data', 'fsdp'),)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from parallax.sharding import specs as spec_lib
+from parallax.sharding.mesh import build_mesh, resolve_axis_sizes
+
+__all__ = ["Strategy", "Combined", "combine"]
+
+# What every single-axis part must declare (see Strategy): checked when its class is defined.
+PART_DECLARATIONS = ("splits_batch", "gathers_params", "placement_priority", "place")
+
+
+class Strategy:
+    """Methods every strategy shares; subclasses are frozen dataclasses.
+
+    A strategy is made of single-axis *parts* (``parts``; a part is its own only part). A
+    part declares what it is, explicitly, so that nothing has to guess from its type:
+
+    * ``axis: str`` and ``size: int`` — its mesh axis (``-1``: the devices left over);
+    * ``splits_batch: bool`` — the batch's leading dim is split over its axis;
+    * ``gathers_params: bool`` — params it splits are all-gathered where a layer uses
+      them inside ``shard_map`` (their gradient is a reduce-scatter);
+    * ``placement_priority: int`` and ``place(path, shape, dims, axis_sizes) -> dims`` —
+      how it places a param (lower priorities place first);
+    * optionally ``check_params(paths, axis_sizes)``, and ``fit_to_computation(facts)``
+      with ``uses_computation`` for what only the traced loss shows (see
+      :class:`parallax.sharding.computation.Computation`).
+
+    A part class that leaves one of the first four out is an error when it is defined.
+    """
+
+    uses_computation = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.parts is not Strategy.parts:
+            return  # a composite (it overrides ``parts``): its parts declare themselves
+        missing = [name for name in PART_DECLARATIONS if not hasattr(cls, name)]
+        if missing:
+            raise TypeError(
+                f"Strategy part {cls.__name__} does not declare {missing}: a part says how it splits the "
+                "batch, whether its params are gathered on use and how it places a param (see "
+                "parallax.sharding.strategy.Strategy)."
+            )
+
+    @property
+    def parts(self) -> tuple["Strategy", ...]:
+        return (self,)
+
+    def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int]) -> None:
+        """Raises ``ValueError`` for param paths this part cannot place (default: accepts all)."""
+
+    def fit_to_computation(self, computation: Any) -> "Strategy":
+        """This part, told what the traced loss shows (default: unchanged)."""
+        return self
+
+    # --- mesh -------------------------------------------------------------------------
+    def mesh_axes(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of each mesh axis, in mesh order (sizes may be ``-1``)."""
+        return tuple((part.axis, part.size) for part in self.parts)
+
+    def axis_sizes(self, mesh: Mesh | None = None) -> dict[str, int]:
+        """Resolved axis sizes: from ``mesh`` if given, else over all devices."""
+        if mesh is not None:
+            self.check_mesh(mesh)
+            return {name: int(mesh.shape[name]) for name, _ in self.mesh_axes()}
+        return dict(resolve_axis_sizes(self.mesh_axes(), jax.device_count()))
+
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The device mesh of this strategy (Auto axes, topology-ordered devices).
+
+        Example:
+            >>> mesh = px.FSDP().make_mesh()
+            >>> mesh.axis_names
+            ('fsdp',)
+        """
+        return build_mesh(self.mesh_axes(), devices)
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Raises ``ValueError`` when ``mesh`` lacks an axis or has a wrong size."""
+        for name, size in self.mesh_axes():
+            if name not in mesh.shape:
+                raise ValueError(
+                    f"The mesh has axes {tuple(mesh.axis_names)} but the strategy needs axis "
+                    f"{name!r}; build the mesh with strategy.make_mesh()."
+                )
+            if size != -1 and mesh.shape[name] != size:
+                raise ValueError(
+                    f"Mesh axis {name!r} has size {mesh.shape[name]} but the strategy asks "
+                    f"for {size}; build the mesh with strategy.make_mesh()."
+                )
+
+    # --- batch ------------------------------------------------------------------------
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes the batch's leading dim is split over (DP and FSDP axes)."""
+        return tuple(part.axis for part in self.parts if part.splits_batch)
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The axes whose params are gathered where they are used inside ``shard_map`` (FSDP axes)."""
+        return tuple(part.axis for part in self.parts if part.gathers_params)
+
+    @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The axes that do not split the batch (tensor axes): the model itself is split over them."""
+        return tuple(part.axis for part in self.parts if not part.splits_batch)
+
+    def batch_spec(self) -> PartitionSpec:
+        """The ``PartitionSpec`` of a batch leaf: leading dim over every data-like axis."""
+        axes = self.data_axes
+        if not axes:
+            return PartitionSpec()
+        return PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+    def data_shards(self, mesh: Mesh | None = None) -> int:
+        """How many pieces the batch's leading dim is split into."""
+        sizes = self.axis_sizes(mesh)
+        return math.prod(sizes[a] for a in self.data_axes)
+
+    def check_batch_size(self, batch_size: int, mesh: Mesh | None = None, multiple: int = 1) -> None:
+        """Raises ``ValueError`` unless ``batch_size`` splits evenly over the data axes."""
+        shards = self.data_shards(mesh) * multiple
+        if batch_size % shards:
+            sizes = self.axis_sizes(mesh)
+            what = " × ".join(f"{a}={sizes[a]}" for a in self.data_axes) or "1"
+            if multiple > 1:
+                what += f" × grad_accum={multiple}"
+            lower = batch_size - batch_size % shards
+            nearest = f"{lower} or {lower + shards}" if lower else f"{shards}"
+            raise ValueError(
+                f"Batch size {batch_size} is not divisible by {shards} ({what}); use a "
+                f"multiple of {shards}, e.g. {nearest}."
+            )
+
+    # --- params and state --------------------------------------------------------------
+    def param_specs(self, abstract_params: Any, mesh: Mesh | None = None) -> Any:
+        """A ``PartitionSpec`` for every param (boxes of ``nn.with_partitioning`` are read)."""
+        sizes = self.axis_sizes(mesh)
+        self._check_params(abstract_params, sizes)
+        return spec_lib.param_specs(abstract_params, self.parts, sizes)
+
+    def state_specs(self, abstract_state: Any, mesh: Mesh | None = None) -> Any:
+        """A ``PartitionSpec`` tree matching a train state.
+
+        Params follow the strategy; optimizer leaves shaped like a param (Adam moments)
+        follow that param; step, counts, rng and other collections are replicated.
+
+        Example:
+            >>> specs = px.FSDP(min_weight_size=0).state_specs(jax.eval_shape(make_state))
+        """
+        sizes = self.axis_sizes(mesh)
+        self._check_params(spec_lib.params_of(abstract_state), sizes)
+        return spec_lib.state_specs(abstract_state, self.parts, sizes)
+
+    def _check_params(self, abstract_params: Any, sizes: Mapping[str, int]) -> None:
+        paths = [
+            spec_lib.path_str(key_path)
+            for key_path, _ in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=spec_lib.is_box)[0]
+        ]
+        for part in self.parts:
+            part.check_params(paths, sizes)
+
+    # --- what only the computation shows --------------------------------------------------
+    @property
+    def needs_computation(self) -> bool:
+        """Whether a part wants the traced loss (a deriving ``TensorParallel``; ``FSDP`` for scans)."""
+        return any(part.uses_computation for part in self.parts)
+
+    @property
+    def needs_layout(self) -> bool:
+        """Whether a part (a ``TensorParallel`` that derives) still needs the computation to place params."""
+        return any(part.needs_layout for part in self.parts if part is not self)
+
+    def fitted_to(self, computation: Any) -> "Strategy":
+        """This strategy with every part told what the traced loss shows (see :meth:`fit_to_computation`)."""
+        if self.parts == (self,):
+            return self.fit_to_computation(computation)
+        return Combined(tuple(part.fit_to_computation(computation) for part in self.parts))
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``"DataParallel(data=2) × FSDP(fsdp=-1)"``."""
+        return " × ".join(f"{type(p).__name__}({p.axis}={p.size})" for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Combined(Strategy):
+    """Several single-axis strategies over one multi-axis mesh; build with :func:`combine`."""
+
+    members: tuple = ()
+
+    @property
+    def parts(self) -> tuple[Strategy, ...]:
+        return self.members
+
+
+def combine(*strategies: Strategy) -> Combined:
+    """One strategy over a multi-axis mesh, axes in the order given.
+
+    Example:
+        >>> strategy = px.combine(px.DataParallel(2), px.FSDP(2), px.TensorParallel(2))
+        >>> strategy.make_mesh().shape
+        OrderedDict([('data', 2), ('fsdp', 2), ('tensor', 2)])
+    """
+    parts: list[Strategy] = []
+    for strategy in strategies:
+        if not isinstance(strategy, Strategy):
+            raise ValueError(f"combine() takes parallax strategies, got {strategy!r}.")
+        parts.extend(strategy.parts)
+    if not parts:
+        raise ValueError("combine() needs at least one strategy, e.g. combine(DataParallel(2), FSDP(4)).")
+    kinds = [type(p).__name__ for p in parts]
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:
+        raise ValueError(f"combine() got more than one {repeated[0]} ({kinds}); use each kind once.")
+    names = [p.axis for p in parts]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise ValueError(
+            f"combine() got the axis name {clash[0]!r} twice ({names}); give each strategy "
+            "its own axis name."
+        )
+    return Combined(tuple(parts))

@@ -1,0 +1,81 @@
+"""Checks on a batch and a state before a step compiles: sizes, devices, layouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from parallax.sharding.strategy import Strategy
+
+
+def leading_dims(batch: Any) -> list[tuple[str, int]]:
+    """``(path, leading dim)`` of every batch leaf.
+
+    Raises:
+        ValueError: a leaf without a batch dim, or no arrays at all.
+    """
+    out = []
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(leaf, "shape", None)
+        if shape is None or len(shape) == 0:
+            raise ValueError(
+                f"Batch leaf {jax.tree_util.keystr(key_path)!r} is {type(leaf).__name__} with "
+                "no batch dim; every batch leaf must be an array whose first dim is the batch."
+            )
+        out.append((jax.tree_util.keystr(key_path), int(shape[0])))
+    if not out:
+        raise ValueError("The batch has no arrays in it.")
+    return out
+
+
+def check_batch(batch: Any, strategy: Strategy, mesh: Mesh, grad_accum: int = 1) -> int:
+    """Checks a batch before anything compiles; returns its (global) batch size.
+
+    Raises:
+        ValueError: leaves with different leading dims, or a batch size that the data
+            axes (times ``grad_accum``) do not divide.
+    """
+    dims = leading_dims(batch)
+    sizes = {size for _, size in dims}
+    if len(sizes) > 1:
+        raise ValueError(f"Batch leaves have different leading (batch) dims: {dict(dims)}.")
+    batch_size = sizes.pop()
+    strategy.check_batch_size(batch_size, mesh, multiple=grad_accum)
+    return batch_size
+
+
+def check_batch_devices(batch: Any, mesh: Mesh) -> None:
+    """Raises ``ValueError`` for a batch array that lives on devices outside the state's mesh."""
+    mesh_devices = set(mesh.devices.flat)
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and sharding is not None and not set(sharding.device_set) <= mesh_devices:
+            where = (f"a mesh with axes {dict(sharding.mesh.shape)}" if isinstance(sharding, NamedSharding)
+                     else f"{len(sharding.device_set)} device(s)")
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(key_path)} is placed on {where}, other devices than the state's mesh "
+                f"{dict(mesh.shape)}. Pass host (numpy) arrays, or place the batch on the state's mesh: "
+                "px.data.to_global(batch, NamedSharding(mesh, strategy.batch_spec()))."
+            )
+
+
+def state_specs_of(state: Any) -> tuple[Mesh, Any]:
+    """The mesh and ``PartitionSpec`` tree a (concrete) state is laid out with."""
+    meshes = set()
+
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            raise ValueError(
+                f"A state leaf has sharding {sharding!r}; build the state with "
+                "px.init_state(...) so that every leaf is placed on the strategy's mesh."
+            )
+        meshes.add(sharding.mesh)
+        return sharding.spec
+
+    specs = jax.tree.map(spec, state)
+    if len(meshes) != 1:
+        raise ValueError(f"The state's arrays live on {len(meshes)} different meshes; expected one.")
+    return meshes.pop(), specs

@@ -1,0 +1,199 @@
+"""The train and eval steps: one jitted, donated function built from a user's loss.
+
+Two ways to compile, driven by the same spec tree and the same loss closure
+(:mod:`parallax.step.loss`) and accumulation (:mod:`parallax.step.accumulate`):
+
+* ``"shard_map"`` (:mod:`parallax.step.shard_map`): the gradient is computed inside
+  ``jax.shard_map``, manual over the data/FSDP axes, with explicit collectives.
+* ``"jit"`` (:mod:`parallax.step.jit`): the same loss under ``jax.jit`` with shardings;
+  the compiler (GSPMD) inserts every collective. Always used for pure tensor parallelism.
+
+``compile="auto"`` is exact for any loss: ``jit`` unless the loss is marked
+:func:`parallax.per_example_loss`, then whichever path measured faster for the strategy
+(see ``Step.mode``).
+
+The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
+so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
+whole gradient, not one shard.
+"""
+
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from parallax.models import LossFn
+from parallax.sharding.specs import is_spec
+from parallax.sharding.strategy import Strategy
+from parallax.step import metrics as metric_lib
+from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
+from parallax.step.jit import jit_gradients
+from parallax.step.options import StepOptions
+from parallax.step.per_example import is_per_example_loss
+from parallax.step.shard_map import shard_map_gradients
+from parallax.step.state import TrainState
+
+
+class Step:
+    """A step built once per state layout; ``__call__`` checks the batch, then runs it.
+
+    Attributes:
+        loss_fn: the user's loss.
+        strategy: the strategy the state was built with.
+        options: the :class:`StepOptions`.
+        train: a train step (update) or an eval step (metric sums).
+        replicated_batch: an eval step that takes a batch of any size, whole on every device.
+    """
+
+    def __init__(self, loss_fn: LossFn, strategy: Strategy, options: StepOptions, *, train: bool,
+                 replicated_batch: bool = False):
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
+        if not isinstance(strategy, Strategy):
+            raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
+        self.loss_fn = loss_fn
+        self.strategy = strategy
+        self.options = options
+        self.train = train
+        self.replicated_batch = replicated_batch
+        self._cache: dict = {}  # one jitted function per state layout
+        self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
+
+    def mode(self) -> str:
+        """``"shard_map"`` or ``"jit"``: how this step compiles.
+
+        ``"auto"`` is exact for any loss: it compiles with ``jit`` (the loss sees the
+        global batch) unless the loss is marked :func:`parallax.per_example_loss`. For a
+        marked loss it picks what measured fastest at equal per-device state in
+        ``benchmarks/`` (8 simulated devices): explicit ``shard_map`` for data parallelism
+        (the compiler's plan transposes gradients around the all-reduce) and for hybrids
+        with a tensor axis; ``jit`` for FSDP without a tensor axis (it keeps weights in
+        place and moves activations where that is cheaper) and for pure tensor parallelism.
+        """
+        if self.replicated_batch or not self.strategy.data_axes:
+            return "jit"
+        if self.options.batch_stats == "local":
+            return "shard_map"  # per-shard statistics only exist where shards are explicit
+        if self.options.compile == "auto":
+            if not is_per_example_loss(self.loss_fn):
+                return "jit"  # per-shard losses averaged would change a batch-level loss
+            return "jit" if self.strategy.fsdp_axes and not self.strategy.model_axes else "shard_map"
+        return self.options.compile
+
+    def __call__(self, state: TrainState, batch: Any):
+        return self._jitted(state, batch)(state, batch)
+
+    def lower(self, state: TrainState, batch: Any):
+        """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
+        return self._jitted(state, batch).lower(state, batch)
+
+    def _jitted(self, state: TrainState, batch: Any):
+        # Fast path for the loop: the same state layout and batch shapes as a previous call.
+        leaves, treedef = jax.tree.flatten(state)
+        batch_leaves, batch_treedef = jax.tree.flatten(batch)
+        fast_key = (treedef, tuple(getattr(x, "sharding", None) for x in leaves),
+                    batch_treedef, tuple(getattr(x, "shape", None) for x in batch_leaves))
+        found = self._fast.get(fast_key)
+        if found is not None:
+            return found
+        mesh, specs = state_specs_of(state)
+        self.strategy.check_mesh(mesh)
+        check_batch_devices(batch, mesh)
+        if self.replicated_batch:
+            leading_dims(batch)
+        else:
+            check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
+        key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
+        if key not in self._cache:
+            self._cache[key] = self._build(mesh, specs)
+        self._fast[fast_key] = self._cache[key]
+        return self._cache[key]
+
+    def _build(self, mesh: Mesh, specs: TrainState):
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        batch_sharding = replicated if self.replicated_batch else NamedSharding(mesh, self.strategy.batch_spec())
+        if self.mode() == "shard_map":
+            gradients = shard_map_gradients(self.loss_fn, self.strategy, self.options, mesh, specs, self.train)
+        else:
+            gradients = jit_gradients(self.loss_fn, self.strategy, self.options, mesh, self.train)
+        skip_nonfinite = self.options.skip_nonfinite
+
+        def train_step(state: TrainState, batch):
+            key = jax.random.fold_in(state.rng, state.step)
+            grads, sums, model_state = gradients(state, batch, key)
+            updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+            metrics = metric_lib.means(sums)
+            if skip_nonfinite:
+                finite = jnp.isfinite(metrics["loss"])
+                for grad in jax.tree.leaves(grads):
+                    finite &= jnp.isfinite(grad).all()
+                kept = state.replace(step=state.step + 1)
+                new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+                metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+            return new_state, metrics
+
+        def eval_step(state: TrainState, batch):
+            key = jax.random.fold_in(state.rng, state.step)
+            return gradients(state, batch, key)
+
+        if self.train:
+            return jax.jit(
+                train_step,
+                in_shardings=(shardings, batch_sharding),
+                out_shardings=(shardings, replicated),
+                donate_argnums=(0,) if self.options.donate else (),
+            )
+        return jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated)
+
+
+def make_train_step(loss_fn: LossFn, strategy: Strategy, options: StepOptions | None = None, **overrides: Any) -> Step:
+    """A jitted ``step(state, batch) -> (state, metrics)`` for any strategy.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` returning a scalar loss or ``(loss, metrics)``;
+            ``model`` is the bound flax module (call it, or any of its methods). A metric
+            may be a scalar mean, per-example values, or a ``(sum, count)`` pair.
+        strategy: the parallelism strategy the state was built with.
+        options: a :class:`StepOptions` (its defaults otherwise).
+        **overrides: any :class:`StepOptions` field by name (``compile``, ``grad_accum``,
+            ``batch_stats``, ``rng_streams``, ``precision``, ``remat``, ``donate``,
+            ``skip_nonfinite``), applied over ``options``.
+
+    Returns:
+        The step. Metrics are exact means over the global batch (``loss`` included).
+        ``step.lower(state, batch)`` gives the lowered computation.
+
+    Example:
+        >>> step = px.make_train_step(loss_fn, px.FSDP(), grad_accum=2)
+        >>> state, metrics = step(state, batch)
+        >>> sorted(metrics)
+        ['accuracy', 'loss']
+    """
+    return Step(loss_fn, strategy, StepOptions.create(options, **overrides), train=True)
+
+
+def make_eval_step(loss_fn: LossFn, strategy: Strategy, options: StepOptions | None = None, *,
+                   replicated_batch: bool = False, **overrides: Any) -> Step:
+    """A jitted ``eval(state, batch) -> {name: (sum, count)}`` without an update.
+
+    Sums and counts (not means) come back so that means over many batches stay exact;
+    :func:`parallax.metrics.means` turns them into means. With ``replicated_batch=True``
+    a batch of any size (e.g. the last, partial one of an eval set) is given whole to
+    every device and the compiler splits the work. Options as in :func:`make_train_step`
+    (``grad_accum``, ``donate`` and ``skip_nonfinite`` do not apply).
+
+    Example:
+        >>> evaluate = px.make_eval_step(loss_fn, px.FSDP())
+        >>> float(px.metrics.means(evaluate(state, batch))["loss"]) > 0
+        True
+    """
+    return Step(loss_fn, strategy, StepOptions.create(options, **overrides), train=False,
+                replicated_batch=replicated_batch)

@@ -1,0 +1,101 @@
+"""Step options: one frozen, validated object shared by the step builders and the Trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from parallax.step.precision import Precision
+from parallax.step.precision import resolve as resolve_precision
+
+COMPILE_MODES = ("auto", "shard_map", "jit")
+BATCH_STATS_MODES = ("global", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How a train or eval step computes; every default is declared here once.
+
+    Attributes:
+        compile: ``"auto"`` (exact for any loss: the loss sees the global batch unless it
+            is marked :func:`parallax.per_example_loss`, see ``Step.mode()``), ``"jit"``
+            (compiler-placed collectives, the loss on the global batch) or ``"shard_map"``
+            (explicit collectives; the loss runs on each data shard and the shards' losses
+            are averaged: per-shard semantics, exact only for a mean of per-example terms).
+        grad_accum: microbatches per step; the update equals one step on the whole batch.
+        batch_stats: ``"global"`` (BatchNorm statistics over the whole batch, as on one
+            device) or ``"local"`` (each data shard's own; running stats then averaged;
+            compiles with ``shard_map``).
+        rng_streams: rng names the model draws from (a different stream on each data
+            shard, the same on every tensor shard; step ``t`` uses ``fold_in(rng, t)``).
+        precision: ``None``/``"fp32"``, or ``"bf16"``: float32 params and optimizer
+            state, bfloat16 forward and backward, float32 loss and gradient reductions.
+        remat: module classes (or class names) whose activations are recomputed in the
+            backward pass instead of stored, e.g. ``("Block",)``.
+        donate: donate the state's buffers to the train step.
+        skip_nonfinite: if the loss or any gradient is NaN/Inf, keep the old params,
+            optimizer and model state (the step still counts); metrics gain ``skipped``.
+
+    Example:
+        >>> StepOptions(grad_accum=2, precision="bf16").grad_accum
+        2
+        >>> StepOptions(compile="fast")
+        Traceback (most recent call last):
+        ...
+        ValueError: compile='fast'; use one of ('auto', 'shard_map', 'jit').
+    """
+
+    compile: str = "auto"
+    grad_accum: int = 1
+    batch_stats: str = "global"
+    rng_streams: tuple[str, ...] = ("dropout",)
+    precision: str | Precision | None = None
+    remat: tuple = ()
+    donate: bool = True
+    skip_nonfinite: bool = False
+
+    def __post_init__(self):
+        for name in ("rng_streams", "remat"):
+            value = getattr(self, name)
+            if isinstance(value, (str, type)):
+                raise ValueError(f"{name}={value!r}; pass a tuple, e.g. {name}=({value!r},).")
+            object.__setattr__(self, name, tuple(value))
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r}; use one of {COMPILE_MODES}.")
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum={self.grad_accum!r}; use an integer >= 1.")
+        if self.batch_stats not in BATCH_STATS_MODES:
+            raise ValueError(f"batch_stats={self.batch_stats!r}; use one of {BATCH_STATS_MODES}.")
+        if self.batch_stats == "local" and self.compile == "jit":
+            raise ValueError("batch_stats='local' needs compile='shard_map' (or 'auto'): under jit the "
+                             "compiler computes BatchNorm statistics over the global batch.")
+        for target in self.remat:
+            if not isinstance(target, (str, type)):
+                raise ValueError(f"remat takes module classes or class names, got {target!r}.")
+        for stream in self.rng_streams:
+            if not isinstance(stream, str):
+                raise ValueError(f"rng_streams takes rng names such as 'dropout', got {stream!r}.")
+        resolve_precision(self.precision)  # raises for an unknown policy
+
+    @property
+    def policy(self) -> Precision:
+        """The resolved :class:`parallax.step.precision.Precision`."""
+        return resolve_precision(self.precision)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def create(cls, options: "StepOptions | Mapping[str, Any] | None" = None, **overrides: Any) -> "StepOptions":
+        """``options`` (an instance or a mapping) with ``overrides`` applied; unknown names are an error."""
+        base = dict(options) if isinstance(options, Mapping) else (
+            {name: getattr(options, name) for name in cls.names()} if isinstance(options, StepOptions) else {})
+        if options is not None and not isinstance(options, (StepOptions, Mapping)):
+            raise ValueError(f"options must be a px.StepOptions, got {options!r:.80}.")
+        base.update(overrides)
+        unknown = sorted(set(base) - set(cls.names()))
+        if unknown:
+            raise ValueError(f"Unknown step option(s) {unknown}; the options are {sorted(cls.names())}.")
+        return cls(**base)

@@ -1,0 +1,58 @@
+"""The train state: everything a step reads and writes, and the rngs it draws from."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes. A pytree of arrays plus two static fields.
+
+    Attributes:
+        step: number of updates applied (int32 scalar).
+        params: the model's params, unboxed (plain arrays, sharded as the strategy says).
+        opt_state: the optimizer state; moments are sharded like their params.
+        rng: base PRNG key; step ``t`` uses ``fold_in(rng, t)``, so a resumed run
+            draws the same numbers as an uninterrupted one.
+        model_state: the model's other variable collections, e.g. ``{"batch_stats": ...}``.
+        model: the model (static), e.g. a flax linen module.
+        tx: the optax transformation (static).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    model_state: dict
+    model: Any = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    @property
+    def variables(self) -> dict:
+        """``{"params": ..., **model_state}``, ready for ``model.apply``."""
+        return {"params": self.params, **self.model_state}
+
+
+def as_key(rng: Any) -> jax.Array:
+    """A raw ``uint32[2]`` PRNG key from a seed, a raw key or a typed key.
+
+    Example:
+        >>> as_key(0).shape
+        (2,)
+    """
+    if isinstance(rng, int):
+        return jax.random.PRNGKey(rng)
+    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return rng
+
+
+def model_rngs(key: jax.Array, streams: Sequence[str]) -> dict[str, jax.Array]:
+    """One independent key per named rng stream (``"dropout"``, ...)."""
+    return {name: jax.random.fold_in(key, index) for index, name in enumerate(streams)}

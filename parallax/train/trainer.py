@@ -1,0 +1,352 @@
+"""``Trainer.fit``: the training loop around the step, with hooks for evaluation and checkpoints.
+
+Example:
+    >>> trainer = px.Trainer(model, optax.adamw(3e-4), loss_fn, strategy=px.FSDP(), progress=False,
+    ...                      max_steps=4, batch_size=32, eval_every=2)
+    >>> state, history = trainer.fit(train_data, eval_data=eval_data)
+    >>> int(state.step), len(history.eval)
+    (4, 2)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from parallax.models import LossFn, adapter_for
+from parallax.sharding.parts import DataParallel
+from parallax.sharding.strategy import Strategy
+from parallax.step import metrics as metric_lib
+from parallax.step.build import make_eval_step, make_train_step
+from parallax.step.plan import StatePlan, plan_state
+from parallax.step.state import TrainState
+from parallax.train.callbacks import ProgressBar, StepInfo, due
+from parallax.train.checkpoint import Checkpointer, CheckpointError
+from parallax.train.checks import check_eval_batch, check_loss_fn, check_optimizer
+from parallax.train.config import FitResult, History, TrainerConfig
+from parallax.train.data import as_data, check_batch_leaves, to_global
+from parallax.train.guard import NonFiniteGuard
+from parallax.train.hooks import Checkpointing, Evaluation, Hook
+from parallax.train.preemption import Preemption
+from parallax.train.resume import data_position
+
+log = logging.getLogger("parallax")
+
+
+class Trainer:
+    """Trains an unmodified flax model with any parallax strategy.
+
+    Args:
+        model: the flax linen module.
+        optimizer: an optax transformation.
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, metrics)``.
+        strategy: the parallelism strategy (``DataParallel()`` by default).
+        config: an ``ml_collections.ConfigDict`` (or dict) of :class:`TrainerConfig` options.
+        eval_loss_fn: the loss for evaluation (e.g. calling the model with
+            ``train=False``); ``loss_fn`` by default.
+        callbacks: extra callbacks (see :mod:`parallax.callbacks`).
+        devices: the devices to use; all by default.
+        **options: :class:`TrainerConfig` options; they override ``config``.
+
+    Example:
+        >>> trainer = px.Trainer(model, optax.adam(1e-3), loss_fn, strategy=px.FSDP(),
+        ...                      epochs=1, batch_size=64, progress=False)
+        >>> result = trainer.fit(train_data)
+        >>> result.stop_reason, len(result.history.train)
+        ('max_steps', 4)
+    """
+
+    def __init__(self, model: Any, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+                 strategy: Strategy | None = None, config: Any = None, eval_loss_fn: LossFn | None = None,
+                 callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
+        self.config = cfg = TrainerConfig.create(config, **options)
+        self.adapter = adapter_for(model)
+        check_optimizer(optimizer)
+        check_loss_fn(loss_fn, "loss_fn")
+        if eval_loss_fn is not None:
+            check_loss_fn(eval_loss_fn, "eval_loss_fn")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.eval_loss_fn = eval_loss_fn or loss_fn
+        self.strategy = strategy if strategy is not None else DataParallel()
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {self.strategy!r}.")
+        self.mesh = self.strategy.make_mesh(devices)
+        self.callbacks = list(callbacks)
+        if cfg.progress:
+            self.callbacks.append(ProgressBar(every=cfg.log_every))
+        self.train_step = make_train_step(loss_fn, self.strategy, cfg.step)
+        self.eval_step = make_eval_step(self.eval_loss_fn, self.strategy, cfg.step)
+        self.eval_step_any_size = make_eval_step(self.eval_loss_fn, self.strategy, cfg.step, compile="auto",
+                                                 replicated_batch=True)
+        self.batch_sharding = NamedSharding(self.mesh, self.strategy.batch_spec())
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.checkpointer = (Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
+                                          async_save=cfg.async_checkpoints) if cfg.checkpoint_dir else None)
+        self.guard = NonFiniteGuard(cfg.on_nonfinite, self.checkpointer)
+        self.hooks: list[Hook] = []
+        self.state: TrainState | None = None
+        self.plan: StatePlan | None = None
+        self.start_step = 0
+        self.max_steps: int | None = None
+        self.history = History()
+        self.batch_size: int | None = None  # global batch size of the data being fit
+        self.steps_per_epoch: int | None = None
+        self.data_offset = 0  # data position (in batches) minus step: nonzero after resuming with another batch size
+        self._stop_reason: str | None = None
+        self._preemption = Preemption()
+        self._live_step: int | None = None  # the step self.state is after, while fit runs
+
+    # --- state ---------------------------------------------------------------------------
+    def _plan(self, example_batch: Any) -> StatePlan:
+        if self.plan is None:
+            self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
+                                   rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
+                                   rng_streams=self.config.step.rng_streams)
+        return self.plan
+
+    def init(self, example_batch: Any) -> TrainState:
+        """Builds a fresh sharded state from an example (host) batch."""
+        self.state = self._plan(example_batch).build()
+        return self.state
+
+    def restore(self, example_batch: Any, step: int | None = None) -> dict:
+        """Loads checkpoint ``step`` (the latest by default) into ``self.state``, resharded
+        for this trainer's strategy and mesh; returns the checkpoint's metadata."""
+        if self.checkpointer is None:
+            raise ValueError("This trainer has no checkpoint_dir to restore from.")
+        return self._load(example_batch, step, verify=True)
+
+    def _load(self, example_batch: Any, step: int | None, verify: bool) -> dict:
+        plan = self._plan(example_batch)
+        arrays, metadata = self.checkpointer.restore(plan.abstract_arrays(), step, verify=verify)
+        self.state = TrainState(model=self.model, tx=self.optimizer, **arrays)
+        return metadata
+
+    def request_stop(self, reason: str) -> None:
+        """Ends training after the current step (used by callbacks such as EarlyStopping)."""
+        self._stop_reason = reason
+
+    def hook(self, kind: type) -> Any:
+        """The running hook of this kind (``Evaluation``, ``Checkpointing``), if any."""
+        return next((h for h in self.hooks if isinstance(h, kind)), None)
+
+    # --- fit -------------------------------------------------------------------------------
+    def fit(self, train_data: Any, eval_data: Any = None, *, resume: bool = False) -> FitResult:
+        """Trains until ``max_steps`` / ``epochs``, evaluating and checkpointing on the way.
+
+        Args:
+            train_data: arrays (``(x, y)`` or a dict; needs ``batch_size``) or an iterable of
+                batches (re-iterated each epoch; a function returning one also works).
+            eval_data: the same kinds; evaluated every ``eval_every`` steps and at the end.
+            resume: continue from the newest checkpoint in ``checkpoint_dir`` (same data
+                order and rngs: the result equals an uninterrupted run).
+
+        Returns:
+            :class:`FitResult`: unpacks as ``state, history``; ``.stop_reason`` says why it stopped.
+        """
+        cfg = self.config
+        source = as_data(train_data, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, drop_remainder=True)
+        if source.dropped_per_epoch:
+            log.warning("Each epoch drops the last %d examples, which do not fill a batch of %d.",
+                        source.dropped_per_epoch, cfg.batch_size)
+        first = next(iter(source.iter_from(0)), None)
+        if first is None:
+            raise ValueError("The training data yields no batches.")
+        check_batch_leaves(first, "a training batch")
+        self.max_steps = cfg.max_steps if cfg.max_steps is not None else self._epoch_steps(source)
+        if eval_data is not None:
+            self._check_eval_data(eval_data, first)
+        if self.checkpointer is not None:
+            arrays = self._plan(first).abstract_arrays()
+            self.checkpointer.check_writable(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+        self.batch_size = int(getattr(source, "batch_size", None) or
+                              np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
+        self.steps_per_epoch = source.steps_per_epoch
+        self.strategy.check_batch_size(self.batch_size, self.mesh, multiple=cfg.step.grad_accum)
+        self.start_step = self._start(first, resume)
+        self._stop_reason = None
+        self.hooks = ([Evaluation(eval_data, cfg.eval_every)] if eval_data is not None else []) + (
+            [Checkpointing(self.checkpointer)] if self.checkpointer is not None else [])
+        try:
+            with self._preemption:
+                stop_reason = self._loop(source)
+        finally:
+            for callback in self.callbacks:
+                if hasattr(callback, "on_fit_end"):
+                    callback.on_fit_end(self)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        if stop_reason == "preempted":
+            saving = self.hook(Checkpointing)
+            saved = f"saved step {saving.last_saved}" if saving is not None else "no checkpoint_dir, nothing saved"
+            log.warning("Preempted (%s): %s, %s.", self._preemption.requested, saved,
+                        "exiting" if cfg.on_preemption == "exit" else "returning")
+            if cfg.on_preemption == "exit":
+                raise SystemExit(0)
+        return FitResult(self.state, self.history, stop_reason)
+
+    def _epoch_steps(self, source) -> int:
+        if source.steps_per_epoch is None:
+            raise ValueError("The training data has no len(); pass max_steps=... (or data with a length).")
+        return (self.config.epochs or 1) * source.steps_per_epoch
+
+    def _start(self, example_batch: Any, resume: bool) -> int:
+        existing = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        self.data_offset = 0
+        if resume and existing is not None:
+            step, reasons = self.checkpointer.newest_verified()
+            for reason in reasons:
+                log.warning("Checkpoint %s (left in place).", reason)
+            if step is None:
+                raise CheckpointError(
+                    f"No checkpoint in {self.checkpointer.directory} verifies:\n  " + "\n  ".join(reasons)
+                    + "\nAll were left in place; start a new run in another checkpoint_dir."
+                )
+            metadata = self._load(example_batch, step, verify=False)  # newest_verified just checked it
+            log.info("Resumed from step %d in %s.", step, self.checkpointer.directory)
+            shards = self.strategy.data_shards(self.mesh)
+            self.data_offset = data_position(metadata, self.batch_size, self.steps_per_epoch, shards) - step
+            return step
+        if existing is not None:
+            raise ValueError(
+                f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints (newest: step "
+                f"{existing}); pass fit(..., resume=True) to continue, or choose another directory."
+            )
+        self.init(example_batch)
+        return 0
+
+    def _check_batch(self, batch: Any, step: int) -> None:
+        """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
+        rows = int(np.shape(jax.tree.leaves(batch)[0])[0]) * jax.process_count()
+        if rows != self.batch_size:
+            try:
+                self.strategy.check_batch_size(rows, self.mesh, multiple=self.config.step.grad_accum)
+            except ValueError as err:
+                raise ValueError(f"The batch for step {step} has {rows} examples (the first had {self.batch_size}). "
+                                 f"{err} Drop or pad the last batch of the data.") from None
+
+    def _loop(self, source) -> str:
+        for callback in self.callbacks:
+            if hasattr(callback, "on_fit_start"):
+                callback.on_fit_start(self)
+        step, reason = self.start_step, "max_steps"
+        pending: list[tuple] = []  # (step, epoch, device metrics) not yet read from the device
+        batches = source.iter_from(self.start_step + self.data_offset)
+        while step < self.max_steps:
+            batch = next(batches, None)
+            if batch is None:
+                reason = "data exhausted"
+                break
+            epoch = (step + self.data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
+            self._check_batch(batch, step + 1)
+            self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
+            step = self._live_step = step + 1
+            if pending:
+                # Step t is queued; wait for step t-1 so that at most two steps are in
+                # flight (no transfer: the values are read in batches below).
+                jax.block_until_ready(pending[-1][2])
+            pending.append((step, epoch, metrics))
+            preempted = self._preemption.requested is not None
+            hooks = [hook for hook in self.hooks if hook.due(step, preempted)]
+            if hooks or preempted or self._stop_reason or step == self.max_steps or self._state_wanted(step):
+                eval_metrics: dict = {}
+                for hook in hooks:
+                    if not hook.after_read:
+                        eval_metrics.update(hook.run(self, step, pending) or {})
+                self.read_metrics(pending, eval_metrics or None)
+                for hook in hooks:
+                    if hook.after_read:
+                        hook.run(self, step, pending)
+            elif self._wanted(pending[:-1]):
+                # Read the older steps only: this step is still running on the device.
+                self.read_metrics(pending[:-1])
+                del pending[:-1]
+            if self._stop_reason:
+                reason = self._stop_reason
+                break
+            if self._preemption.requested is not None:  # it may have landed while metrics were read
+                break
+        self.read_metrics(pending)
+        if self._preemption.requested is not None:
+            # The signal may have landed after this step's hooks ran (while metrics were
+            # read): the step it stops at is saved all the same.
+            reason = "preempted"
+        for hook in self.hooks:
+            hook.at_end(self, step, pending, reason)
+        return reason
+
+    def _state_wanted(self, step: int) -> bool:
+        """Whether a callback that reads the state (``needs_state``) is due at this step."""
+        return any(getattr(cb, "needs_state", False) and step % (getattr(cb, "every", 1) or 1) == 0
+                   for cb in self.callbacks)
+
+    def _wanted(self, pending: list[tuple]) -> bool:
+        """Whether some read-back step is due for a callback, or enough have piled up."""
+        if len(pending) >= self.config.fetch_every:
+            return True
+        return any(step % (getattr(cb, "every", 1) or 1) == 0 for step, _, _ in pending for cb in self.callbacks)
+
+    def read_metrics(self, pending: list[tuple], eval_metrics: dict | None = None) -> None:
+        """Reads the pending steps' metrics in one transfer; NaN guard; history; callbacks.
+
+        The newest pending step's info carries the live state (``StepInfo.state``) when it is
+        this trainer's current state; older steps' states were donated to later steps.
+        """
+        if not pending:
+            return
+        fetched = jax.device_get([metrics for _, _, metrics in pending])
+        for index, ((step, epoch, _), values) in enumerate(zip(pending, fetched)):
+            host = {"loss": float(values["loss"]), **{k: float(v) for k, v in values.items() if k != "loss"}}
+            self.guard.check_loss(step, host["loss"])
+            self.history.train.append({"step": step, **host})
+            last = index == len(pending) - 1
+            info = StepInfo(step=step, epoch=epoch, metrics=host, eval_metrics=eval_metrics if last else None,
+                            max_steps=self.max_steps, trainer=self, state=self.state if step == self._live_step else None)
+            for callback in self.callbacks:
+                if due(callback, info):
+                    callback.on_step(info)
+        pending.clear()
+
+    # --- evaluation -----------------------------------------------------------------------
+    def _check_eval_data(self, eval_data: Any, example_batch: Any) -> None:
+        """Runs ``eval_loss_fn`` on the first eval batch abstractly (shapes only) before step 1."""
+        cfg = self.config
+        source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0,
+                         drop_remainder=False)
+        batch = next(iter(source.epoch()), None)
+        if batch is None:
+            raise ValueError("eval_data yields no batches; pass at least one example, or no eval_data.")
+        check_eval_batch(self.adapter, self._plan(example_batch).abstract, batch, self.eval_loss_fn,
+                         cfg.step.rng_streams)
+
+    def evaluate(self, eval_data: Any, state: TrainState | None = None) -> dict[str, float]:
+        """Exact metric means over a whole eval set, the last partial batch included.
+
+        Full batches are split over the data axes; a last batch the data axes do not
+        divide is given whole to every device.
+        """
+        state = self.state if state is None else state
+        if state is None:
+            raise ValueError("No state yet: call fit(...) or init(example_batch) first.")
+        cfg = self.config
+        source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0,
+                         drop_remainder=False)
+        shards = self.strategy.data_shards(self.mesh)
+        totals = None
+        for batch in source.epoch():
+            size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+            if size % shards == 0:
+                sums = self.eval_step(state, to_global(batch, self.batch_sharding))
+            else:
+                sums = self.eval_step_any_size(state, to_global(batch, self.replicated))
+            totals = sums if totals is None else metric_lib.add_sums(totals, sums)
+        if totals is None:
+            raise ValueError("The eval data yields no batches.")
+        means = {name: float(value) for name, value in metric_lib.means(jax.device_get(totals)).items()}
+        self.history.eval.append({"step": int(jax.device_get(state.step)), **means})
+        return means
