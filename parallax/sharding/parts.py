@@ -39,7 +39,8 @@ class DataParallel(Strategy):
         axis: the mesh axis name.
 
     Example:
-        >>> trainer = px.Trainer(model, optax.adam(1e-3), loss_fn, strategy=px.DataParallel())
+        >>> tuple(px.DataParallel().batch_spec()), px.DataParallel().fsdp_axes
+        (('data',), ())
     """
 
     size: int = -1
@@ -74,6 +75,8 @@ class FSDP(Strategy):
 
     Example:
         >>> strategy = px.FSDP(min_weight_size=2**14)
+        >>> strategy.fsdp_axes, strategy.data_axes
+        (('fsdp',), ('fsdp',))
     """
 
     size: int = -1
@@ -151,6 +154,8 @@ class TensorParallel(Strategy):
         >>> tp = px.TensorParallel(2)                       # layout from the computation
         >>> tp = px.TensorParallel(2, rules=[(r"attn/(q|k|v)/kernel$", "column"),
         ...                                   (r"attn/o/kernel$", "row")])
+        >>> tp.model_axes, tuple(tp.batch_spec())  # the batch is whole on every tensor shard
+        (('tensor',), ())
     """
 
     size: int = -1
@@ -229,12 +234,20 @@ class TensorParallel(Strategy):
             )
         return dataclasses.replace(self, layout=layout)
 
-    def describe_layout(self) -> str:
+    def layout_report(self) -> str:
         """Which params the derived layout splits, along which dim, and why the rest are not.
 
         Example:
-            >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2))
-            >>> print(plan.strategy.parts[0].describe_layout())  # doctest: +SKIP
+            >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2),
+            ...                      loss_fn=loss_fn, mesh=px.TensorParallel(2).make_mesh(jax.devices()[:2]))
+            >>> print(plan.strategy.parts[0].layout_report())
+            tensor-parallel layout over 'tensor' (size 2): 5 of 6 params split, 98.9% of param elements
+              Dense_0/bias    (64,)     dim 0  elementwise splits the chain ...
+              Dense_0/kernel  (16, 64)  dim 1  column      splits the chain ...
+              Dense_1/bias    (64,)     whole  -           dim 0 (64): shares arrays with the chain ...
+              Dense_1/kernel  (64, 64)  dim 0  row         splits the chain ...
+              Dense_2/bias    (10,)     dim 0  elementwise splits the chain ...
+              Dense_2/kernel  (64, 10)  dim 1  column      splits the chain ...
         """
         if self.layout is None:
             if not self.derive:

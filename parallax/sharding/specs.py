@@ -111,8 +111,8 @@ def place_param(
 
     Example:
         >>> from parallax import FSDP
-        >>> place_param("Dense_0/kernel", (1024, 512), [FSDP(min_weight_size=0)], {"fsdp": 8})
-        PartitionSpec('fsdp', None)
+        >>> tuple(place_param("Dense_0/kernel", (1024, 512), [FSDP(min_weight_size=0)], {"fsdp": 8}))
+        ('fsdp',)
     """
     dims = annotation_dims(box, shape, axis_sizes)
     for placer in sorted(placers, key=lambda p: p.placement_priority):

@@ -7,8 +7,8 @@ the way ``optax.chain`` joins transformations.
 Example:
     >>> import parallax as px
     >>> strategy = px.combine(px.DataParallel(2), px.FSDP(-1))
-    >>> strategy.batch_spec()
-    PartitionSpec(('data', 'fsdp'),)
+    >>> tuple(strategy.batch_spec())  # the batch's leading dim over both axes
+    (('data', 'fsdp'),)
 """
 
 from __future__ import annotations
@@ -167,6 +167,9 @@ class Strategy:
 
         Example:
             >>> specs = px.FSDP(min_weight_size=0).state_specs(jax.eval_shape(make_state))
+            >>> [tuple(s) for s in (specs.params["Dense_1"]["kernel"], specs.opt_state[0].mu["Dense_1"]["kernel"],
+            ...                     specs.step)]
+            [('fsdp',), ('fsdp',), ()]
         """
         sizes = self.axis_sizes(mesh)
         self._check_params(spec_lib.params_of(abstract_state), sizes)
@@ -197,6 +200,20 @@ class Strategy:
             return self.fit_to_computation(computation)
         return Combined(tuple(part.fit_to_computation(computation) for part in self.parts))
 
+    def layout_report(self) -> str | None:
+        """What this part's placement derived from the computation, if it derives anything."""
+        return None
+
+    def describe_layout(self) -> str:
+        """The layout reports of the parts that derive one (a ``TensorParallel``'s split params).
+
+        Example:
+            >>> px.combine(px.DataParallel(2), px.FSDP(4)).describe_layout()
+            'DataParallel(data=2) × FSDP(fsdp=4): no part derives a layout (no tensor-parallel axis).'
+        """
+        reports = [report for part in self.parts if (report := part.layout_report()) is not None]
+        return "\n".join(reports) if reports else f"{self.describe()}: no part derives a layout (no tensor-parallel axis)."
+
     def describe(self) -> str:
         """A one-line summary, e.g. ``"DataParallel(data=2) × FSDP(fsdp=-1)"``."""
         return " × ".join(f"{type(p).__name__}({p.axis}={p.size})" for p in self.parts)
@@ -218,8 +235,8 @@ def combine(*strategies: Strategy) -> Combined:
 
     Example:
         >>> strategy = px.combine(px.DataParallel(2), px.FSDP(2), px.TensorParallel(2))
-        >>> strategy.make_mesh().shape
-        OrderedDict([('data', 2), ('fsdp', 2), ('tensor', 2)])
+        >>> dict(strategy.make_mesh().shape)
+        {'data': 2, 'fsdp': 2, 'tensor': 2}
     """
     parts: list[Strategy] = []
     for strategy in strategies:

@@ -45,15 +45,18 @@ class StatePlan:
         """What each tensor-parallel axis splits, and why the rest stays whole.
 
         Example:
-            >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2))
-            >>> print(plan.describe_layout())  # doctest: +SKIP
-            tensor-parallel layout over 'tensor' (size 2): 8 of 8 params split, 100.0% of param elements
-              Dense_0/kernel  (16, 64)  dim 1  column  chain of Dense_0/kernel[1], Dense_1/kernel[0] ...
+            >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2),
+            ...                      loss_fn=loss_fn, mesh=px.TensorParallel(2).make_mesh(jax.devices()[:2]))
+            >>> print(plan.describe_layout())
+            tensor-parallel layout over 'tensor' (size 2): 5 of 6 params split, 98.9% of param elements
+              Dense_0/bias    (64,)     dim 0  elementwise splits the chain ...
+              Dense_0/kernel  (16, 64)  dim 1  column      splits the chain ...
+              Dense_1/bias    (64,)     whole  -           dim 0 (64): shares arrays with the chain ...
+              Dense_1/kernel  (64, 64)  dim 0  row         splits the chain ...
+              Dense_2/bias    (10,)     dim 0  elementwise splits the chain ...
+              Dense_2/kernel  (64, 10)  dim 1  column      splits the chain ...
         """
-        parts = [p for p in self.strategy.parts if hasattr(p, "describe_layout")]
-        if not parts:
-            return f"{self.strategy.describe()}: no tensor-parallel axis."
-        return "\n".join(p.describe_layout() for p in parts)
+        return self.strategy.describe_layout()
 
     def abstract_arrays(self) -> Any:
         """``ShapeDtypeStruct`` s with shardings: a restore target for checkpoints."""
@@ -81,9 +84,10 @@ def plan_state(
     Takes the same arguments as :func:`init_state`, which is ``plan_state(...).build()``.
 
     Example:
-        >>> plan = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0))
-        >>> plan.specs.params["Dense_0"]["kernel"]
-        PartitionSpec('fsdp',)
+        >>> plan = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0),
+        ...                      loss_fn=loss_fn)
+        >>> tuple(plan.specs.params["Dense_1"]["kernel"])  # (64, 64): both dims divide by 8, the first is split
+        ('fsdp',)
     """
     adapter = adapter_for(model)
     if not isinstance(strategy, Strategy):
@@ -188,8 +192,10 @@ def init_state(
         A :class:`TrainState` whose arrays carry ``NamedSharding`` s on ``mesh``.
 
     Example:
-        >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(),
+        >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0),
         ...                       rng=0, loss_fn=loss_fn)
+        >>> tuple(state.params["Dense_1"]["kernel"].sharding.spec), int(state.step)
+        (('fsdp',), 0)
     """
     return plan_state(
         model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,

@@ -97,8 +97,11 @@ class Checkpointer:
         async_save: write in the background while training goes on.
 
     Example:
-        >>> ckpt = Checkpointer("/tmp/run/ckpt", every=100, keep=3)
-        >>> ckpt.save(state, {"position": 100})
+        >>> ckpt = Checkpointer(ckpt_dir, every=100, keep=3)
+        >>> ckpt.save(state, {"position": 0})
+        >>> ckpt.wait()
+        >>> ckpt.latest_step(), ckpt.verify(0)
+        (0, None)
     """
 
     def __init__(self, directory: str | os.PathLike, *, every: int | None = None, keep: int = 3,

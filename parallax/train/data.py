@@ -48,7 +48,8 @@ class ArrayData:
 
     Example:
         >>> data = ArrayData((x_train, y_train), batch_size=128, seed=0)
-        >>> first = next(data.iter_from(0))
+        >>> [a.shape for a in next(data.iter_from(0))], data.steps_per_epoch
+        ([(128, 16), (128,)], 2)
     """
 
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,

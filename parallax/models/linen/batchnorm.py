@@ -22,8 +22,17 @@ def batch_stats_over(axes: tuple[str, ...] | None) -> Iterator[None]:
         axes: mesh axes to average statistics over; ``None`` for per-shard statistics.
 
     Example:
-        >>> with batch_stats_over(("data",)):
-        ...     y, updates = model.apply(variables, x, mutable=["batch_stats"])
+        Two shards of two examples each (``vmap`` stands in for ``shard_map``): with the
+        statistics over ``"data"``, the four examples are normalised together.
+
+        >>> bn = nn.BatchNorm(use_running_average=False)
+        >>> x = jnp.array([[[0.0], [1.0]], [[2.0], [3.0]]])
+        >>> variables = bn.init(jax.random.PRNGKey(0), x[0])
+        >>> def shard(x):
+        ...     with batch_stats_over(("data",)):
+        ...         return bn.apply(variables, x, mutable=["batch_stats"])[0]
+        >>> [round(float(v), 2) for v in jax.vmap(shard, axis_name="data")(x).ravel()]
+        [-1.34, -0.45, 0.45, 1.34]
     """
     axis_name = None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
 

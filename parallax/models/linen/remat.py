@@ -31,8 +31,15 @@ def remat_modules(targets: Sequence[type | str]) -> Iterator[None]:
         targets: module classes, or class names, e.g. ``("Block",)``.
 
     Example:
-        >>> with remat_modules(("Block",)):
-        ...     loss, grads = jax.value_and_grad(loss_fn)(params)
+        >>> x = jnp.ones((4, 16))
+        >>> params = model.init(jax.random.PRNGKey(0), x)["params"]
+        >>> def total(params, targets=()):
+        ...     with remat_modules(targets):
+        ...         return model.apply({"params": params}, x).sum()
+        >>> def recomputes(targets):  # how remat reaches XLA: a barrier before the recomputation
+        ...     return "optimization_barrier" in jax.jit(jax.grad(lambda p: total(p, targets))).lower(params).as_text()
+        >>> recomputes(()), recomputes(("Dense",))
+        (False, True)
     """
     if not targets:
         yield

@@ -1,0 +1,155 @@
+"""The dim graph: a node per dim of every traced value, tied by union-find."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+from jax.extend import core
+
+_REDUCTIONS = {
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
+    "argmax", "argmin",
+}
+_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+_WINDOWED = {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+             "select_and_gather_add", "select_and_scatter_add"}
+_NOT_ELEMENTWISE = {
+    "fft", "triangular_solve", "cholesky", "lu", "qr", "eigh", "eig", "svd", "schur", "custom_linear_solve",
+    "linear_solve", "tridiagonal", "tridiagonal_solve", "householder_product", "rng_bit_generator",
+    "scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max",
+}
+_CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class _Val:
+    """One value of one call: a sub-computation called twice (a shared ``jit``) has two."""
+
+    __slots__ = ("shape", "dtype", "__weakref__")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape = shape
+        self.dtype = dtype
+
+
+def _shape(val: Any) -> tuple[int, ...] | None:
+    return val.shape if isinstance(val, _Val) else None
+
+
+def _nbytes(val: Any) -> int:
+    if not isinstance(val, _Val):
+        return 0
+    try:
+        itemsize = np.dtype(val.dtype).itemsize
+    except TypeError:
+        itemsize = 4
+    return math.prod(val.shape) * itemsize
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, _Val)
+
+
+def _val(env: dict, var: Any) -> _Val | None:
+    """The value of ``var`` in this call (literals and shapeless values: ``None``)."""
+    if isinstance(var, core.Literal):
+        return None
+    found = env.get(var)
+    if found is None:
+        shape = getattr(getattr(var, "aval", None), "shape", None)
+        if shape is None:
+            return None
+        found = env[var] = _Val(tuple(shape), var.aval.dtype)
+    return found
+
+
+@dataclasses.dataclass
+class _Eqn:
+    """An op as the cost model sees it: the values in and out and the dims it reduces."""
+
+    name: str
+    invars: list
+    outvars: list
+    reduced: set  # nodes (var, dim) of invars contracted or reduced (their class ends in an all-reduce)
+    weight: int  # how many times it runs (scan length)
+
+
+class _Graph:
+    def __init__(self):
+        self.parent: dict = {}
+        self.size: dict = {}
+        self.forbidden: dict = {}  # node -> why its class must not be split
+        self.eqns: list[_Eqn] = []
+        self.needs_grad: set = set()  # vars (by id) that depend on a param
+        self.vars: dict = {}  # id -> var, every var with nodes
+        self.origin: dict = {}  # id(var) -> (param index, {var dim: param dim})
+        self.roles: dict = {}  # (param index, param dim) -> set of roles
+
+    # union-find over nodes (id(var), dim)
+    def add(self, var: Any) -> None:
+        if id(var) in self.vars:
+            return
+        self.vars[id(var)] = var
+        for dim, size in enumerate(_shape(var)):
+            node = (id(var), dim)
+            self.parent[node] = node
+            self.size[node] = size
+
+    def find(self, node):
+        root = node
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[node] != root:
+            self.parent[node], node = root, self.parent[node]
+        return root
+
+    def tie(self, a: Any, dim_a: int, b: Any, dim_b: int) -> None:
+        if not (_is_var(a) and _is_var(b)):
+            return
+        self.add(a)
+        self.add(b)
+        if _shape(a)[dim_a] <= 1 or _shape(b)[dim_b] <= 1:
+            return
+        ra, rb = self.find((id(a), dim_a)), self.find((id(b), dim_b))
+        if ra != rb:
+            self.parent[ra] = rb
+
+    def tie_all(self, a: Any, b: Any) -> None:
+        if _is_var(a) and _is_var(b) and len(_shape(a)) == len(_shape(b)):
+            for d in range(len(_shape(a))):
+                self.tie(a, d, b, d)
+
+    def forbid(self, var: Any, dim: int, why: str) -> None:
+        if _is_var(var):
+            self.add(var)
+            self.forbidden.setdefault((id(var), dim), why)
+
+    def note_role(self, var: Any, dim: int, role: str) -> None:
+        found = self.origin.get(id(var)) if _is_var(var) else None
+        if found is not None and dim in found[1]:
+            self.roles.setdefault((found[0], found[1][dim]), set()).add(role)
+
+    def pass_origin(self, src: Any, dst: Any, dim_map: Mapping[int, int]) -> None:
+        """``dst`` is ``src`` re-laid out: ``dst`` dim ``d`` is ``src`` dim ``dim_map[d]``."""
+        found = self.origin.get(id(src)) if _is_var(src) else None
+        if found is not None and _is_var(dst):
+            self.origin[id(dst)] = (found[0], {d: found[1][s] for d, s in dim_map.items() if s in found[1]})
+
+
+@dataclasses.dataclass
+class _Class:
+    root: Any
+    nodes: list
+    param_nodes: list  # (param index, dim)
+    param_bytes: int = 0
+    comm_bytes: int = 0
+    invalid: str = ""
+    order: int = 0
+    flows: bool = False  # reaches a value that is not just the param re-laid out
+    reduces: bool = False  # contracted, reduced or indexed somewhere
+
+    @property
+    def ratio(self) -> float:
+        return self.param_bytes / self.comm_bytes if self.comm_bytes else math.inf

@@ -1,0 +1,304 @@
+"""Walking a jaxpr (sub-computations and scans included) to build the dim graph."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax.extend import core
+
+from parallax._compat import scan_counts
+from parallax.sharding.tp_layout.graph import (
+    _CALL_JAXPR_PARAMS,
+    _CUMULATIVE,
+    _NOT_ELEMENTWISE,
+    _REDUCTIONS,
+    _WINDOWED,
+    _Eqn,
+    _Graph,
+    _is_var,
+    _shape,
+    _val,
+)
+from parallax.sharding.tp_layout.ties import (
+    _along_axis_ties,
+    _gather_ties,
+    _reshape_ties,
+)
+
+
+def _sub_jaxpr(eqn: Any):
+    for key in _CALL_JAXPR_PARAMS:
+        sub = eqn.params.get(key)
+        if sub is None:
+            continue
+        jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
+        if isinstance(jaxpr, core.Jaxpr) and len(jaxpr.invars) == len(eqn.invars) and len(jaxpr.outvars) == len(eqn.outvars):
+            return jaxpr
+    return None
+
+
+def _inner(closed: Any):
+    return closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+
+
+def _walk(graph: _Graph, jaxpr: Any, env: dict, weight: int) -> None:
+    for eqn in jaxpr.eqns:
+        _visit(graph, eqn, env, weight)
+
+
+def _link_in(graph: _Graph, outer_in: Sequence, inner_in: Sequence) -> None:
+    for outer, inner in zip(outer_in, inner_in):
+        graph.tie_all(outer, inner)
+        if _is_var(outer) and _is_var(inner):
+            graph.pass_origin(outer, inner, {d: d for d in range(len(_shape(inner)))})
+            if id(outer) in graph.needs_grad:
+                graph.needs_grad.add(id(inner))
+
+
+def _link_out(graph: _Graph, inner_out: Sequence, outer_out: Sequence) -> None:
+    for inner, outer in zip(inner_out, outer_out):
+        graph.tie_all(inner, outer)
+        if _is_var(inner) and _is_var(outer) and id(inner) in graph.needs_grad:
+            graph.needs_grad.add(id(outer))
+
+
+def _call(graph: _Graph, jaxpr: Any, outer_in: Sequence, outer_out: Sequence, weight: int) -> tuple[list, list]:
+    """Walks a sub-computation with fresh values, tied to the caller's; returns its invars and outvars."""
+    env: dict = {}
+    inner_in = [_val(env, v) for v in jaxpr.invars]
+    _link_in(graph, outer_in, inner_in)
+    _walk(graph, jaxpr, env, weight)
+    inner_out = [_val(env, v) for v in jaxpr.outvars]
+    _link_out(graph, inner_out, outer_out)
+    return inner_in, inner_out
+
+
+def _visit(graph: _Graph, eqn: Any, env: dict, weight: int) -> None:
+    name = eqn.primitive.name
+    invars = [_val(env, v) for v in eqn.invars]
+    outvars = [_val(env, v) for v in eqn.outvars]
+    ins = [v for v in invars if _is_var(v)]
+    outs = [v for v in outvars if _is_var(v)]
+    for v in ins + outs:
+        graph.add(v)
+    if any(id(v) in graph.needs_grad for v in ins):
+        for v in outs:
+            if np.issubdtype(v.dtype, np.floating):
+                graph.needs_grad.add(id(v))
+    reduced: set = set()
+    params = eqn.params
+
+    if name == "scan":
+        _scan(graph, eqn, invars, outvars, weight)
+        return
+    if name == "while":
+        cond, body = _inner(params["cond_jaxpr"]), _inner(params["body_jaxpr"])
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        carry = invars[nc + nb:]
+        body_in, body_out = _call(graph, body, invars[nc:nc + nb] + carry, outvars, weight)
+        for inner_in, inner_out in zip(body_in[nb:], body_out):
+            graph.tie_all(inner_in, inner_out)
+        _call(graph, cond, invars[:nc] + carry, [], weight)
+        return
+    if name == "cond":
+        for branch in params["branches"]:
+            _call(graph, _inner(branch), invars[1:], outvars, weight)
+        return
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:
+        _call(graph, sub, invars, outvars, weight)
+        return
+
+    out = outvars[0] if outvars else None
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        lhs, rhs = invars
+        lhs_free = [d for d in range(len(_shape(lhs))) if d not in lc and d not in lb]
+        rhs_free = [d for d in range(len(_shape(rhs))) if d not in rc and d not in rb]
+        for k, (dl, dr) in enumerate(zip(lb, rb)):
+            graph.tie(lhs, dl, out, k)
+            graph.tie(rhs, dr, out, k)
+        for k, d in enumerate(lhs_free):
+            graph.tie(lhs, d, out, len(lb) + k)
+            graph.note_role(lhs, d, "column")
+        for k, d in enumerate(rhs_free):
+            graph.tie(rhs, d, out, len(lb) + len(lhs_free) + k)
+            graph.note_role(rhs, d, "column")
+        for dl, dr in zip(lc, rc):
+            graph.tie(lhs, dl, rhs, dr)
+            graph.note_role(lhs, dl, "row")
+            graph.note_role(rhs, dr, "row")
+            reduced.update({(id(lhs), dl), (id(rhs), dr)} if _is_var(lhs) and _is_var(rhs) else set())
+    elif name == "conv_general_dilated":
+        lhs, rhs = invars
+        lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+        graph.tie(lhs, lhs_spec[0], out, out_spec[0])
+        graph.tie(rhs, rhs_spec[0], out, out_spec[1])
+        graph.note_role(rhs, rhs_spec[0], "column")
+        if params.get("feature_group_count", 1) == 1 and params.get("batch_group_count", 1) == 1:
+            graph.tie(lhs, lhs_spec[1], rhs, rhs_spec[1])
+            graph.note_role(rhs, rhs_spec[1], "row")
+            if _is_var(lhs) and _is_var(rhs):
+                reduced.update({(id(lhs), lhs_spec[1]), (id(rhs), rhs_spec[1])})
+        elif params.get("batch_group_count", 1) == 1:
+            graph.tie(lhs, lhs_spec[1], out, out_spec[1])  # grouped/depthwise: groups follow the channels
+    elif name in _REDUCTIONS:
+        axes = tuple(params["axes"])
+        kept = [d for d in range(len(_shape(invars[0]))) if d not in axes]
+        for k, d in enumerate(kept):
+            graph.tie(invars[0], d, out, k)
+        if _is_var(invars[0]):
+            reduced.update((id(invars[0]), d) for d in axes)
+    elif name == "broadcast_in_dim":
+        src = invars[0]
+        if _is_var(src):
+            for k, d in enumerate(params["broadcast_dimensions"]):
+                if _shape(src)[k] == _shape(out)[d]:
+                    graph.tie(src, k, out, d)
+            graph.pass_origin(src, out, {d: k for k, d in enumerate(params["broadcast_dimensions"])})
+    elif name == "reshape":
+        if _is_var(invars[0]):
+            _reshape_ties(graph, invars[0], out)
+    elif name == "transpose":
+        perm = params["permutation"]
+        for k, d in enumerate(perm):
+            graph.tie(invars[0], d, out, k)
+        graph.pass_origin(invars[0], out, {k: d for k, d in enumerate(perm)})
+    elif name == "squeeze":
+        src = invars[0]
+        kept = [d for d in range(len(_shape(src))) if d not in params["dimensions"]]
+        for k, d in enumerate(kept):
+            graph.tie(src, d, out, k)
+        graph.pass_origin(src, out, {k: d for k, d in enumerate(kept)})
+    elif name == "concatenate":
+        axis = params["dimension"]
+        for src in invars:
+            for d in range(len(_shape(out))):
+                if d != axis:
+                    graph.tie(src, d, out, d)
+    elif name in ("pad", "slice", "dynamic_slice", "rev") or name in _CUMULATIVE:
+        src = invars[0]
+        for d in range(len(_shape(out))):
+            if name == "rev":
+                keep = d not in params["dimensions"]
+            elif name in _CUMULATIVE:
+                keep = d != params["axis"]
+            elif name == "pad":
+                keep = tuple(params["padding_config"][d]) == (0, 0, 0)
+            else:
+                keep = _shape(src)[d] == _shape(out)[d]
+            if keep:
+                graph.tie(src, d, out, d)
+    elif name == "dynamic_update_slice":
+        operand, update = invars[0], invars[1]
+        graph.tie_all(operand, out)
+        for d in range(len(_shape(out))):
+            if _is_var(update) and _shape(update)[d] == _shape(out)[d]:
+                graph.tie(update, d, out, d)
+    elif name == "gather":
+        _gather_ties(graph, eqn, invars, outvars, reduced)
+    elif name in ("sort", "split", "top_k") or name in _WINDOWED:
+        _along_axis_ties(graph, eqn, invars, outvars)
+    elif name == "optimization_barrier":
+        for src, dst in zip(invars, outvars):
+            graph.tie_all(src, dst)
+    elif name not in _NOT_ELEMENTWISE and outs and ins:
+        # elementwise: operands of the result's shape, scalars, or the same rank with 1s to broadcast
+        shape = _shape(outs[0])
+
+        def fits(v):
+            s = _shape(v)
+            return s == () or (len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)))
+
+        if all(_shape(v) == shape for v in outs) and all(fits(v) for v in ins):
+            for v in ins + outs[1:]:
+                for d, size in enumerate(_shape(v)):
+                    if size == shape[d]:
+                        graph.tie(v, d, outs[0], d)
+            same = [v for v in ins if _shape(v) == shape]
+            if len(same) == 1 and len(outs) == 1:
+                graph.pass_origin(same[0], outs[0], {d: d for d in range(len(shape))})
+    graph.eqns.append(_Eqn(name, ins, outs, reduced, weight))
+
+
+def _scan(graph: _Graph, eqn: Any, invars: list, outvars: list, weight: int) -> None:
+    """A scan: consts and carry are tied whole; xs and ys lose their leading (scanned) dim."""
+    params = eqn.params
+    body = _inner(params["jaxpr"])
+    consts, carry = scan_counts(params)
+    env: dict = {}
+    inner_in = [_val(env, v) for v in body.invars]
+    _link_in(graph, invars[: consts + carry], inner_in[: consts + carry])
+    for outer, inner in zip(invars[consts + carry:], inner_in[consts + carry:]):
+        if _is_var(outer) and _is_var(inner):
+            graph.forbid(outer, 0, "a scanned layer dim (nn.scan)")
+            for d in range(len(_shape(inner))):
+                graph.tie(outer, d + 1, inner, d)
+            graph.pass_origin(outer, inner, {d: d + 1 for d in range(len(_shape(inner)))})
+            if id(outer) in graph.needs_grad:
+                graph.needs_grad.add(id(inner))
+    if any(_is_var(v) and id(v) in graph.needs_grad for v in invars):
+        graph.needs_grad.update(id(v) for v in inner_in[consts:consts + carry] if _is_var(v))
+    _walk(graph, body, env, weight * int(params.get("length", 1)))
+    inner_out = [_val(env, v) for v in body.outvars]
+    _link_out(graph, inner_out[:carry], outvars[:carry])
+    for inner_carry_in, inner_carry_out in zip(inner_in[consts:consts + carry], inner_out[:carry]):
+        graph.tie_all(inner_carry_in, inner_carry_out)
+    for inner, outer in zip(inner_out[carry:], outvars[carry:]):
+        if _is_var(outer) and _is_var(inner):
+            graph.forbid(outer, 0, "a scanned layer dim (nn.scan)")
+            for d in range(len(_shape(inner))):
+                graph.tie(inner, d, outer, d + 1)
+            if id(inner) in graph.needs_grad:
+                graph.needs_grad.add(id(outer))
+
+
+def _build(closed_jaxpr: Any, num_params: int, batch_invars: Sequence[int] = ()) -> tuple[_Graph, list, list]:
+    """The graph of tied dims of a traced loss whose first ``num_params`` invars are the params."""
+    jaxpr = closed_jaxpr.jaxpr
+    graph = _Graph()
+    env: dict = {}
+    invars = [_val(env, v) for v in jaxpr.invars]
+    params = invars[:num_params]
+    for index, var in enumerate(params):
+        graph.add(var)
+        graph.needs_grad.add(id(var))
+        graph.origin[id(var)] = (index, {d: d for d in range(len(_shape(var)))})
+    for index in batch_invars:
+        if _is_var(invars[index]) and _shape(invars[index]):
+            graph.forbid(invars[index], 0, "the batch dim")
+    for var in invars:
+        if _is_var(var):
+            graph.add(var)
+    _walk(graph, jaxpr, env, 1)
+    return graph, params, [_val(env, v) for v in jaxpr.outvars]
+
+
+def _has_scan(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (core.Jaxpr, core.ClosedJaxpr)) and _has_scan(_inner(sub)):
+                    return True
+    return False
+
+
+def scanned_dims(closed_jaxpr: Any, param_paths: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The dims of params that a ``scan`` steps over (``nn.scan``'s stacked layer dim), by path.
+
+    FSDP splits another dim of these params: a scan over a split dim would gather the whole
+    stacked param on every device.
+    """
+    if not _has_scan(closed_jaxpr.jaxpr):
+        return {}  # the common case: no graph to build
+    graph, params, _ = _build(closed_jaxpr, len(param_paths))
+    scanned_roots = {graph.find(node) for node, why in graph.forbidden.items() if "scanned" in why}
+    found = {}
+    for path, var in zip(param_paths, params):
+        dims = tuple(d for d in range(len(_shape(var))) if graph.find((id(var), d)) in scanned_roots)
+        if dims:
+            found[path] = dims
+    return found

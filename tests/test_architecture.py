@@ -1,0 +1,85 @@
+"""The package's shape: layers import one way, one module imports flax.linen, files stay small.
+
+Read from the source (``ast``), so an import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "parallax"
+# Lower layers first; a module may import its own layer and the ones before it.
+LAYERS = ("sharding", "models", "step", "train")
+# Shared helpers every layer may use; they import no layer.
+FOUNDATION = ("parallax._compat", "parallax._tree")
+LINEN_ADAPTER = "parallax.models.linen"
+MAX_LINES = 360
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    """Every module name an import statement in ``path`` names (``from a import b`` gives ``a`` and ``a.b``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def layer(module: str) -> int | None:
+    """The layer index of a parallax module; ``None`` for the foundation, the top package and inspect."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_layers_are_what_the_folders_say():
+    assert {m.split(".")[1] for m in MODULES if m.count(".")} == {*LAYERS, "_compat", "_tree", "inspect"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_flow_one_way(module):
+    names = {name for name in imports(MODULES[module]) if name.startswith("parallax")}
+    if module in FOUNDATION:
+        assert names <= set(FOUNDATION), f"{module} is a shared helper but imports {sorted(names - set(FOUNDATION))}"
+        return
+    own = layer(module)
+    if own is None:
+        return  # parallax/__init__ re-exports; inspect reads compiled programs
+    upward = sorted(name for name in names if (layer(name) or 0) > own)
+    assert not upward, f"{module} (layer {LAYERS[own]}) imports from a layer above it: {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_linen_adapter_imports_flax_linen(module):
+    linen = sorted(name for name in imports(MODULES[module])
+                   if name == "flax.linen" or name.startswith("flax.linen."))
+    if module == LINEN_ADAPTER or module.startswith(LINEN_ADAPTER + "."):
+        return
+    assert not linen, f"{module} imports {linen}; only {LINEN_ADAPTER} may (the model seam)"
+
+
+def test_the_checks_see_a_violation():
+    """The readers above would notice the imports they forbid."""
+    sample = PACKAGE / "models" / "linen" / "__init__.py"
+    assert "flax.linen" in imports(sample)
+    assert layer("parallax.train.trainer") > layer("parallax.step.build") > layer("parallax.models") > layer(
+        "parallax.sharding.strategy")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_are_small(module):
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines (> {MAX_LINES}): split it by concern"
