@@ -10,6 +10,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import re
 
 import flax.linen as nn
 import jax
@@ -56,9 +57,9 @@ def namespace(source: str, tmp_path) -> dict:
         "x_train": train_data["x"], "y_train": train_data["y"], "make_state": make_state,
         "ckpt_dir": str(tmp_path / "ckpt"),
     }
-    if "state" in source:  # a train step donates its input: each docstring gets its own
+    if re.search(r"\bstate\b", source):  # a train step donates its input: each docstring gets its own
         names["state"] = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(), loss_fn=loss_fn)
-    if "step" in source:
+    if re.search(r"\bstep\b", source):
         names["step"] = px.make_train_step(loss_fn, px.FSDP())
     return names
 
