@@ -1,4 +1,4 @@
-"""Flax linen models behind the model seam: the only module that imports ``flax.linen``.
+"""Flax linen models behind the model seam: the only package that imports ``flax.linen``.
 
 :class:`LinenModel` runs an unchanged ``nn.Module`` the way a step needs it: BatchNorm
 statistics over the data axes, chosen modules rematerialised, the model's own logical
