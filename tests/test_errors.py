@@ -144,13 +144,17 @@ class NNXModel(nnx.Module):
     lambda model: px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.DataParallel(),
                                 loss_fn=classifier_loss),
 ], ids=["Trainer", "init_state"])
-def test_models_parallax_cannot_take_yet_are_named_before_anything_compiles(make):
-    with pytest.raises(ValueError, match=r"Flax NNX module \(NNXModel\).*nnx\.bridge\.to_linen\(NNXModel"):
-        make(NNXModel(nnx.Rngs(0)))
+def test_models_parallax_cannot_take_are_named_before_anything_compiles(make):
+    with pytest.raises(ValueError, match=r"model is the NNX class NNXModel; pass an instance"):
+        make(NNXModel)
     with pytest.raises(ValueError, match=r"model is the class MLP; pass an instance, e\.g\. MLP\(\.\.\.\)"):
         make(MLP)
-    with pytest.raises(ValueError, match=r"model must be a flax\.linen\.Module instance, got function"):
+    with pytest.raises(ValueError, match=r"model is a function that takes arguments \(x\)"):
         make(lambda x: x)
+    with pytest.raises(ValueError, match=r"model is a function that returns an array int32\(\), not an NNX module"):
+        make(lambda: 3)
+    with pytest.raises(ValueError, match=r"model must be a flax\.linen\.Module or flax\.nnx\.Module instance.*got str"):
+        make("resnet50")
 
 
 def _trainer(**kwargs):

@@ -10,37 +10,38 @@ from typing import Any
 
 from parallax.models.adapter import LossFn, ModelAdapter, ModelRun, ParamGather
 from parallax.models.linen import LinenModel, is_linen_class, is_linen_model
+from parallax.models.nnx import NNXModel, is_nnx_class, is_nnx_model
 
 __all__ = ["LossFn", "ModelAdapter", "ModelRun", "ParamGather", "adapter_for", "check_model"]
 
 
 def check_model(model: Any) -> None:
-    """Raises a clear error, before anything compiles, for a model parallax cannot take yet.
+    """Raises a clear error, before anything compiles, for a model parallax cannot take.
+
+    Takes a linen module instance, an NNX module instance, or a function that builds an NNX
+    module (then planned from shapes, never whole on one device).
 
     Raises:
-        ValueError: an NNX module (support is coming), a linen module class instead of an
-            instance, or anything that is not a flax linen module.
+        ValueError: a linen or NNX module class instead of an instance, or anything else.
     """
-    if is_linen_model(model):
+    if is_linen_model(model) or is_nnx_model(model):
         return
     if is_linen_class(model):
         raise ValueError(f"model is the class {model.__name__}; pass an instance, e.g. {model.__name__}(...).")
-    from flax import nnx  # only on this error path
-
-    if isinstance(model, nnx.Module) or (isinstance(model, type) and issubclass(model, nnx.Module)):
-        name = model.__name__ if isinstance(model, type) else type(model).__name__
-        raise ValueError(
-            f"model is a Flax NNX module ({name}); parallax takes flax.linen modules today, and NNX "
-            "support (the same strategies and Trainer) is in progress. Meanwhile, wrap it as a linen "
-            f"module: flax.nnx.bridge.to_linen({name}, *constructor_args) (without the rngs argument), "
-            "and pass that to parallax."
-        )
+    if is_nnx_class(model):
+        raise ValueError(f"model is the NNX class {model.__name__}; pass an instance, e.g. "
+                         f"{model.__name__}(..., rngs=nnx.Rngs(0)), or a function that builds one.")
+    if callable(model):
+        return  # a function that builds an NNX module: checked when it is traced (NNXModel.of)
     raise ValueError(
-        f"model must be a flax.linen.Module instance, got {type(model).__name__} ({model!r:.80})."
+        f"model must be a flax.linen.Module or flax.nnx.Module instance (or a function that builds an NNX "
+        f"module), got {type(model).__name__} ({model!r:.80})."
     )
 
 
 def adapter_for(model: Any) -> ModelAdapter:
     """The :class:`ModelAdapter` of ``model`` (checked with :func:`check_model`)."""
     check_model(model)
-    return LinenModel(model)
+    if is_linen_model(model):
+        return LinenModel(model)
+    return NNXModel.of(model)

@@ -107,7 +107,7 @@ def plan_state(
             opt_state=optimizer.init(plain_params),
             rng=state_key,
             model_state=model_state,
-            model=model,
+            model=adapter.model,
             tx=optimizer,
         )
 

@@ -124,7 +124,7 @@ class Trainer:
     def _load(self, example_batch: Any, step: int | None, verify: bool) -> dict:
         plan = self._plan(example_batch)
         arrays, metadata = self.checkpointer.restore(plan.abstract_arrays(), step, verify=verify)
-        self.state = TrainState(model=self.model, tx=self.optimizer, **arrays)
+        self.state = TrainState(model=self.adapter.model, tx=self.optimizer, **arrays)
         return metadata
 
     def request_stop(self, reason: str) -> None:
