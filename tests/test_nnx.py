@@ -197,3 +197,14 @@ def test_a_model_built_from_a_function_is_never_whole_on_one_device():
     kernel = state.params["up"]["kernel"]
     assert {shard.data.shape for shard in kernel.addressable_shards} == {(16, 128)}
     assert {shard.data.shape for shard in state.opt_state[0].mu["up"]["kernel"].addressable_shards} == {(16, 128)}
+
+
+def test_an_instance_keeps_its_own_values():
+    """A module the user already has (e.g. pretrained) is placed as it is, not re-initialised."""
+    model = MLP(nnx.Rngs(7))
+    model.down.bias.set_value(model.down.bias.get_value() + 1.0)  # as if trained
+    expected = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    strategy = px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2))
+    state = px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy, loss_fn=loss_fn)
+    assert max_diff(jax.device_get(state.params), expected) == 0.0
+    assert state.params["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")

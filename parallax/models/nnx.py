@@ -132,20 +132,20 @@ def _reseed(module: nnx.Module, rngs: Mapping[str, Any]) -> list[tuple[Any, Any,
     saved = []
     first = next(iter(rngs.values()), None)
     for stream in _streams(module):
-        saved.append((stream, stream.key.value, stream.count.value))
+        saved.append((stream, stream.key.get_value(), stream.count.get_value()))
         base = rngs.get(stream.tag)
         if base is None and first is not None:  # a stream not named in rng_streams: its own fold of the first
             base = jax.random.fold_in(first, zlib.crc32(stream.tag.encode()) % 2**31)
         if base is not None:
-            stream.key.value = jax.random.wrap_key_data(base, impl=jax.random.key_impl(stream.key.value))
-            stream.count.value = jax.numpy.zeros_like(stream.count.value)
+            stream.key.set_value(jax.random.wrap_key_data(base, impl=jax.random.key_impl(stream.key.get_value())))
+            stream.count.set_value(jax.numpy.zeros_like(stream.count.get_value()))
     return saved
 
 
 def _restore_keys(saved: list[tuple[Any, Any, Any]]) -> None:
     for stream, key, count in saved:
-        stream.key.value = key
-        stream.count.value = count
+        stream.key.set_value(key)
+        stream.count.set_value(count)
 
 
 def _set_batch_stats_axes(module: nnx.Module, axes: tuple[str, ...] | None) -> None:
