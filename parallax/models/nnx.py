@@ -154,14 +154,3 @@ def _set_batch_stats_axes(module: nnx.Module, axes: tuple[str, ...] | None) -> N
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.BatchNorm):
             node.axis_name = axis_name
-
-
-def split_module(module: nnx.Module) -> tuple[Any, dict, dict]:
-    """``(graphdef, params, model_state)`` of an NNX module, values as plain nested dicts."""
-    return _split(module)
-
-
-def merged(graphdef: Any, params: Any, model_state: dict) -> nnx.Module:
-    """The NNX module with these values (the inverse of :func:`split_module`)."""
-    return nnx.merge(graphdef, params, model_state)
-
