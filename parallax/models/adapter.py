@@ -65,6 +65,24 @@ class ModelAdapter(Protocol):
         """Params without metadata boxes: plain arrays, as the state holds them."""
         ...
 
+    def values(self) -> tuple[Any, dict] | None:
+        """``(params, model_state)`` a model already holds (an NNX instance, e.g. pretrained),
+        unboxed, to be placed on the mesh as they are; ``None`` when the state is initialised."""
+        ...
+
+    def bind(self, params: Any, model_state: dict) -> Any:
+        """The model holding these values, callable outside a step."""
+        ...
+
+    def write_back(self, params: Any, model_state: dict) -> None:
+        """Puts trained values into the model object the user passed, where it holds values."""
+        ...
+
+    def optimizer(self, optimizer: Any) -> tuple[Any, Any]:
+        """``(optax transformation, its state or None)`` from what the user passed as the optimizer
+        (an optax transformation, or a model library's optimizer object)."""
+        ...
+
     def apply(self, params: Any, model_state: dict, batch: Any, *, rngs: Mapping[str, Any],
               loss_fn: LossFn | None, run: ModelRun) -> tuple[Any, dict]:
         """``loss_fn(model, batch)`` (or the model on the batch) with these variables:

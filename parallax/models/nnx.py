@@ -14,10 +14,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import flax
 import jax
+import numpy as np
+import optax
 from flax import nnx
+from flax.core import meta
+from flax.core import spmd as core_spmd
+
+from parallax._tree import unbox
 
 from parallax.models.adapter import LossFn, ModelRun
 from parallax.models.precision import Float32Outputs, cast_floating
@@ -41,6 +48,54 @@ def _split(module: nnx.Module) -> tuple[Any, dict, dict]:
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
+def _build(factory: Callable[[], Any]) -> Any:
+    """Calls a function that builds a module with eager sharding off: a variable's sharding
+    annotation (``nnx.with_partitioning``, ``out_sharding=``) stays metadata for parallax to read,
+    instead of asking for a mesh context of the user's own."""
+    with nnx.use_eager_sharding(False):
+        return factory()
+
+
+def _annotated_params(module: nnx.Module) -> dict:
+    """The ``nnx.Param`` values, each with its sharding annotation in a flax ``Partitioned`` box
+    (what the strategies read). Logical names go through the variable's ``sharding_rules`` and
+    the ``logical_axis_rules`` context, as flax resolves them; other names stay as they are."""
+    context = dict(core_spmd.get_logical_axis_rules())
+
+    def boxed(variable):
+        value = variable.get_value()
+        metadata = variable.get_metadata()
+        names = metadata.get("out_sharding")
+        if isinstance(names, jax.sharding.NamedSharding):
+            names = names.spec
+        if not names:
+            return value
+        rules = {**context, **dict(metadata.get("sharding_rules") or ())}
+        return meta.Partitioned(value, tuple(rules.get(name, name) if isinstance(name, str) else name
+                                             for name in names))
+
+    flat = {path: boxed(variable) for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    return flax.traverse_util.unflatten_dict(flat)
+
+
+def _check_one_mesh(module: nnx.Module) -> None:
+    """Variables already placed on a mesh (``NamedSharding``) must all be on the same one."""
+    meshes: dict[Any, str] = {}
+    for path, variable in nnx.to_flat_state(nnx.state(module)):
+        value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
+        sharding = getattr(value, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            mesh = (tuple(d.id for d in sharding.mesh.devices.flat), tuple(sharding.mesh.axis_names))
+            meshes.setdefault(mesh, "/".join(map(str, path)))
+    if len(meshes) > 1:
+        (first, a), (second, b) = list(meshes.items())[:2]
+        raise ValueError(
+            f"The NNX model's variables live on different meshes: {a} on devices {list(first[0])} with axes "
+            f"{first[1]}, {b} on devices {list(second[0])} with axes {second[1]}. parallax places every variable "
+            "on the strategy's mesh: build the model on one mesh (or none), or nnx.update it with "
+            "jax.device_get(nnx.state(model)) first.")
+
+
 @dataclasses.dataclass(frozen=True)
 class NNXModel:
     """The model seam for a Flax NNX module.
@@ -60,6 +115,7 @@ class NNXModel:
         if isinstance(model, nnx.graph.GraphDef):
             return cls(model)
         if isinstance(model, nnx.Module):
+            _check_one_mesh(model)
             return cls(nnx.graphdef(model), source=model)
         try:
             inspect.signature(model).bind()
@@ -69,7 +125,7 @@ class NNXModel:
                              "rngs=nnx.Rngs(0)).") from None
         except ValueError:
             pass  # no signature to read (a builtin): try it
-        built = nnx.eval_shape(model)
+        built = nnx.eval_shape(lambda: _build(model))
         if not isinstance(built, nnx.Module):
             what = (f"an array {built.dtype}{tuple(built.shape)}" if isinstance(built, jax.ShapeDtypeStruct)
                     else type(built).__name__)
@@ -83,12 +139,39 @@ class NNXModel:
         if self.source is None:
             raise ValueError("This NNX adapter holds only a graph definition; build the state from the module "
                              "or from a function that builds it.")
-        module = self.source if isinstance(self.source, nnx.Module) else self.source()
-        _, params, rest = _split(module)
-        return params, rest
+        module = self.source if isinstance(self.source, nnx.Module) else _build(self.source)
+        return _annotated_params(module), _split(module)[2]
 
     def unbox(self, params: Any) -> Any:
-        return params
+        return unbox(params)
+
+    def values(self) -> tuple[dict, dict] | None:
+        """An instance's own values (kept, e.g. pretrained weights); ``None`` for a function."""
+        if not isinstance(self.source, nnx.Module):
+            return None
+        _, params, rest = _split(self.source)
+        return params, rest
+
+    def bind(self, params: Any, model_state: dict) -> nnx.Module:
+        return nnx.merge(self.model, params, model_state)
+
+    def write_back(self, params: Any, model_state: dict) -> None:
+        """The instance the user passed takes the trained values (``nnx.update``): how an NNX user
+        goes on (evaluate, export, save) after ``fit``."""
+        if isinstance(self.source, nnx.Module):
+            nnx.update(self.source, nnx.state(self.bind(params, model_state)))
+
+    def optimizer(self, optimizer: Any) -> tuple[Any, Any]:
+        """An optax transformation as it is; an ``nnx.Optimizer`` as its ``tx`` and, once it has
+        taken steps, its state (so a resumed optimizer keeps its moments)."""
+        if not isinstance(optimizer, nnx.Optimizer):
+            return optimizer, None
+        return optimizer_parts(optimizer, self._abstract_module())
+
+    def _abstract_module(self) -> nnx.Module:
+        if isinstance(self.source, nnx.Module):
+            return self.source
+        return nnx.eval_shape(lambda: _build(self.source))
 
     def apply(self, params: Any, model_state: dict, batch: Any, *, rngs: Mapping[str, Any],
               loss_fn: LossFn | None, run: ModelRun) -> tuple[Any, dict]:
@@ -154,3 +237,34 @@ def _set_batch_stats_axes(module: nnx.Module, axes: tuple[str, ...] | None) -> N
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.BatchNorm):
             node.axis_name = axis_name
+
+
+def optimizer_parts(optimizer: nnx.Optimizer, module: nnx.Module) -> tuple[optax.GradientTransformation, Any]:
+    """``(tx, opt_state or None)`` of an ``nnx.Optimizer`` over ``module``'s params.
+
+    parallax trains every ``nnx.Param`` and nothing else, so ``wrt`` must select exactly those
+    (``wrt=nnx.Param``). The state of an optimizer that has taken steps is carried over.
+    """
+    select = nnx.filterlib.to_predicate(optimizer.wrt)
+    variables = nnx.to_flat_state(nnx.state(module))
+    left_out = ["/".join(map(str, path)) for path, v in variables if isinstance(v, nnx.Param) and not select(path, v)]
+    extra = [f"{'/'.join(map(str, path))} ({type(v).__name__})" for path, v in variables
+             if not isinstance(v, nnx.Param) and select(path, v)]
+    if left_out or extra:
+        what = (f"leaves these params out: {', '.join(left_out[:5])}" if left_out
+                else f"selects variables that are not params: {', '.join(extra[:5])}")
+        raise ValueError(
+            f"nnx.Optimizer(..., wrt={optimizer.wrt!r}) {what}. parallax trains every nnx.Param and only those: "
+            "pass wrt=nnx.Param, and freeze params in the optax transformation instead (optax.multi_transform "
+            "with optax.set_to_zero() for the frozen ones).")
+    tx = optimizer.tx
+    if int(np.asarray(optimizer.step.get_value())) == 0:
+        return tx, None
+    values = jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    values = [v.get_value() if isinstance(v, nnx.Variable) else v for v in values]
+    fresh = jax.eval_shape(tx.init, nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    leaves, treedef = jax.tree.flatten(fresh)
+    if len(values) != len(leaves) or any(np.shape(v) != leaf.shape for v, leaf in zip(values, leaves)):
+        raise ValueError("The nnx.Optimizer's state does not match its tx over the model's params; pass "
+                         "optimizer.tx (a fresh optimizer state) or the optimizer built for this model.")
+    return tx, jax.tree.unflatten(treedef, values)

@@ -90,21 +90,23 @@ def plan_state(
         ('fsdp',)
     """
     adapter = adapter_for(model)
+    optimizer, given_opt_state = adapter.optimizer(optimizer)
+    given = adapter.values()
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
     mesh = strategy.make_mesh() if mesh is None else mesh
     key = as_key(rng)
     rng_streams = tuple(rng_streams)
 
-    def make(key, batch, boxed: bool):
+    def make(key, batch, boxed: bool, values=None, opt_state=None):
         init_key, stream_key, state_key = jax.random.split(key, 3)
         rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
-        params, model_state = adapter.init(rngs, batch, loss_fn, mesh.axis_names)
+        params, model_state = adapter.init(rngs, batch, loss_fn, mesh.axis_names) if values is None else values
         plain_params = adapter.unbox(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params if boxed else plain_params,
-            opt_state=optimizer.init(plain_params),
+            opt_state=optimizer.init(plain_params) if opt_state is None else opt_state,
             rng=state_key,
             model_state=model_state,
             model=adapter.model,
@@ -125,11 +127,19 @@ def plan_state(
                                                         rng_streams))
     specs = strategy.state_specs(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-    jitted = jax.jit(lambda k, b: make(k, b, boxed=False), out_shardings=shardings)
+    jitted = jax.jit(lambda k, b, v, o: make(k, b, boxed=False, values=v, opt_state=o), out_shardings=shardings)
+
+    def placed():
+        """Values the model or optimizer already holds, put straight onto their shards (arguments
+        of the build, never constants compiled into it)."""
+        values = None if given is None else jax.device_put(given, (shardings.params, shardings.model_state))
+        opt_state = None if given_opt_state is None else jax.device_put(given_opt_state, shardings.opt_state)
+        return values, opt_state
+
     return StatePlan(
         mesh, strategy, abstract, specs, shardings,
-        build=lambda: jitted(key, example_batch),
-        lower=lambda: jitted.lower(key, example_batch),
+        build=lambda: jitted(key, example_batch, *placed()),
+        lower=lambda: jitted.lower(key, example_batch, *placed()),
     )
 
 
@@ -176,8 +186,11 @@ def init_state(
     ever whole on one device under FSDP.
 
     Args:
-        model: an unmodified flax linen module.
-        optimizer: an optax transformation.
+        model: an unmodified flax linen module; an NNX module (its values are kept, e.g.
+            pretrained weights); or a function that builds an NNX module (planned from shapes:
+            each device builds only its shards).
+        optimizer: an optax transformation, or an ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
+            (its ``tx``, and its state once it has taken steps).
         example_batch: a batch as the loss function receives it (any batch size; only
             shapes and dtypes matter beyond the feature dims).
         strategy: the parallelism strategy.

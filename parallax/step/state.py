@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from parallax.models import adapter_for
+
 
 class TrainState(struct.PyTreeNode):
     """Everything a step reads and writes. A pytree of arrays plus two static fields.
@@ -36,6 +38,17 @@ class TrainState(struct.PyTreeNode):
     def variables(self) -> dict:
         """``{"params": ..., **model_state}``, ready for ``model.apply``."""
         return {"params": self.params, **self.model_state}
+
+    def module(self) -> Any:
+        """The model holding this state's values, callable outside a step: an NNX module
+        (``nnx.merge`` of the values), or a bound linen module.
+
+        Example:
+            >>> trained = state.module()  # a linen model here: bound to the params
+            >>> trained(batch["x"]).shape
+            (32, 10)
+        """
+        return adapter_for(self.model).bind(self.params, self.model_state)
 
 
 def as_key(rng: Any) -> jax.Array:

@@ -42,8 +42,10 @@ class Trainer:
     """Trains an unmodified flax model with any parallax strategy.
 
     Args:
-        model: the flax linen module.
-        optimizer: an optax transformation.
+        model: a flax linen module; an NNX module (trained in place: after ``fit`` it holds
+            the trained values); or a function that builds an NNX module (planned from shapes;
+            ``result.state.module()`` gives the trained module).
+        optimizer: an optax transformation, or an ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, metrics)``.
         strategy: the parallelism strategy (``DataParallel()`` by default).
         config: an ``ml_collections.ConfigDict`` (or dict) of :class:`TrainerConfig` options.
@@ -66,7 +68,8 @@ class Trainer:
                  callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
         self.config = cfg = TrainerConfig.create(config, **options)
         self.adapter = adapter_for(model)
-        check_optimizer(optimizer)
+        self.tx = self.adapter.optimizer(optimizer)[0]  # an nnx.Optimizer gives its optax transformation
+        check_optimizer(self.tx)
         check_loss_fn(loss_fn, "loss_fn")
         if eval_loss_fn is not None:
             check_loss_fn(eval_loss_fn, "eval_loss_fn")
@@ -124,7 +127,7 @@ class Trainer:
     def _load(self, example_batch: Any, step: int | None, verify: bool) -> dict:
         plan = self._plan(example_batch)
         arrays, metadata = self.checkpointer.restore(plan.abstract_arrays(), step, verify=verify)
-        self.state = TrainState(model=self.adapter.model, tx=self.optimizer, **arrays)
+        self.state = TrainState(model=self.adapter.model, tx=self.tx, **arrays)
         return metadata
 
     def request_stop(self, reason: str) -> None:
@@ -181,6 +184,7 @@ class Trainer:
                     callback.on_fit_end(self)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
+        self.adapter.write_back(self.state.params, self.state.model_state)
         if stop_reason == "preempted":
             saving = self.hook(Checkpointing)
             saved = f"saved step {saving.last_saved}" if saving is not None else "no checkpoint_dir, nothing saved"

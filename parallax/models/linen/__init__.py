@@ -69,6 +69,18 @@ class LinenModel:
     def unbox(self, params: Any) -> Any:
         return unbox(params)
 
+    def values(self) -> None:
+        return None  # a linen module holds no values: the state is always initialised
+
+    def bind(self, params: Any, model_state: dict) -> nn.Module:
+        return self.model.bind({"params": params, **model_state})
+
+    def write_back(self, params: Any, model_state: dict) -> None:
+        pass  # a linen module holds no values
+
+    def optimizer(self, optimizer: Any) -> tuple[Any, None]:
+        return optimizer, None
+
     def apply(self, params: Any, model_state: dict, batch: Any, *, rngs: Mapping[str, Any],
               loss_fn: LossFn | None, run: ModelRun) -> tuple[Any, dict]:
         if run.gather is None:
