@@ -149,7 +149,7 @@ def bench(kind: str, names: list[str], rounds: int, scale: float) -> list[dict]:
             "first_loss": first,
             "state_bytes": {"linen": state_bytes_per_device(linen.state), "nnx": state_bytes_per_device(ours.state),
                             "nnx.jit": handwritten.state_bytes()},
-            "temp_bytes": {"linen": linen.memory.get("temp", 0), "nnx": ours.memory.get("temp", 0)},
+            "temp_bytes": {"linen": linen.memory["temporaries"], "nnx": ours.memory["temporaries"]},
             "collective_bytes": {"linen": linen.collective_total(), "nnx": ours.collective_total()},
         })
     return results
@@ -162,7 +162,8 @@ LINEN_NAMES = ((r"^blocks/(\d+)/norm_(\d)/", r"block_\1/LayerNorm_\2/"), (r"^blo
 def to_linen(nnx_params: dict, linen_params) -> dict:
     """NNX weights in the linen model's tree: the same network, only some layer names differ."""
     flat = {}
-    for path, value in flax.traverse_util.flatten_dict(nnx_params, sep="/").items():
+    for keys, value in flax.traverse_util.flatten_dict(nnx_params).items():
+        path = "/".join(map(str, keys))
         for pattern, replacement in LINEN_NAMES:
             path = re.sub(pattern, replacement, path)
         flat[path] = value

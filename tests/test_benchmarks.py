@@ -42,3 +42,14 @@ def test_tp_layout_benchmark_smoke():
                            "--strategies", "fsdp+tp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| mlp | fsdp+tp |" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_nnx_vs_linen_benchmark_smoke():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.nnx_vs_linen", "--smoke", "--models", "mlp",
+                           "--strategies", "fsdp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| mlp | fsdp |"))
+    linen, nnx_loss, jitted = row.rstrip(" |").split("|")[-1].split(" / ")
+    assert float(linen) == float(nnx_loss) == float(jitted), row  # one network from the same weights

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -20,11 +21,20 @@ def run_example(script, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["dp", "fsdp", "dp+fsdp+tp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "dp+fsdp+tp"])  # DP alone: the NNX twin below
 def test_image_classifier(strategy):
     out = run_example("image_classifier.py", "--strategy", strategy, "--config.trainer.max_steps=4",
                       "--config.trainer.progress=False")
     assert "8 CPU device(s)" in out and "test accuracy" in out and "after 4 steps" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "fsdp+tp"])
+def test_nnx_classifier(strategy):
+    out = run_example("nnx_classifier.py", "--strategy", strategy, "--config.trainer.max_steps=4",
+                      "--config.trainer.progress=False")
+    trained = re.search(r"test accuracy (\S+), .* after 4 steps", out).group(1)
+    assert f"the trained NNX module itself, in eval mode: test accuracy {trained}" in out
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from tests.reference import OPTIMIZERS, TOL, max_diff
+from tests.reference import OPTIMIZERS, TOL, max_diff, run_steps
 
 STEPS = 10
 
@@ -393,3 +393,49 @@ def test_variables_on_different_meshes_are_a_clear_error():
                                                jax.sharding.NamedSharding(second, rep)))
     with pytest.raises(ValueError, match=r"different meshes: down/kernel on devices \[4, 5, 6, 7\].*up/kernel on devices \[0, 1, 2, 3\]"):
         px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.FSDP(), loss_fn=loss_fn)
+
+
+def test_remat_recomputes_nnx_modules_without_changing_results():
+    """remat= names NNX module classes (or class names): same losses, and the step recomputes."""
+    strategy = px.FSDP(min_weight_size=64)
+    data = batches("transformer", 3)
+    trajectories, barriers = [], []
+    for remat in ((), ("MultiHeadAttention", nnx.Linear)):
+        state = px.init_state(MODELS["transformer"], optax.sgd(0.1), data[0], strategy=strategy, loss_fn=loss_fn)
+        step = px.make_train_step(loss_fn, strategy, remat=remat)
+        barriers.append("optimization_barrier" in step.lower(state, data[0]).as_text())  # how remat reaches XLA
+        trajectories.append(run_steps(step, state, data)[1])
+    assert barriers == [False, True]
+    np.testing.assert_allclose(trajectories[1], trajectories[0], atol=1e-6)
+
+
+def test_gradient_accumulation_and_bf16_on_an_nnx_model():
+    """grad_accum=2 equals one step on the whole batch; precision="bf16" computes in bf16 with
+    float32 params and still trains."""
+    strategy = px.FSDP(min_weight_size=64)
+    data = batches("mlp", 2)
+    results = {}
+    for accum in (1, 2):
+        state = px.init_state(MODELS["mlp"], optax.sgd(0.1), data[0], strategy=strategy, loss_fn=loss_fn)
+        results[accum] = run_steps(px.make_train_step(loss_fn, strategy, grad_accum=accum), state, data)
+    np.testing.assert_allclose(results[2][1], results[1][1], atol=1e-6)
+    assert max_diff(jax.device_get(results[2][0].params), jax.device_get(results[1][0].params)) <= 1e-6
+
+    fit = batches("mlp", 1) * 20
+    state = px.init_state(MODELS["mlp"], optax.adam(1e-2), fit[0], strategy=strategy, loss_fn=loss_fn)
+    step = px.make_train_step(loss_fn, strategy, precision="bf16")
+    assert "xbf16>" in step.lower(state, fit[0]).as_text()  # tensors in bf16
+    state, losses = run_steps(step, state, fit)
+    assert state.params["up"]["kernel"].dtype == np.float32 and losses[-1] < 0.5 * losses[0]
+
+
+def test_inspect_reads_an_nnx_step():
+    """parallax.inspect works on NNX state and steps: per-device bytes and collectives."""
+    strategy = px.FSDP(min_weight_size=0)
+    data = batches("mlp", 1)
+    state = px.init_state(MODELS["mlp"], optax.adam(1e-3), data[0], strategy=strategy, loss_fn=loss_fn)
+    total = sum(x.nbytes for x in jax.tree.leaves(jax.device_get((state.params, state.opt_state))))
+    assert px.inspect.state_bytes_per_device(state) <= total // 8 + 1024  # scalars and small leaves whole
+    compiled = px.make_train_step(loss_fn, strategy).lower(state, data[0]).compile()
+    collectives = px.inspect.collective_bytes(compiled.as_text())
+    assert collectives and px.inspect.memory_bytes(compiled)["temporaries"] > 0

@@ -12,6 +12,7 @@ BatchNorm over the data axes, rng streams per step and data shard, mixed precisi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import zlib
 from typing import Any, Callable, Mapping, Sequence
@@ -175,14 +176,13 @@ class NNXModel:
 
     def apply(self, params: Any, model_state: dict, batch: Any, *, rngs: Mapping[str, Any],
               loss_fn: LossFn | None, run: ModelRun) -> tuple[Any, dict]:
-        if run.remat:
-            raise ValueError("remat= is not supported for NNX models yet; wrap the blocks with nnx.remat.")
         if run.gather is not None:
             params = gather_all(params, run.gather.specs, set(run.gather.axes))
         if run.compute_dtype is not None:
             params = cast_floating(params, run.compute_dtype)
             batch = cast_floating(batch, run.compute_dtype)
         module = nnx.merge(self.model, params, model_state)
+        _rematerialise(module, run.remat)
         keys = _reseed(module, rngs)
         _set_batch_stats_axes(module, run.batch_stats_axes)
         if run.train:
@@ -229,6 +229,40 @@ def _restore_keys(saved: list[tuple[Any, Any, Any]]) -> None:
     for stream, key, count in saved:
         stream.key.set_value(key)
         stream.count.set_value(count)
+
+
+def _rematerialise(module: nnx.Module, targets: Sequence[type | str]) -> None:
+    """Calls of the submodules whose class is (or is named) one of ``targets`` run under
+    ``nnx.remat``: their activations are recomputed in the backward pass. Only this step's merged
+    copy of the module changes class; the user's module and its graph definition do not."""
+    if not targets:
+        return
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module) and any(
+                (isinstance(t, str) and type(node).__name__ == t) or (isinstance(t, type) and isinstance(node, t))
+                for t in targets):
+            object.__setattr__(node, "__class__", _rematerialised(type(node)))
+
+
+@functools.cache
+def _rematerialised(cls: type) -> type:
+    """``cls`` with its ``__call__`` under ``nnx.remat`` (array arguments traced, the rest static)."""
+
+    def __call__(self, *args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+        def body(module, *values):
+            merged = list(leaves)
+            for index, value in zip(dynamic, values):
+                merged[index] = value
+            call_args, call_kwargs = jax.tree.unflatten(treedef, merged)
+            return cls.__call__(module, *call_args, **call_kwargs)
+
+        return nnx.remat(body)(self, *[leaves[i] for i in dynamic])
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _set_batch_stats_axes(module: nnx.Module, axes: tuple[str, ...] | None) -> None:
