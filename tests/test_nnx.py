@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -395,18 +396,30 @@ def test_variables_on_different_meshes_are_a_clear_error():
         px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.FSDP(), loss_fn=loss_fn)
 
 
-def test_remat_recomputes_nnx_modules_without_changing_results():
+@pytest.mark.parametrize("compile_mode", ["jit", "shard_map"])  # shard_map: FSDP shards gathered where read
+def test_remat_recomputes_nnx_modules_without_changing_results(compile_mode):
     """remat= names NNX module classes (or class names): same losses, and the step recomputes."""
     strategy = px.FSDP(min_weight_size=64)
     data = batches("transformer", 3)
     trajectories, barriers = [], []
     for remat in ((), ("MultiHeadAttention", nnx.Linear)):
         state = px.init_state(MODELS["transformer"], optax.sgd(0.1), data[0], strategy=strategy, loss_fn=loss_fn)
-        step = px.make_train_step(loss_fn, strategy, remat=remat)
+        step = px.make_train_step(loss_fn, strategy, remat=remat, compile=compile_mode)
         barriers.append("optimization_barrier" in step.lower(state, data[0]).as_text())  # how remat reaches XLA
         trajectories.append(run_steps(step, state, data)[1])
     assert barriers == [False, True]
     np.testing.assert_allclose(trajectories[1], trajectories[0], atol=1e-6)
+
+
+def test_fsdp_shards_of_an_nnx_model_are_gathered_where_the_model_reads_them():
+    """Inside shard_map each FSDP shard is all-gathered where its layer reads it (ZeRO-3), so a
+    later layer's gather comes after an earlier layer's matmul, not all before the model runs."""
+    strategy = px.FSDP(min_weight_size=0)
+    batch = batches("mlp", 1)[0]
+    state = px.init_state(MODELS["mlp"], optax.sgd(0.1), batch, strategy=strategy, loss_fn=loss_fn)
+    text = px.make_train_step(loss_fn, strategy, compile="shard_map").lower(state, batch).as_text()
+    ops = re.findall(r"stablehlo\.(all_gather|dot_general)", text)
+    assert ops.index("dot_general") < len(ops) - 1 - ops[::-1].index("all_gather"), ops
 
 
 def test_gradient_accumulation_and_bf16_on_an_nnx_model():

@@ -4,9 +4,14 @@ An NNX module is split into its graph definition (static: what the train state k
 ``model``) and plain nested dicts of values: the ``nnx.Param`` s are the params, every other
 variable (``nnx.BatchStat``, rng state, ...) is model state. Inside a step the module is
 merged back from the values, the loss function calls it, and the variables it mutated are
-split off again. Status (issue 13, in progress): params and model state, train/eval mode,
-BatchNorm over the data axes, rng streams per step and data shard, mixed precision and FSDP
-(gathered before the model runs) work; gather-on-use and remat of NNX modules do not yet.
+split off again.
+
+This step's merged copy is adjusted before the call: train or eval mode, BatchNorm reducing
+over the data axes, rng streams reseeded from the step's key, FSDP shards that all-gather
+themselves where they are read, and ``remat`` targets running under ``nnx.remat`` (the last
+two by giving those objects a subclass of their own class). Mechanism, measured in
+``benchmarks/nnx_vs_linen.py``: pure state through the same step builders as linen, which
+trains the NNX definition of a network as fast as the linen one with the same bytes.
 """
 
 from __future__ import annotations
@@ -17,19 +22,19 @@ import inspect
 import zlib
 from typing import Any, Callable, Mapping, Sequence
 
-import flax
 import jax
 import numpy as np
 import optax
 from flax import nnx
 from flax.core import meta
 from flax.core import spmd as core_spmd
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from parallax._tree import unbox
 
-from parallax.models.adapter import LossFn, ModelRun
+from parallax.models.adapter import LossFn, ModelRun, ParamGather
 from parallax.models.precision import Float32Outputs, cast_floating
-from parallax.sharding.gather import gather_all
+from parallax.sharding.gather import all_gather_mean_grad, gather_dim
 
 __all__ = ["NNXModel", "is_nnx_model"]
 
@@ -76,7 +81,7 @@ def _annotated_params(module: nnx.Module) -> dict:
                                              for name in names))
 
     flat = {path: boxed(variable) for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param))}
-    return flax.traverse_util.unflatten_dict(flat)
+    return unflatten_dict(flat)
 
 
 def _check_one_mesh(module: nnx.Module) -> None:
@@ -176,12 +181,12 @@ class NNXModel:
 
     def apply(self, params: Any, model_state: dict, batch: Any, *, rngs: Mapping[str, Any],
               loss_fn: LossFn | None, run: ModelRun) -> tuple[Any, dict]:
-        if run.gather is not None:
-            params = gather_all(params, run.gather.specs, set(run.gather.axes))
-        if run.compute_dtype is not None:
-            params = cast_floating(params, run.compute_dtype)
+        gathered = _gather_dims(run.gather) if run.gather is not None else {}
+        if run.compute_dtype is not None:  # a gathered param is cast after its gather (as linen's)
+            params = _cast_except(params, gathered, run.compute_dtype)
             batch = cast_floating(batch, run.compute_dtype)
         module = nnx.merge(self.model, params, model_state)
+        _gather_on_read(module, gathered, run.compute_dtype)
         _rematerialise(module, run.remat)
         keys = _reseed(module, rngs)
         _set_batch_stats_axes(module, run.batch_stats_axes)
@@ -192,7 +197,7 @@ class NNXModel:
         call = Float32Outputs(module) if run.compute_dtype is not None else module
         output = _call(call, batch, loss_fn)
         _restore_keys(keys)
-        _, _, new_state = _split(module)
+        new_state = nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Param)))  # params are not read again
         if not run.train:
             new_state = model_state  # evaluation changes nothing
         return output, new_state
@@ -229,6 +234,41 @@ def _restore_keys(saved: list[tuple[Any, Any, Any]]) -> None:
     for stream, key, count in saved:
         stream.key.set_value(key)
         stream.count.set_value(count)
+
+
+def _gather_dims(gather: ParamGather) -> dict[tuple, tuple[int, str]]:
+    """``{param path: (dim, axis)}`` of the FSDP shards to all-gather where they are read."""
+    found = {path: gather_dim(spec, set(gather.axes)) for path, spec in flatten_dict(gather.specs).items()}
+    return {path: dim_axis for path, dim_axis in found.items() if dim_axis is not None}
+
+
+def _cast_except(params: dict, skip: Mapping[tuple, Any], dtype: Any) -> dict:
+    flat = flatten_dict(params)
+    return unflatten_dict({path: value if path in skip else cast_floating(value, dtype) for path, value in flat.items()})
+
+
+def _gather_on_read(module: nnx.Module, gathered: Mapping[tuple, tuple[int, str]], dtype: Any) -> None:
+    """Each FSDP shard all-gathers itself where the model reads it (``kernel[...]``), not all at
+    once before the model runs: ZeRO-3's memory inside ``shard_map``. Its gradient is the
+    reduce-scatter mean (:func:`parallax.sharding.gather.all_gather_mean_grad`)."""
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param) and tuple(path) in gathered:
+            dim, axis = gathered[tuple(path)]
+            object.__setattr__(node, "__class__", _gathered_on_read(type(node), dim, axis, dtype))
+
+
+@functools.cache
+def _gathered_on_read(cls: type, dim: int, axis: str, dtype: Any) -> type:
+    """``cls`` (an ``nnx.Param`` type) whose value, when read, is its shard all-gathered along ``dim``."""
+
+    def get_value(self, **kwargs):
+        index = kwargs.pop("index", ...)
+        full = all_gather_mean_grad(cls.get_value(self, **kwargs), axis, dim)
+        full = full if dtype is None else cast_floating(full, dtype)
+        return full if index is ... else full[index]
+
+    return type(cls.__name__, (cls,), {"get_value": get_value, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _rematerialise(module: nnx.Module, targets: Sequence[type | str]) -> None:
