@@ -252,6 +252,8 @@ def test_a_model_built_from_a_function_is_never_whole_on_one_device():
     kernel = state.params["up"]["kernel"]
     assert {shard.data.shape for shard in kernel.addressable_shards} == {(16, 128)}
     assert {shard.data.shape for shard in state.opt_state[0].mu["up"]["kernel"].addressable_shards} == {(16, 128)}
+    mesh, specs = px.step.state_specs_of(state)
+    assert px.FSDP(min_weight_size=0).param_specs(jax.device_get(state.params), mesh) == specs.params
 
 
 def test_an_instance_keeps_its_own_values():
@@ -337,6 +339,13 @@ def test_trainer_fits_an_nnx_instance_in_place_evaluates_and_resumes_bitwise(tmp
                  floats(trained.model_state))
     module = resumed.state.module()
     assert isinstance(module, CNN) and module.bn.mean.get_value().shape == (16,)
+
+    # The step-6 checkpoint (of the resumed run) under another strategy and mesh size: the same values.
+    elsewhere = px.Trainer(MODELS["cnn"], optax.adamw(3e-3), loss_fn, strategy=px.DataParallel(),
+                           devices=jax.devices()[:4], checkpoint_dir=ckpt, progress=False)
+    elsewhere.restore({k: v[:4] for k, v in train.items()})
+    assert int(elsewhere.state.step) == 6 and elsewhere.state.params["head"]["kernel"].sharding.mesh.size == 4
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(elsewhere.state.params), trained.params)
 
 
 def test_an_nnx_optimizer_gives_its_transformation_and_its_state():
