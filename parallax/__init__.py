@@ -19,7 +19,7 @@ __distribution__ = "parallax-flax"
 __version__ = "0.1.0"
 
 try:
-    from parallax import inspect
+    from parallax import inspect, testing
     from parallax.models.linen import wrap_for_shard_map
     from parallax.sharding import specs
     from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
@@ -54,5 +54,5 @@ __all__ = [
     "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "ProgressBar", "StatePlan",
     "StepOptions", "Strategy", "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig",
     "callbacks", "checkpoint", "combine", "data", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
-    "make_train_step", "metrics", "per_example_loss", "plan_state", "specs", "step", "wrap_for_shard_map",
+    "make_train_step", "metrics", "per_example_loss", "plan_state", "specs", "step", "testing", "wrap_for_shard_map",
 ]

@@ -11,6 +11,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
 
+pytest_plugins = ["parallax.pytest_plugin"]  # the parallax_devices fixture users get (tests/test_testing.py)
+
 _STACK = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 
 

@@ -40,13 +40,14 @@ def imports(path: pathlib.Path) -> set[str]:
 
 
 def layer(module: str) -> int | None:
-    """The layer index of a parallax module; ``None`` for the foundation, the top package and inspect."""
+    """The layer index of a parallax module; ``None`` for the foundation, the top package and the tools
+    above every layer (inspect, testing and its pytest plugin)."""
     parts = module.split(".")
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
 
 
 def test_layers_are_what_the_folders_say():
-    assert {m.split(".")[1] for m in MODULES if m.count(".")} == {*LAYERS, "_compat", "_tree", "inspect"}
+    assert {m.split(".")[1] for m in MODULES if m.count(".")} == {*LAYERS, "_compat", "_tree", "inspect", "testing", "pytest_plugin"}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -57,7 +58,7 @@ def test_imports_flow_one_way(module):
         return
     own = layer(module)
     if own is None:
-        return  # parallax/__init__ re-exports; inspect reads compiled programs
+        return  # parallax/__init__ re-exports; inspect reads compiled programs; testing checks whole runs
     upward = sorted(name for name in names if (layer(name) or 0) > own)
     assert not upward, f"{module} (layer {LAYERS[own]}) imports from a layer above it: {upward}"
 

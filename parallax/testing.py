@@ -1,0 +1,343 @@
+"""Prove it on your own model: a sharded run checked against one device, step by step.
+
+:func:`assert_equivalent` trains your model under a strategy and, from the same initial
+state on the same batches, with a plain one-device optax loop that shares nothing with
+parallax's step builders (no ``shard_map``, no collectives, no sharding), then compares the
+loss of every step and the final params, optimizer state and model state. A failure is an
+:class:`NotEquivalentError` whose message says where training went apart: the first step
+whose loss differs, the params (by path) whose values and first-step gradients differ most,
+and which part of the state differs (params, optimizer state, model state such as BatchNorm
+statistics).
+
+The reference follows the semantics the step declares (``step.mode()``): the loss on the
+global batch (``jit``), or, for the ``shard_map`` path, the loss of each data shard with that
+shard's dropout key and BatchNorm over all shards, averaged (run on one device with
+``jax.vmap``). Step ``t`` draws from ``fold_in(state.rng, t)``, as the train state documents.
+
+:func:`fake_devices` gives a CPU process simulated devices for your own test suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from parallax._tree import path_str
+from parallax.models import LossFn, ModelRun, adapter_for
+from parallax.sharding.strategy import Strategy
+from parallax.step.build import make_train_step
+from parallax.step.plan import init_state
+from parallax.step.state import TrainState, model_rngs
+
+__all__ = ["EquivalenceReport", "NotEquivalentError", "assert_equivalent", "fake_devices"]
+
+FLOAT32_TOLERANCE = 1e-5
+_SHARDS = "shards"  # the vmapped axis standing for the data shards in the reference
+
+
+class NotEquivalentError(AssertionError):
+    """A sharded run did not train like one device; the message is the report."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EquivalenceReport:
+    """What :func:`assert_equivalent` compared.
+
+    Attributes:
+        strategy: the strategy's description.
+        mode: the step's compile path (``"jit"`` or ``"shard_map"``).
+        losses: the sharded run's loss per step; ``reference_losses`` the one-device run's.
+        state_diffs: ``{part: {path: max |difference|}}`` of the final state, for the parts
+            ``"params"``, ``"optimizer state"`` and ``"model state"``.
+        tolerance: the bound every difference was held to, and ``tolerance_basis`` why.
+        grad_diffs: on failure, ``{path: (sharded norm, one-device norm, max |difference|)}``
+            of the first step's gradient, for the params where it differs most.
+    """
+
+    strategy: str
+    mode: str
+    losses: np.ndarray
+    reference_losses: np.ndarray
+    state_diffs: dict[str, dict[str, float]]
+    tolerance: float
+    tolerance_basis: str
+    grad_diffs: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def loss_diffs(self) -> np.ndarray:
+        return np.abs(self.losses - self.reference_losses)
+
+    @property
+    def max_diff(self) -> float:
+        """The largest difference anywhere: losses or final state."""
+        state = [d for part in self.state_diffs.values() for d in part.values()]
+        return float(max([*self.loss_diffs, *state], default=0.0))
+
+    @property
+    def passed(self) -> bool:
+        return self.max_diff <= self.tolerance
+
+    def __str__(self) -> str:
+        verdict = "trains like one device" if self.passed else "does NOT train like one device"
+        lines = [f"parallax.testing: {self.strategy} ({self.mode} path) {verdict}: max difference "
+                 f"{self.max_diff:.3g}, tolerance {self.tolerance:.3g} ({self.tolerance_basis})."]
+        bad_steps = np.nonzero(self.loss_diffs > self.tolerance)[0]
+        if len(bad_steps):
+            t = int(bad_steps[0])
+            lines.append(f"  first step whose loss differs: step {t} (loss {self.losses[t]:.6g}, one device "
+                         f"{self.reference_losses[t]:.6g}, difference {self.loss_diffs[t]:.3g})")
+        lines.append("  loss difference per step: " + ", ".join(f"{d:.2g}" for d in self.loss_diffs))
+        for part, diffs in self.state_diffs.items():
+            worst = sorted(diffs.items(), key=lambda item: -item[1])
+            differing = [(p, d) for p, d in worst if d > self.tolerance]
+            if not differing:
+                lines.append(f"  {part}: equal within tolerance (max {worst[0][1] if worst else 0.0:.2g})")
+                continue
+            shown = ", ".join(f"{p} {d:.3g}" for p, d in differing[:5])
+            more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+            lines.append(f"  {part} differ: {shown}{more}")
+        grads = {p: row for p, row in self.grad_diffs.items() if row[2] > self.tolerance} or self.grad_diffs
+        if grads:
+            shown = ", ".join(f"{p} (max difference {d:.3g}; norm {a:.4g} sharded, {b:.4g} one device)"
+                              for p, (a, b, d) in grads.items())
+            lines.append(f"  first-step gradients that differ most: {shown}")
+        return "\n".join(lines)
+
+
+def fake_devices(count: int = 8) -> list[jax.Device]:
+    """Gives this process ``count`` simulated CPU devices, for tests of sharded code on a laptop or CI.
+
+    Call it before anything runs JAX (at the top of ``conftest.py``); it sets
+    ``jax_num_cpu_devices`` and selects the CPU backend. If JAX has already started, it
+    returns the first ``count`` devices when there are enough, and otherwise raises an error
+    saying how to start with more.
+
+    Example:
+        >>> len(fake_devices(8))
+        8
+    """
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # JAX already started: use what it has
+    devices = jax.devices()
+    if len(devices) < count:
+        raise RuntimeError(
+            f"JAX already started with {len(devices)} device(s); fake_devices({count}) must run before anything "
+            f"uses JAX (at the top of conftest.py), or start the process with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} JAX_PLATFORMS=cpu.")
+    return devices[:count]
+
+
+def assert_equivalent(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
+    batches: Sequence[Any],
+    strategy: Strategy,
+    *,
+    steps: int | None = None,
+    tolerance: float | str = "auto",
+    rng: Any = 0,
+    mesh: Any = None,
+    **step_options: Any,
+) -> EquivalenceReport:
+    """Trains ``model`` under ``strategy`` and on one device, and fails unless they agree.
+
+    Args:
+        model: a flax linen module, an NNX module, or a function that builds one.
+        optimizer: an optax transformation (a fresh state is built for each run).
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, metrics)``.
+        batches: the global batches, one per step (host arrays).
+        strategy: the strategy to check.
+        steps: how many of ``batches`` to train on (all by default).
+        tolerance: the largest absolute difference allowed, or ``"auto"``: twice what plain
+            ``jit`` already drifts when the same values are merely placed on the strategy's
+            mesh (the compiler's own floor, measured only when a difference exceeds 1e-5),
+            never less than 1e-5.
+        rng: the seed of both runs.
+        mesh: the device mesh; ``strategy.make_mesh()`` by default.
+        **step_options: options of the sharded step (``compile``, ``grad_accum``,
+            ``precision``, ``rng_streams``, ...), as :func:`parallax.make_train_step` takes them.
+
+    Returns:
+        The :class:`EquivalenceReport` (``print`` it to see the differences).
+
+    Raises:
+        NotEquivalentError: a difference beyond the tolerance; the message is the report.
+
+    Example:
+        >>> report = px.testing.assert_equivalent(model, optax.adam(1e-3), loss_fn, [batch] * 3,
+        ...                                       px.FSDP(min_weight_size=0))
+        >>> report.passed, report.mode
+        (True, 'jit')
+    """
+    batches = list(batches)[:steps]
+    if not batches:
+        raise ValueError("assert_equivalent needs at least one batch.")
+    step = make_train_step(loss_fn, strategy, **step_options)
+    options = step.options
+    state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
+                       rng_streams=options.rng_streams)
+    initial = jax.device_get(state)
+    mesh_of = jax.tree.leaves(state.params)[0].sharding.mesh
+    mode = step.mode()
+    data_shards = int(np.prod([mesh_of.shape[a] for a in strategy.data_axes]))
+    reference = _Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
+                           per_shard=mode == "shard_map")
+
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    final = jax.device_get(state)
+    ref_losses, ref_final = reference.run(initial, batches)
+    report = _report(strategy, mode, np.array(losses), ref_losses, final, ref_final, FLOAT32_TOLERANCE,
+                     "float32 rounding")
+    if tolerance == "auto" and not report.passed:
+        floor = _floor(reference, initial, batches, state, strategy, mesh_of, ref_losses, ref_final)
+        basis = (f"twice the drift of plain jit with the same values placed on the mesh ({floor:.2g})"
+                 + (f", {options.precision} compute" if options.policy.compute_dtype is not None else ""))
+        report = dataclasses.replace(report, tolerance=max(FLOAT32_TOLERANCE, 2 * floor), tolerance_basis=basis)
+    elif tolerance != "auto":
+        report = dataclasses.replace(report, tolerance=float(tolerance), tolerance_basis="given")
+    if not report.passed:
+        report = dataclasses.replace(report, grad_diffs=_gradient_diffs(loss_fn, strategy, step_options, initial,
+                                                                        batches[0], reference, state))
+        raise NotEquivalentError(str(report))
+    return report
+
+
+class _Reference:
+    """The one-device loop: ``value_and_grad`` of the loss, then optax. Nothing of parallax's
+    step builders: the model is called through its adapter, as any caller would call it."""
+
+    def __init__(self, adapter, tx, loss_fn, options, data_shards: int, per_shard: bool):
+        self.adapter, self.tx, self.loss_fn = adapter, tx, loss_fn
+        self.data_shards = data_shards  # microbatches keep rows of every data shard
+        self.shards = data_shards if per_shard else 1  # the loss runs per shard on the shard_map path
+        self.streams, self.accum = options.rng_streams, options.grad_accum
+        self.dtype = options.policy.compute_dtype
+        self.global_stats = options.batch_stats == "global"
+        self.step = jax.jit(self._step)
+
+    def _loss(self, params, model_state, batch, key, micro=None):
+        """The mean loss over the data shards (one shard under ``jit``), and the new model state.
+        Shard ``s`` draws from ``fold_in(key, s)``, then microbatch ``micro`` from a fold of that."""
+
+        def one(part, shard_key, axes):
+            run = ModelRun(train=True, batch_stats_axes=axes, compute_dtype=self.dtype)
+            output, new_state = self.adapter.apply(params, model_state, part, rngs=model_rngs(shard_key, self.streams),
+                                                   loss_fn=self.loss_fn, run=run)
+            return (output[0] if isinstance(output, tuple) else output), new_state
+
+        def fold(k):
+            return k if micro is None else jax.random.fold_in(k, micro)
+
+        if self.shards == 1:
+            return one(batch, fold(key), None)
+        parts = jax.tree.map(lambda x: x.reshape(self.shards, x.shape[0] // self.shards, *x.shape[1:]), batch)
+        keys = jax.vmap(lambda s: fold(jax.random.fold_in(key, s)))(jnp.arange(self.shards))
+        axes = (_SHARDS,) if self.global_stats else None
+        values, states = jax.vmap(lambda p, k: one(p, k, axes), axis_name=_SHARDS)(parts, keys)
+        return values.mean(), jax.tree.map(lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[0],
+                                           states)
+
+    def grads(self, params, model_state, batch, key):
+        """The gradient of one step (microbatched as ``grad_accum`` says), the loss and the new model state."""
+        if self.accum == 1:
+            (value, model_state), grads = jax.value_and_grad(self._loss, has_aux=True)(params, model_state, batch, key)
+            return grads, value, model_state
+        total, values = None, []
+        for index in range(self.accum):  # each microbatch keeps rows of every data shard
+            part = jax.tree.map(lambda x: self._microbatch(x, index), batch)
+            (value, model_state), grads = jax.value_and_grad(self._loss, has_aux=True)(params, model_state, part,
+                                                                                       key, index)
+            total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+            values.append(value)
+        return jax.tree.map(lambda g: g / self.accum, total), jnp.mean(jnp.stack(values)), model_state
+
+    def _microbatch(self, x, index):
+        rows = x.shape[0] // self.data_shards
+        per = rows // self.accum
+        x = x.reshape(self.data_shards, rows, *x.shape[1:])[:, index * per:(index + 1) * per]
+        return x.reshape(-1, *x.shape[2:])
+
+    def _step(self, params, model_state, opt_state, batch, key):
+        grads, value, model_state = self.grads(params, model_state, batch, key)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), model_state, opt_state, value
+
+    def run(self, initial: TrainState, batches, place: Callable | None = None):
+        params, model_state, opt_state = initial.params, initial.model_state, initial.opt_state
+        if place is not None:
+            params, model_state, opt_state = place((params, model_state, opt_state), "state")
+        losses = []
+        for t, batch in enumerate(batches):
+            batch = batch if place is None else place(batch, "batch")
+            key = jax.random.fold_in(initial.rng, t)
+            params, model_state, opt_state, value = self.step(params, model_state, opt_state, batch, key)
+            losses.append(float(value))
+        return np.array(losses), jax.device_get(initial.replace(params=params, model_state=model_state,
+                                                                opt_state=opt_state))
+
+
+def _leaf_diffs(a: Any, b: Any) -> dict[str, float]:
+    """``{path: max |a - b|}`` over the floating leaves (rng keys and counters are not compared)."""
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree.leaves(b)
+    diffs = {}
+    for (path, x), y in zip(flat_a, flat_b, strict=True):
+        if jnp.issubdtype(getattr(x, "dtype", np.float64), jnp.floating) and np.size(x):
+            diffs[path_str(path) or "(root)"] = float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
+    return diffs
+
+
+def _report(strategy, mode, losses, ref_losses, final, ref_final, tolerance, basis) -> EquivalenceReport:
+    diffs = {"params": _leaf_diffs(final.params, ref_final.params),
+             "optimizer state": _leaf_diffs(final.opt_state, ref_final.opt_state),
+             "model state": _leaf_diffs(final.model_state, ref_final.model_state)}
+    return EquivalenceReport(strategy.describe(), mode, losses, ref_losses, diffs, tolerance, basis)
+
+
+def _floor(reference, initial, batches, state, strategy, mesh, ref_losses, ref_final) -> float:
+    """How far the reference itself drifts when its inputs are placed as the strategy places them."""
+    shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.model_state, state.opt_state))
+    batch_sharding = NamedSharding(mesh, strategy.batch_spec())
+
+    def place(tree, kind):
+        return jax.device_put(tree, shardings if kind == "state" else batch_sharding)
+
+    losses, final = reference.run(initial, batches, place)
+    floor = _report(strategy, "", losses, ref_losses, final, ref_final, 0.0, "")
+    return floor.max_diff
+
+
+def _gradient_diffs(loss_fn, strategy, step_options, initial, batch, reference, layout: TrainState, top: int = 5):
+    """The first step's gradient of each param, sharded and on one device, where they differ most
+    (the sharded gradient read off one SGD step with learning rate 1 from the initial state, laid
+    out as ``layout``, the sharded run's state)."""
+    sgd = optax.sgd(1.0)
+    probe = make_train_step(loss_fn, strategy, **{**step_options, "donate": False})
+
+    def put(value, like):
+        return jax.device_put(value, jax.tree.map(lambda x: x.sharding, like))
+
+    start = layout.replace(step=put(initial.step, layout.step), params=put(initial.params, layout.params),
+                           rng=put(initial.rng, layout.rng), model_state=put(initial.model_state, layout.model_state),
+                           opt_state=sgd.init(initial.params), tx=sgd)
+    stepped, _ = probe(start, batch)
+    sharded = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), initial.params, jax.device_get(stepped.params))
+    ones = jax.device_get(reference.grads(initial.params, initial.model_state, batch,
+                                          jax.random.fold_in(initial.rng, 0))[0])
+    rows = {}
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(sharded)[0], jax.tree.leaves(ones)):
+        rows[path_str(path)] = (float(np.linalg.norm(a)), float(np.linalg.norm(b)), float(np.abs(a - b).max()))
+    return dict(sorted(rows.items(), key=lambda item: -item[1][2])[:top])
