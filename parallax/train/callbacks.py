@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 
 @dataclasses.dataclass
@@ -65,6 +65,17 @@ def due(callback: Callback, info: StepInfo) -> bool:
     """Whether ``callback`` runs at this step (always when eval metrics arrive)."""
     every = getattr(callback, "every", 1) or 1
     return info.step % every == 0 or info.eval_metrics is not None or info.step == info.max_steps
+
+
+def state_wanted(callbacks: Sequence[Any], step: int) -> bool:
+    """Whether a callback that reads the state (``needs_state``) is due at this step."""
+    return any(getattr(cb, "needs_state", False) and step % (getattr(cb, "every", 1) or 1) == 0 for cb in callbacks)
+
+
+def read_wanted(callbacks: Sequence[Any], steps: Sequence[int], fetch_every: int) -> bool:
+    """Whether the metrics of these pending steps are due for a callback, or enough have piled up."""
+    return len(steps) >= fetch_every or any(step % (getattr(cb, "every", 1) or 1) == 0
+                                            for step in steps for cb in callbacks)
 
 
 def _format(metrics: dict[str, float]) -> str:

@@ -42,6 +42,13 @@ class TrainerConfig:
             (they are also read whenever a callback or checkpoint needs them). A NaN
             loss is noticed at that read; a checkpoint is only written after its step's
             loss and state were checked.
+        elastic: how ``fit(resume=True)`` keeps a checkpoint's global batch on another
+            number of devices: ``"keep_batch"`` (each data shard takes more or fewer rows;
+            the same training for any model) or ``"accumulate"`` (each shard keeps its rows
+            per microbatch and ``grad_accum`` is scaled: 8 devices × 1 → 4 devices × 2; the
+            same training for a loss that is a mean over examples, while BatchNorm and
+            dropout then work per microbatch). A global batch that cannot be kept is an error
+            naming the sizes and options; ``batch_size=`` changes it on purpose.
         step: the step's options (see :class:`parallax.StepOptions`).
 
     Example:
@@ -66,6 +73,7 @@ class TrainerConfig:
     progress: bool = True
     log_every: int = 10
     fetch_every: int = 32
+    elastic: str = "keep_batch"
     step: StepOptions = StepOptions()
 
     def __post_init__(self):
@@ -81,6 +89,9 @@ class TrainerConfig:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; use 'stop' or 'skip'.")
         if self.on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={self.on_preemption!r}; use 'exit' or 'return'.")
+        if self.elastic not in ("keep_batch", "accumulate"):
+            raise ValueError(f"elastic={self.elastic!r}; use 'keep_batch' (more or fewer rows per data shard) or "
+                             "'accumulate' (the same rows per shard, grad_accum scaled).")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every is set but checkpoint_dir is not; say where checkpoints go.")
         if not isinstance(self.step, StepOptions):

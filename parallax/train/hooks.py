@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from typing import Any, Protocol
 
+from parallax.train import elastic
+
 log = logging.getLogger("parallax")
 
 
@@ -99,6 +101,9 @@ class Checkpointing:
             "steps_per_epoch": trainer.steps_per_epoch,
             "strategy": trainer.strategy.describe(),
             "mesh": {name: int(size) for name, size in trainer.mesh.shape.items()},
+            "layout": elastic.layout_of(trainer.mesh.shape, trainer.strategy.data_shards(trainer.mesh),
+                                        trainer.config.step.grad_accum),
+            "elastic": trainer.layout_change,
             "config": _jsonable(dataclasses.asdict(trainer.config)),
         })
         self.last_saved = step

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -25,7 +26,8 @@ from parallax.step import metrics as metric_lib
 from parallax.step.build import make_eval_step, make_train_step
 from parallax.step.plan import StatePlan, plan_state
 from parallax.step.state import TrainState
-from parallax.train.callbacks import ProgressBar, StepInfo, due
+from parallax.train import elastic
+from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, CheckpointError
 from parallax.train.checks import check_eval_batch, check_loss_fn, check_optimizer
 from parallax.train.config import FitResult, History, TrainerConfig
@@ -103,6 +105,7 @@ class Trainer:
         self._stop_reason: str | None = None
         self._preemption = Preemption()
         self._live_step: int | None = None  # the step self.state is after, while fit runs
+        self.layout_change: dict | None = None  # what an elastic resume changed (logged, and saved in metadata)
 
     # --- state ---------------------------------------------------------------------------
     def _plan(self, example_batch: Any) -> StatePlan:
@@ -147,7 +150,7 @@ class Trainer:
                 batches (re-iterated each epoch; a function returning one also works).
             eval_data: the same kinds; evaluated every ``eval_every`` steps and at the end.
             resume: continue from the newest checkpoint in ``checkpoint_dir`` (same data
-                order and rngs: the result equals an uninterrupted run).
+                order and rngs: the same training, on another number of devices too: ``elastic``).
 
         Returns:
             :class:`FitResult`: unpacks as ``state, history``; ``.stop_reason`` says why it stopped.
@@ -170,7 +173,6 @@ class Trainer:
         self.batch_size = int(getattr(source, "batch_size", None) or
                               np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         self.steps_per_epoch = source.steps_per_epoch
-        self.strategy.check_batch_size(self.batch_size, self.mesh, multiple=cfg.step.grad_accum)
         self.start_step = self._start(first, resume)
         self._stop_reason = None
         self.hooks = ([Evaluation(eval_data, cfg.eval_every)] if eval_data is not None else []) + (
@@ -211,6 +213,7 @@ class Trainer:
                     f"No checkpoint in {self.checkpointer.directory} verifies:\n  " + "\n  ".join(reasons)
                     + "\nAll were left in place; start a new run in another checkpoint_dir."
                 )
+            self._fit_layout(self.checkpointer.read_metadata(step))
             metadata = self._load(example_batch, step, verify=False)  # newest_verified just checked it
             log.info("Resumed from step %d in %s.", step, self.checkpointer.directory)
             shards = self.strategy.data_shards(self.mesh)
@@ -221,8 +224,20 @@ class Trainer:
                 f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints (newest: step "
                 f"{existing}); pass fit(..., resume=True) to continue, or choose another directory."
             )
+        self._fit_layout({})
         self.init(example_batch)
         return 0
+
+    def _fit_layout(self, metadata: dict) -> None:
+        """Keeps a checkpoint's global batch on another number of devices (``elastic``); checks the batch splits."""
+        cfg = self.config
+        accum, self.layout_change = elastic.adapt(
+            metadata, mode=cfg.elastic, batch_size=self.batch_size, data_shards=self.strategy.data_shards(self.mesh),
+            grad_accum=cfg.step.grad_accum, mesh_shape=dict(self.mesh.shape))
+        if accum != cfg.step.grad_accum:
+            self.config = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, grad_accum=accum))
+            self.train_step = make_train_step(self.loss_fn, self.strategy, self.config.step)
+        self.strategy.check_batch_size(self.batch_size, self.mesh, multiple=self.config.step.grad_accum)
 
     def _check_batch(self, batch: Any, step: int) -> None:
         """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
@@ -257,7 +272,7 @@ class Trainer:
             pending.append((step, epoch, metrics))
             preempted = self._preemption.requested is not None
             hooks = [hook for hook in self.hooks if hook.due(step, preempted)]
-            if hooks or preempted or self._stop_reason or step == self.max_steps or self._state_wanted(step):
+            if hooks or preempted or self._stop_reason or step == self.max_steps or state_wanted(self.callbacks, step):
                 eval_metrics: dict = {}
                 for hook in hooks:
                     if not hook.after_read:
@@ -266,7 +281,7 @@ class Trainer:
                 for hook in hooks:
                     if hook.after_read:
                         hook.run(self, step, pending)
-            elif self._wanted(pending[:-1]):
+            elif read_wanted(self.callbacks, [s for s, _, _ in pending[:-1]], self.config.fetch_every):
                 # Read the older steps only: this step is still running on the device.
                 self.read_metrics(pending[:-1])
                 del pending[:-1]
@@ -283,17 +298,6 @@ class Trainer:
         for hook in self.hooks:
             hook.at_end(self, step, pending, reason)
         return reason
-
-    def _state_wanted(self, step: int) -> bool:
-        """Whether a callback that reads the state (``needs_state``) is due at this step."""
-        return any(getattr(cb, "needs_state", False) and step % (getattr(cb, "every", 1) or 1) == 0
-                   for cb in self.callbacks)
-
-    def _wanted(self, pending: list[tuple]) -> bool:
-        """Whether some read-back step is due for a callback, or enough have piled up."""
-        if len(pending) >= self.config.fetch_every:
-            return True
-        return any(step % (getattr(cb, "every", 1) or 1) == 0 for step, _, _ in pending for cb in self.callbacks)
 
     def read_metrics(self, pending: list[tuple], eval_metrics: dict | None = None) -> None:
         """Reads the pending steps' metrics in one transfer; NaN guard; history; callbacks.
