@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -65,3 +66,21 @@ def test_multiprocess_snippet_matches_one_process(tmp_path):
     one_process = eval(re.search(r"losses (\[.*\])", printed.getvalue()).group(1))
     assert len(two_processes) == 10
     np.testing.assert_allclose(two_processes, one_process, atol=2e-6)
+
+
+def test_plan_snippet_plans_a_1b_transformer_for_8_and_64_devices_without_allocating_it(tmp_path):
+    (snippet,) = blocks("python plan")
+    script = tmp_path / "plan.py"
+    script.write_text(snippet)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {(line.split()[0], line.split()[1]): line.split() for line in proc.stdout.splitlines()[1:]
+            if line[:1].isdigit()}
+    assert len(rows) == 6, proc.stdout
+    for devices in ("8", "64"):
+        dp, fsdp = rows[(devices, f"DataParallel(data={devices})")], rows[(devices, f"FSDP(fsdp={devices})")]
+        assert dp[3:5] == ["4.0", "GiB"] and dp[-2:] == ["no", "yes"]  # 4 GiB of params on every device: not in 16 GB
+        assert fsdp[-2:] == ["yes", "yes"]
+    # Neither this process nor the 64-device one held the 4 GiB of params (or anything near it).
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 3 * 2**20  # KiB

@@ -56,6 +56,10 @@ class DataParallel(Strategy):
     def place(self, path, shape, dims, axis_sizes):
         return dims
 
+    def why_whole(self, path, shape, axis_sizes) -> str:
+        """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
+        return f"DataParallel({self.axis}) replicates params"
+
 
 @dataclasses.dataclass(frozen=True)
 class FSDP(Strategy):
@@ -108,6 +112,18 @@ class FSDP(Strategy):
     def fit_to_computation(self, computation: Any) -> "FSDP":
         scanned = computation.scanned_dims()
         return self.skipping_scanned(scanned) if scanned else self
+
+    def why_whole(self, path, shape, axis_sizes) -> str:
+        size, skip = axis_sizes[self.axis], (self.scanned or {}).get(path, ())
+        if size == 1:
+            return f"FSDP axis {self.axis!r} has size 1"
+        if math.prod(shape) <= self.min_weight_size:
+            return (f"{math.prod(shape)} elements, at most FSDP min_weight_size={self.min_weight_size} "
+                    "(lower it to split smaller params)")
+        if not any(shape[d] % size == 0 and d not in skip for d in range(len(shape))):
+            scanned = f" (dim {', '.join(map(str, skip))} is a scanned layer dim)" if skip else ""
+            return f"no dim of {tuple(shape)} is divisible by {self.axis}={size}{scanned}"
+        return f"its divisible dims are taken by other axes ({self.axis}={size})"
 
     def place(self, path, shape, dims, axis_sizes):
         size = axis_sizes[self.axis]
@@ -305,6 +321,12 @@ class TensorParallel(Strategy):
                 dims[dim] = self.axis
                 break
         return dims
+
+    def why_whole(self, path, shape, axis_sizes) -> str:
+        entry = next((p for p in self.layout.params if p.path == path), None) if self.layout is not None else None
+        if entry is not None:
+            return f"TensorParallel({self.axis}): {entry.reason}"
+        return f"TensorParallel({self.axis}): no rule matches it and no layout was derived for it"
 
     def place(self, path, shape, dims, axis_sizes):
         self._require_layout()

@@ -214,9 +214,11 @@ class Strategy:
         reports = [report for part in self.parts if (report := part.layout_report()) is not None]
         return "\n".join(reports) if reports else f"{self.describe()}: no part derives a layout (no tensor-parallel axis)."
 
-    def describe(self) -> str:
-        """A one-line summary, e.g. ``"DataParallel(data=2) × FSDP(fsdp=-1)"``."""
-        return " × ".join(f"{type(p).__name__}({p.axis}={p.size})" for p in self.parts)
+    def describe(self, mesh: Mesh | None = None) -> str:
+        """A one-line summary, e.g. ``"DataParallel(data=2) × FSDP(fsdp=-1)"``; with a mesh, the
+        sizes it gives each axis (``"DataParallel(data=2) × FSDP(fsdp=4)"``)."""
+        sizes = self.axis_sizes(mesh) if mesh is not None else {p.axis: p.size for p in self.parts}
+        return " × ".join(f"{type(p).__name__}({p.axis}={sizes[p.axis]})" for p in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@ import numpy as np
 import optax
 
 from parallax.models import LossFn, ModelAdapter, ModelRun
+from parallax.step.plan import StatePlan
 from parallax.step.state import TrainState, model_rngs
+from parallax.step.summary import summarize
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -61,3 +63,12 @@ def check_eval_batch(adapter: ModelAdapter, abstract: TrainState, batch: Any, ev
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Checked before training; "
             "give eval_data the training data's feature shapes and dtypes."
         ) from err
+
+
+def check_plan(plan: StatePlan, summary: bool, fail_if_replicated_over: int | None) -> None:
+    """Prints the state's summary (``summary=True``) and raises ``px.ReplicatedParamError`` for a param
+    of more than ``fail_if_replicated_over`` bytes whole on every device, before anything is built."""
+    if summary or fail_if_replicated_over is not None:
+        report = summarize(plan, fail_if_replicated_over=fail_if_replicated_over)
+        if summary:
+            report.print()

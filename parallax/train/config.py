@@ -42,6 +42,12 @@ class TrainerConfig:
             (they are also read whenever a callback or checkpoint needs them). A NaN
             loss is noticed at that read; a checkpoint is only written after its step's
             loss and state were checked.
+        summary: print :func:`parallax.summarize` of the planned state at the start of
+            ``fit`` (each param's spec and bytes per device, totals, the sharding lint);
+            ``None`` (default): when ``progress`` is on.
+        fail_if_replicated_over: stop before anything is built if a param of more than
+            this many bytes is whole on every device (``px.ReplicatedParamError`` naming it
+            and why).
         elastic: how ``fit(resume=True)`` keeps a checkpoint's global batch on another
             number of devices: ``"keep_batch"`` (each data shard takes more or fewer rows;
             the same training for any model) or ``"accumulate"`` (each shard keeps its rows
@@ -73,6 +79,8 @@ class TrainerConfig:
     progress: bool = True
     log_every: int = 10
     fetch_every: int = 32
+    summary: bool | None = None
+    fail_if_replicated_over: int | None = None
     elastic: str = "keep_batch"
     step: StepOptions = StepOptions()
 
@@ -89,6 +97,11 @@ class TrainerConfig:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; use 'stop' or 'skip'.")
         if self.on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={self.on_preemption!r}; use 'exit' or 'return'.")
+        if self.summary not in (None, True, False):
+            raise ValueError(f"summary={self.summary!r}; use True, False or None (when progress is on).")
+        value = self.fail_if_replicated_over
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"fail_if_replicated_over={value!r}; use a number of bytes (an int >= 0) or None.")
         if self.elastic not in ("keep_batch", "accumulate"):
             raise ValueError(f"elastic={self.elastic!r}; use 'keep_batch' (more or fewer rows per data shard) or "
                              "'accumulate' (the same rows per shard, grad_accum scaled).")

@@ -29,7 +29,7 @@ from parallax.step.state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, CheckpointError
-from parallax.train.checks import check_eval_batch, check_loss_fn, check_optimizer
+from parallax.train.checks import check_eval_batch, check_loss_fn, check_optimizer, check_plan
 from parallax.train.config import FitResult, History, TrainerConfig
 from parallax.train.data import as_data, check_batch_leaves, to_global
 from parallax.train.guard import NonFiniteGuard
@@ -165,11 +165,11 @@ class Trainer:
             raise ValueError("The training data yields no batches.")
         check_batch_leaves(first, "a training batch")
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else self._epoch_steps(source)
+        check_plan(self._plan(first), cfg.progress if cfg.summary is None else cfg.summary, cfg.fail_if_replicated_over)
         if eval_data is not None:
             self._check_eval_data(eval_data, first)
         if self.checkpointer is not None:
-            arrays = self._plan(first).abstract_arrays()
-            self.checkpointer.check_writable(sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(arrays)))
+            self.checkpointer.check_writable(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.plan.abstract_arrays())))
         self.batch_size = int(getattr(source, "batch_size", None) or
                               np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         self.steps_per_epoch = source.steps_per_epoch

@@ -7,6 +7,7 @@ import functools
 import math
 from typing import Any, Mapping, Sequence
 
+from parallax._units import format_bytes
 from parallax.sharding.tp_layout.graph import _Class, _Graph, _is_var, _nbytes, _shape
 from parallax.sharding.tp_layout.walk import _build
 
@@ -245,13 +246,6 @@ def _describe_class(cls: _Class, param_paths: Sequence[str], params: list, roles
     return f"the chain {shown}"
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def _role(roles: Mapping, index: int, dim: int) -> str:
     found = roles.get((index, dim), set())
     return next((r for r in ("vocab", "row", "column") if r in found), "")
@@ -259,7 +253,7 @@ def _role(roles: Mapping, index: int, dim: int) -> str:
 
 def _split_reason(cls: _Class, param_paths, params, roles: Mapping) -> str:
     size = _shape(params[cls.param_nodes[0][0]])[cls.param_nodes[0][1]]
-    comm = _fmt_bytes(cls.comm_bytes) if cls.comm_bytes else "nothing"
+    comm = format_bytes(cls.comm_bytes) if cls.comm_bytes else "nothing"
     return f"splits {_describe_class(cls, param_paths, params, roles)} (size {size}); communicates {comm} per step"
 
 

@@ -1,0 +1,170 @@
+"""Know before you run: per-device memory and communication of each candidate strategy.
+
+``px.plan(model, optimizer, example_batch, loss_fn=..., strategies=[...], devices=[8, 64],
+memory_budget="16GB")`` plans every candidate without allocating the model: per-device bytes
+of params, optimizer state, gradients and model state (exact, from the specs), and the real
+train step compiled ahead of time on abstract arrays: its temporaries and peak
+(``memory_analysis()``), its collective bytes by kind, and whether it fits each budget. A
+device count this process does not have is planned in a subprocess with that many simulated
+CPU devices; the same numbers as a process that has them (the tests check it).
+
+The command line takes ``module:name`` references::
+
+    python -m parallax.plan examples.plan_transformer:model --batch examples.plan_transformer:batch \\
+        --loss examples.plan_transformer:loss_fn --devices 8,64 --budget 16GB,80GB
+
+``parallax.plan`` is this module and is callable: ``px.plan(...)`` is :func:`plan`.
+
+Example:
+    >>> report = px.plan(model, optax.adamw(1e-3), batch, loss_fn=loss_fn, devices=8, memory_budget="1MB",
+    ...                  strategies=["dp", px.FSDP(min_weight_size=0)])
+    >>> [(row["strategy"], row["compile"], report.fits(row, 0)) for row in report.rows]
+    [('DataParallel(data=8)', 'jit', True), ('FSDP(fsdp=8)', 'jit', True)]
+    >>> report.rows[1]["state"]["params"] < report.rows[0]["state"]["params"]
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from typing import Any, Sequence
+
+import jax
+
+from parallax._units import format_bytes, parse_bytes
+from parallax.plan import isolated
+from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate, parse_strategy
+from parallax.plan.refs import resolve
+from parallax.sharding.strategy import Strategy
+from parallax.step.options import StepOptions
+
+_KINDS = (("all-gather", "AG"), ("all-reduce", "AR"), ("reduce-scatter", "RS"), ("all-to-all", "A2A"),
+          ("collective-permute", "CP"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """The rows of :func:`plan`: ``str()`` is a table a person can read, ``as_dict()`` for programs.
+
+    Attributes:
+        rows: one dict per candidate and device count: ``strategy``, ``devices``, ``mesh``,
+            ``compile`` (the path the step takes), ``state`` (per-device bytes: ``params``,
+            ``opt_state``, ``gradients``, ``model_state``, ``other``, ``total``),
+            ``compiled`` (``arguments``, ``outputs``, ``temporaries``, ``aliased``), ``peak``,
+            ``collectives`` (count and bytes by kind), ``collective_bytes``, ``backend``, or
+            ``error`` for a candidate that does not apply.
+        budgets: the memory budgets in bytes.
+        labels: the budgets as given (``"16GB"``).
+        target: the backend the plan is for.
+    """
+
+    rows: tuple[dict, ...]
+    budgets: tuple[int, ...]
+    labels: tuple[str, ...]
+    target: str
+
+    def fits(self, row: dict, budget: int = 0) -> bool:
+        """Whether ``row``'s peak fits budget number ``budget`` (an index into ``budgets``)."""
+        if not 0 <= budget < len(self.budgets):
+            raise ValueError(f"budget={budget}: this plan has {len(self.budgets)} memory budget(s) "
+                             f"{list(self.labels)}; pass memory_budget= to px.plan.")
+        return row.get("error") is None and row["peak"] <= self.budgets[budget]
+
+    @property
+    def notes(self) -> list[str]:
+        notes = ["Per device. State bytes and collective bytes are exact; the grads column is the gradient "
+                 "sharded like the params, held within temps. peak = arguments + outputs - donated + temps."]
+        planned_on = sorted({row["backend"] for row in self.rows})
+        if planned_on != [self.target]:
+            notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
+                         "backend-dependent (fusion, layouts, scheduling): an estimate.")
+        return notes
+
+    def as_dict(self) -> dict:
+        return {"rows": [dict(row) for row in self.rows], "budgets": dict(zip(self.labels, self.budgets)),
+                "target": self.target, "notes": self.notes}
+
+    def __str__(self) -> str:
+        header = ["devices", "strategy", "compile", "params", "opt state", "grads", "model st", "temps", "peak",
+                  "moved", *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels)]
+        cells, skipped = [], []
+        for row in self.rows:
+            if row.get("error"):
+                skipped.append(f"{row['devices']} devices, {row['strategy']}: does not apply: {row['error']}")
+                continue
+            state, kinds = row["state"], row["collectives"]
+            cells.append([str(row["devices"]), row["strategy"], row["compile"], *(format_bytes(state[k]) for k in (
+                "params", "opt_state", "gradients", "model_state")), format_bytes(row["compiled"]["temporaries"]),
+                format_bytes(row["peak"]), format_bytes(row["collective_bytes"]),
+                *(format_bytes(kinds[kind]["bytes"]) if kinds[kind]["count"] else "-" for kind, _ in _KINDS),
+                *("yes" if self.fits(row, i) else "no" for i in range(len(self.budgets)))])
+        widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                 for r in [header, *cells]]
+        return "\n".join(lines + [f"  {s}" for s in skipped] + [f"note: {n}" for n in self.notes])
+
+
+def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
+         strategies: Sequence[str | Strategy] = DEFAULT_STRATEGIES, devices: int | Sequence[int] | None = None,
+         memory_budget: int | str | Sequence[int | str] | None = None, target: str | None = None,
+         isolate: bool | None = None, rng: Any = 0, **step_options: Any) -> PlanReport:
+    """Plans each strategy on each device count without allocating the model.
+
+    Args:
+        model: as for :class:`parallax.Trainer` (a function that builds an NNX module is
+            planned from shapes), or a ``"module:name"`` string.
+        optimizer: an optax transformation (or ``"adamw"``, ``"adam"``, ``"sgd"``, or a
+            ``"module:name"`` string).
+        example_batch: one global batch: arrays or ``jax.ShapeDtypeStruct`` s.
+        loss_fn: ``loss_fn(model, batch)``, as for the Trainer.
+        strategies: px strategies, or short names: ``"dp"``, ``"fsdp"``, ``"tp"``, joined by
+            ``+`` with optional sizes (``"fsdp+tp2"``).
+        devices: the device count(s) to plan for; this process's by default. A count this
+            process does not have is planned in a subprocess with that many simulated CPU
+            devices (objects travel by ``cloudpickle``; strings are imported there).
+        memory_budget: bytes per device (``"16GB"``, ``"80GiB"`` or an int), or a list.
+        target: the backend the plan is for (``"gpu"``, ``"tpu"``, ``"cpu"``): temporaries
+            planned on another backend are marked as an estimate. This backend by default.
+        isolate: always (``True``) or never (``False``) plan in a subprocess.
+        rng: the init seed (shapes only; it does not change the plan).
+        **step_options: :class:`parallax.StepOptions` (``grad_accum``, ``precision``,
+            ``remat``, ``compile``...) of the step to plan.
+
+    Returns:
+        A :class:`PlanReport`.
+    """
+    options = StepOptions.create(**step_options)
+    counts = [jax.device_count()] if devices is None else ([devices] if isinstance(devices, int) else list(devices))
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"devices={devices!r}; give a device count (an int >= 1) or a list of them.")
+    given = [] if memory_budget is None else (
+        list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget])
+    budgets = tuple(parse_bytes(b) for b in given)
+    parsed = [parse_strategy(s) for s in strategies]  # a bad name fails here, before anything compiles
+    local = jax.devices()
+    args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
+    rows: list[dict] = []
+    resolved: dict | None = None
+    for count in counts:
+        if isolate or (isolate is None and count > len(local)):
+            rows += isolated.run({**args, "strategies": parsed, "options": options, "rng": rng}, count)
+        elif count > len(local):
+            raise ValueError(f"devices={count} but this process has {len(local)}; let it plan in a subprocess "
+                             "(isolate=None or True).")
+        else:
+            resolved = resolved or {kind: resolve(kind, value) for kind, value in args.items()}
+            rows += [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
+                              strategy, local[:count], options, rng) for strategy in parsed]
+    return PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())
+
+
+class _CallableModule(types.ModuleType):
+    """``px.plan(...)`` calls :func:`plan`; ``python -m parallax.plan`` runs the command line."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PlanReport:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,85 @@
+"""One candidate of a plan: plan the state, compile the real train step, read its costs.
+
+Nothing is allocated: the state is planned from shapes (:func:`parallax.plan_state`) and the
+step is compiled ahead of time on abstract arrays placed on the candidate's mesh, so the
+bytes and collectives are those of the step that would run.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import NamedSharding
+
+from parallax import inspect
+from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
+from parallax.sharding.strategy import Strategy, combine
+from parallax.step.build import make_train_step
+from parallax.step.options import StepOptions
+from parallax.step.plan import plan_state
+from parallax.step.summary import summarize
+
+DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
+_PARTS = {"dp": DataParallel, "fsdp": FSDP, "tp": TensorParallel}
+_TOKEN = re.compile(r"^(dp|fsdp|tp)(\d*)$")
+
+
+def parse_strategy(text: str | Strategy) -> Strategy:
+    """A strategy from a short name: ``dp``, ``fsdp``, ``tp``, joined by ``+``, each with an
+    optional size (``fsdp+tp2``: tensor axis of 2, FSDP over the devices left).
+
+    Example:
+        >>> parse_strategy("dp2+fsdp").describe()
+        'DataParallel(data=2) × FSDP(fsdp=-1)'
+    """
+    if isinstance(text, Strategy):
+        return text
+    parts = []
+    for token in str(text).lower().split("+"):
+        match = _TOKEN.match(token.strip())
+        if match is None:
+            raise ValueError(f"strategy {text!r}: {token!r} is not dp, fsdp or tp with an optional size "
+                             "(e.g. 'fsdp', 'dp2+fsdp', 'fsdp+tp2'); or pass a px strategy object.")
+        parts.append(_PARTS[match.group(1)](int(match.group(2)) if match.group(2) else -1))
+    return parts[0] if len(parts) == 1 else combine(*parts)
+
+
+def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
+    """The batch's shapes and dtypes, placed like a real batch (no data needed)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
+                                                       sharding=sharding), example_batch)
+
+
+def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strategy: Strategy,
+             devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0) -> dict:
+    """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply)."""
+    row = {"strategy": strategy.describe(), "devices": len(devices), "backend": devices[0].platform}
+    try:
+        mesh = strategy.make_mesh(devices)
+        row["mesh"] = {name: int(size) for name, size in mesh.shape.items()}
+        strategy.check_batch_size(int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0]), mesh,
+                                  multiple=options.grad_accum)
+        plan = plan_state(model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
+                          rng_streams=options.rng_streams)
+        totals = summarize(plan).totals
+        step = make_train_step(loss_fn, plan.strategy, options)
+        batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
+        compiled = step.lower(plan.abstract_arrays(), batch).compile()
+    except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
+        return {**row, "error": str(err).splitlines()[0]}
+    memory = inspect.memory_bytes(compiled)
+    traffic = inspect.collective_bytes(compiled.as_text())
+    row.update(
+        strategy=plan.strategy.describe(mesh), compile=step.mode(), error=None,
+        state={"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
+               "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
+               "other": totals["other"]["per_device"], "total": totals["total"]["per_device"]},
+        compiled=memory,
+        peak=memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"],
+        collectives={kind: {"count": stat.count, "bytes": stat.bytes} for kind, stat in traffic.items()},
+        collective_bytes=sum(stat.bytes for stat in traffic.values()),
+        params=totals["params"]["count"],
+    )
+    return row

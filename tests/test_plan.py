@@ -1,0 +1,228 @@
+"""Know before you run: ``px.summarize``, its lint, and ``px.plan`` against what really runs.
+
+Reality is the state ``init_state`` builds (its shards' bytes) and the step that actually
+runs compiled on that state and a real batch (its collectives, its compile path): the plan
+must equal them exactly, for DP, FSDP, TP and hybrids, on the jit and shard_map paths.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+import parallax as px
+from parallax.inspect import collective_bytes, memory_bytes
+from parallax.plan.candidates import parse_strategy
+from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+per_example_lm_loss = px.per_example_loss(lm_loss)
+CASES = {  # model, loss, batch kind, strategies
+    "mlp": (MLP, classifier_loss, "mlp", ["dp", "fsdp", "tp", "fsdp+tp2"]),
+    "cnn": (CNN, classifier_loss, "cnn", ["dp2+fsdp"]),
+    "lm": (TinyLM, per_example_lm_loss, "lm", ["dp", "fsdp+tp2"]),  # a per-example loss: auto takes shard_map
+}
+
+
+def small(strategy: str) -> px.Strategy:
+    """The strategy with FSDP splitting the test models' small params too."""
+    parts = [px.FSDP(p.size, min_weight_size=64) if isinstance(p, px.FSDP) else p
+             for p in parse_strategy(strategy).parts]
+    return parts[0] if len(parts) == 1 else px.combine(*parts)
+
+
+def cli_model():
+    return MLP()
+
+
+def cli_batch():
+    return batches("mlp", 1, 32)[0]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    out = {}
+    for name, (cls, loss, kind, strategies) in CASES.items():
+        out[name] = px.plan(cls(), optax.adamw(1e-3), batches(kind, 1, 16)[0], loss_fn=loss,
+                            strategies=[small(s) for s in strategies], devices=8, memory_budget=["1MB", "40KB"])
+    return out
+
+
+def shard_bytes(tree) -> int:
+    device = jax.devices()[0]
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.device == device)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_plan_equals_the_built_state_and_the_step_that_runs(reports, name):
+    cls, loss, kind, strategies = CASES[name]
+    batch = batches(kind, 1, 16)[0]
+    for strategy, row in zip(strategies, reports[name].rows):
+        assert row["error"] is None, row
+        state = px.init_state(cls(), optax.adamw(1e-3), batch, strategy=small(strategy), loss_fn=loss)
+        built = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state),
+                 "model_state": shard_bytes(state.model_state), "total": shard_bytes(state)}
+        assert {k: row["state"][k] for k in built} == built, (name, strategy)
+        assert row["state"]["gradients"] == built["params"]
+        step = px.make_train_step(loss, small(strategy))
+        mesh = state.step.sharding.mesh
+        compiled = step.lower(state, jax.device_put(batch, NamedSharding(mesh, small(strategy).batch_spec()))).compile()
+        traffic = collective_bytes(compiled.as_text())
+        assert row["compile"] == step.mode()
+        assert row["collectives"] == {k: {"count": s.count, "bytes": s.bytes} for k, s in traffic.items()}
+        assert row["compiled"] == memory_bytes(compiled)
+        assert row["strategy"] == small(strategy).describe(mesh)
+    if name == "lm":  # a per-example loss: compile="auto" takes shard_map for DP and FSDP×TP (the MLP: jit)
+        assert [row["compile"] for row in reports[name].rows] == ["shard_map", "shard_map"]
+
+
+def test_fsdp_plans_less_state_per_device_and_the_budgets_say_what_fits(reports):
+    dp, fsdp = reports["mlp"].rows[:2]
+    kernels, biases = 24 * 64 + 64 * 64 + 64 * 10, 64 + 64 + 10  # biases of <= 64 elements stay whole
+    assert dp["state"]["params"] == 4 * (kernels + biases) and fsdp["state"]["params"] == 4 * (kernels // 8 + biases)
+    assert [reports["mlp"].fits(row, 0) for row in reports["mlp"].rows] == [True] * 4
+    assert reports["mlp"].fits(fsdp, 1) != reports["mlp"].fits(dp, 1)  # 40KB: the plan tells them apart
+    text = str(reports["mlp"])
+    assert re.search(r"^8 +FSDP\(fsdp=8\) +jit +", text, re.M) and "fits 40KB" in text
+    assert "note: Per device." in text
+
+
+def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
+    here = reports["mlp"]
+    there = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
+                    strategies=[small(s) for s in CASES["mlp"][3]], devices=8, memory_budget=["1MB", "40KB"],
+                    isolate=True)
+    assert there.rows == here.rows
+
+
+def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "parallax.plan", "tests.test_plan:cli_model", "--batch",
+                           "tests.test_plan:cli_batch", "--loss", "tests.models:classifier_loss", "--strategies",
+                           "dp,fsdp,tp3", "--devices", "8,16", "--budget", "200KB", "--target", "gpu"],
+                          cwd=ROOT, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    print(proc.stdout)
+    assert lines[0].split()[:4] == ["devices", "strategy", "compile", "params"] and "fits 200KB" in lines[0]
+    assert [line.split()[:2] for line in lines[1:5]] == [
+        ["8", "DataParallel(data=8)"], ["8", "FSDP(fsdp=8)"], ["16", "DataParallel(data=16)"], ["16", "FSDP(fsdp=16)"]]
+    assert re.search(r"TensorParallel\(tensor=3\): does not apply: .*3", proc.stdout)
+    assert "compiled for cpu; on gpu they are backend-dependent" in proc.stdout
+
+
+def test_the_cli_says_what_is_wrong_with_a_reference():
+    proc = subprocess.run([sys.executable, "-m", "parallax.plan", "tests.nowhere:model", "--batch", "x:y", "--loss",
+                           "x:y", "--devices", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 2 and "cannot import 'tests.nowhere'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bad_arguments_are_clear_errors_before_anything_compiles():
+    batch = batches("mlp", 1, 16)[0]
+    with pytest.raises(ValueError, match=r"'fsdp\+xp2': 'xp2' is not dp, fsdp or tp"):
+        px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, strategies=["fsdp+xp2"])
+    with pytest.raises(ValueError, match=r"memory_budget='16 gigs'.*'16GB' or '80GiB'"):
+        px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, memory_budget="16 gigs")
+    with pytest.raises(ValueError, match=r"devices=0"):
+        px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, devices=0)
+
+
+# --- summarize and its lint ---------------------------------------------------------------
+
+
+def test_summarize_matches_the_built_state_for_every_strategy():
+    batch = batches("cnn", 1, 16)[0]
+    for strategy in ("fsdp", "dp2+fsdp", "fsdp+tp2"):
+        plan = px.plan_state(CNN(), optax.adamw(1e-3), batch, strategy=small(strategy), loss_fn=classifier_loss)
+        summary, state = px.summarize(plan), plan.build()
+        assert summary.totals["total"]["per_device"] == shard_bytes(state), strategy
+        assert summary.totals["model_state"]["per_device"] == shard_bytes(state.model_state)
+        assert px.summarize(state, small(strategy)).as_dict() == summary.as_dict()
+        n_params = sum(x.size for x in jax.tree.leaves(state.params))
+        assert summary.totals["params"]["count"] == n_params  # global, not per shard
+
+
+def test_the_lint_finds_a_large_replicated_param_and_says_why():
+    import flax.linen as nn
+
+    class Wide(nn.Module):  # a (24, 1000) kernel: no dim divisible by 16, so FSDP(16) cannot split it
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.Dense(1000, name="wide")(x)).mean(-1)
+
+    def loss(model, batch):
+        return (model(batch["x"]) ** 2).mean()
+
+    batch = batches("mlp", 1, 16)[0]
+    plan = px.plan_state(Wide(), optax.sgd(0.1), batch, strategy=px.combine(px.DataParallel(1),
+                         px.FSDP(8, min_weight_size=0)), loss_fn=loss)
+    assert px.summarize(plan, large_bytes=10_000).lint.replicated == ()  # (24, 1000): 1000 splits over 8
+    plan = px.plan_state(Wide(), optax.sgd(0.1), batch, strategy=px.FSDP(8, min_weight_size=50_000), loss_fn=loss)
+    summary = px.summarize(plan, large_bytes=50_000)  # Dense_0/kernel (1000, 10), 40 kB, is below that
+    (found,) = summary.lint.replicated
+    assert found.path == "wide/kernel" and found.bytes == 96_000 and "at most FSDP min_weight_size=50000" in found.reason
+    assert "1 param(s) over 48.8 KiB replicated" in str(summary) and summary.lint.sharded_fraction == 0.0
+    with pytest.raises(px.ReplicatedParamError, match=r"(?s)wide/kernel \(24, 1000\) 93.8 KiB: 24000 elements, at most "
+                                                      r"FSDP min_weight_size=50000 .*raise fail_if_replicated_over"):
+        px.summarize(plan, fail_if_replicated_over=50_000)
+    trainer = px.Trainer(Wide(), optax.sgd(0.1), loss, strategy=px.FSDP(8, min_weight_size=50_000),
+                         fail_if_replicated_over=50_000, batch_size=16, max_steps=1, progress=False)
+    with pytest.raises(px.ReplicatedParamError, match="wide/kernel"):
+        trainer.fit(batch)
+    assert trainer.state is None  # nothing was built
+
+
+def test_default_rules_that_match_nothing_are_listed_and_the_trainer_prints_the_summary(capsys):
+    batch = batches("mlp", 1, 16)[0]
+    tp = px.TensorParallel(2, derive=False)
+    plan = px.plan_state(MLP(), optax.sgd(0.1), batch, strategy=tp, loss_fn=classifier_loss,
+                         mesh=tp.make_mesh(jax.devices()[:2]))
+    unmatched = px.summarize(plan).lint.unmatched_rules
+    assert unmatched and set(unmatched) <= {pattern for pattern, _ in px.DEFAULT_RULES}
+    trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy=small("fsdp"), summary=True,
+                         batch_size=16, max_steps=1, progress=False)
+    trainer.fit(batch)
+    printed = capsys.readouterr().out
+    assert "FSDP(fsdp=8) on mesh {'fsdp': 8}" in printed and re.search(r"params +\d", printed)
+    out = io.StringIO()
+    px.summarize(trainer.plan).print(file=out)  # not a terminal: plain text
+    assert out.getvalue().strip() == str(px.summarize(trainer.plan)).strip()
+    json.dumps(px.summarize(trainer.plan).as_dict())
+
+
+# --- collectives, whatever form the HLO gives its replica groups ----------------------------
+
+
+def test_collective_bytes_read_the_list_and_the_iota_forms_alike():
+    step = px.make_train_step(px.per_example_loss(classifier_loss), px.FSDP(min_weight_size=64), compile="shard_map")
+    batch = batches("mlp", 1, 16)[0]
+    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=px.FSDP(min_weight_size=64), loss_fn=classifier_loss)
+    text = step.lower(state, jax.device_put(batch, NamedSharding(state.step.sharding.mesh,
+                                                                  px.FSDP().batch_spec()))).compile().as_text()
+    lines = [line for line in text.splitlines() if re.search(r"(reduce-scatter|all-gather|all-reduce)(-start)?\(", line)]
+    assert any("reduce-scatter" in line for line in lines)
+
+    def as_list(line):
+        return re.sub(r"replica_groups=(\[\d+,\d+\]<=\[\d+\]|mesh\[[^\]]*\]\s*\{[^}]*\})",
+                      "replica_groups={{0,1,2,3,4,5,6,7}}", line)
+
+    def as_iota(line):
+        return re.sub(r"replica_groups=(\{\{[0-9,]*\}\}|mesh\[[^\]]*\]\s*\{[^}]*\})", "replica_groups=[1,8]<=[8]", line)
+
+    original = collective_bytes("\n".join(lines))
+    assert collective_bytes("\n".join(map(as_list, lines))) == original == collective_bytes("\n".join(map(as_iota, lines)))
+    assert original["reduce-scatter"].bytes == 8 * sum(
+        int(np.prod([int(d) for d in dims.split(",") if d])) * 4
+        for line in lines if "reduce-scatter" in line
+        for dims in re.findall(r"f32\[([0-9,]*)\]", line.split("reduce-scatter")[0]))
