@@ -26,7 +26,7 @@ _DTYPE_BYTES = {
 }
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\((?P<operands>[^)]*)\)")
+_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +37,26 @@ class CollectiveStat:
     bytes: int = 0
 
 
-def _shape_bytes(text: str) -> int:
-    total = 0
+def _shape_sizes(text: str) -> list[int]:
+    """The bytes of each array shape written in ``text``, in order."""
+    sizes = []
     for dtype, dims in _SHAPE.findall(text):
         size = 1
         for d in filter(None, dims.split(",")):
             size *= int(d)
-        total += size * _DTYPE_BYTES[dtype]
-    return total
+        sizes.append(size * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def _moved(kind: str, started: bool, result: str) -> list[int]:
+    """The result shapes that count for one collective. An async ``-start`` op's result is a
+    tuple that also holds its operands (and, for a permute, two ``u32[]`` sync flags)."""
+    sizes = _shape_sizes(result)
+    if started and kind == "all-gather" and len(sizes) > 1:
+        return sizes[len(sizes) // 2:]  # (operands..., gathered...)
+    if started and kind == "collective-permute":
+        return sizes[:1]  # (operand, result, u32[], u32[])
+    return sizes
 
 
 def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
@@ -52,7 +64,14 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
 
     Each collective counts the size of the whole array taking part, per device: an
     all-gather its (gathered) result, a reduce-scatter its (unscattered) operand, an
-    all-reduce, all-to-all or permute its operand.
+    all-reduce, all-to-all or permute its operand. Replica groups are read in every form
+    XLA prints (explicit lists, iota ``[2,4]<=[8]``, mesh axes), and the async ``-start``
+    forms count what their synchronous forms do.
+
+    Example:
+        >>> line = "ag = (f32[16]{0}, f32[128]{0}) all-gather-start(f32[16]{0} p), replica_groups=[1,8]<=[8]"
+        >>> collective_bytes(line)["all-gather"]
+        CollectiveStat(count=1, bytes=512)
     """
     stats = {kind: CollectiveStat() for kind in COLLECTIVES}
     for line in hlo_text.splitlines():
@@ -60,7 +79,7 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
         if match is None:
             continue
         kind = match.group("op")
-        moved = _shape_bytes(match.group("result"))
+        moved = sum(_moved(kind, match.group("start") is not None, match.group("result")))
         if kind == "reduce-scatter":
             moved *= replica_group_size(line)
         old = stats[kind]

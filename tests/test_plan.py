@@ -226,3 +226,22 @@ def test_collective_bytes_read_the_list_and_the_iota_forms_alike():
         int(np.prod([int(d) for d in dims.split(",") if d])) * 4
         for line in lines if "reduce-scatter" in line
         for dims in re.findall(r"f32\[([0-9,]*)\]", line.split("reduce-scatter")[0]))
+
+
+def test_the_async_start_forms_count_what_their_synchronous_forms_do():
+    """GPU HLO writes collectives as ``-start``/``-done`` pairs whose tuple results hold the operands too."""
+    forms = {
+        "all-gather": ("x = f32[128]{0} all-gather(f32[16]{0} p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+                       "x = (f32[16]{0}, f32[128]{0}) all-gather-start(f32[16]{0} p), replica_groups=[1,8]<=[8], "
+                       "dimensions={0}"),
+        "reduce-scatter": ("x = f32[16]{0} reduce-scatter(f32[128]{0} p), replica_groups={{0,1,2,3,4,5,6,7}}",
+                           "x = f32[16]{0} reduce-scatter(f32[128]{0} p), replica_groups=[1,8]<=[8], dimensions={0}"),
+        "all-reduce": ("x = f32[64]{0} all-reduce(f32[64]{0} p), replica_groups={{0,1,2,3},{4,5,6,7}}",
+                       "x = f32[64]{0} all-reduce-start(f32[64]{0} p), replica_groups=[2,4]<=[8]"),
+        "collective-permute": ("x = f32[8]{0} collective-permute(f32[8]{0} p), source_target_pairs={{0,1},{1,0}}",
+                               "x = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(f32[8]{0} p), "
+                               "source_target_pairs={{0,1},{1,0}}"),
+    }
+    expected = {"all-gather": 512, "reduce-scatter": 512, "all-reduce": 256, "collective-permute": 32}
+    for kind, (sync, started) in forms.items():
+        assert collective_bytes(sync)[kind].bytes == collective_bytes(started)[kind].bytes == expected[kind], kind
