@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from parallax.step.options import StepOptions
+from parallax.train import elastic
 
 # Step options the Trainer sets itself, from its own options.
 _TRAINER_OWNED = {"skip_nonfinite": "on_nonfinite='skip'"}
@@ -102,7 +103,7 @@ class TrainerConfig:
         value = self.fail_if_replicated_over
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"fail_if_replicated_over={value!r}; use a number of bytes (an int >= 0) or None.")
-        if self.elastic not in ("keep_batch", "accumulate"):
+        if self.elastic not in elastic.MODES:
             raise ValueError(f"elastic={self.elastic!r}; use 'keep_batch' (more or fewer rows per data shard) or "
                              "'accumulate' (the same rows per shard, grad_accum scaled).")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
