@@ -53,3 +53,13 @@ def test_nnx_vs_linen_benchmark_smoke():
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| mlp | fsdp |"))
     linen, nnx_loss, jitted = row.rstrip(" |").split("|")[-1].split(" / ")
     assert float(linen) == float(nnx_loss) == float(jitted), row  # one network from the same weights
+
+
+@pytest.mark.slow
+def test_fsdp_split_benchmark_smoke():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_split", "--smoke", "--models", "mlp"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
+    assert len(rows) == 6 and "| mlp | largest/jit |" in proc.stdout and "1.00 (1.00–1.00)" in rows[0], proc.stdout

@@ -61,19 +61,25 @@ class DataParallel(Strategy):
         return f"DataParallel({self.axis}) replicates params"
 
 
+FSDP_SPLITS = ("largest", "output", "input")
+
+
 @dataclasses.dataclass(frozen=True)
 class FSDP(Strategy):
     """Fully sharded data parallel (ZeRO-3): params, grads and optimizer state split.
 
-    Every param with more than ``min_weight_size`` elements is split along its largest
-    dim that the axis size divides (and that no other axis or annotation already
-    uses); smaller or indivisible params stay replicated. The batch is split over the
-    same axis.
+    Every param with more than ``min_weight_size`` elements is split along one dim that
+    the axis size divides (and that no other axis or annotation already uses): the dim
+    ``split`` prefers, else the largest such dim. Smaller or indivisible params stay
+    replicated. The batch is split over the same axis.
 
     Args:
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
         min_weight_size: params with at most this many elements stay replicated.
+        split: the dim to prefer: ``"largest"``, ``"output"`` (the last: a kernel's output
+            features) or ``"input"`` (the one before). All train the same; they differ in
+            what the step moves (``benchmarks/fsdp_split.py``).
         scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
             not part of the strategy's identity).
 
@@ -86,6 +92,7 @@ class FSDP(Strategy):
     size: int = -1
     axis: str = "fsdp"
     min_weight_size: int = 2**18
+    split: str = "largest"
     scanned: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True
@@ -100,6 +107,8 @@ class FSDP(Strategy):
                 f"FSDP(min_weight_size={self.min_weight_size!r}): use an integer >= 0 "
                 "(0 splits every param whose dims allow it)."
             )
+        if self.split not in FSDP_SPLITS:
+            raise ValueError(f"FSDP(split={self.split!r}): use 'largest', 'output' (a param's last dim) or 'input'.")
 
     def skipping_scanned(self, scanned: Mapping[str, tuple[int, ...]]) -> "FSDP":
         """This strategy, told which param dims a ``scan`` steps over (never split those).
@@ -112,6 +121,15 @@ class FSDP(Strategy):
     def fit_to_computation(self, computation: Any) -> "FSDP":
         scanned = computation.scanned_dims()
         return self.skipping_scanned(scanned) if scanned else self
+
+    def dim_order(self, shape: Sequence[int]) -> list[int]:
+        """The dims of a param in the order this strategy tries to split them (``[2, 3, 0, 1]``
+        for a (3, 3, 64, 128) conv kernel and ``split="input"``)."""
+        largest = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+        if self.split == "largest" or not shape:
+            return largest
+        first = len(shape) - 1 if self.split == "output" else max(len(shape) - 2, 0)
+        return [first] + [d for d in largest if d != first]
 
     def why_whole(self, path, shape, axis_sizes) -> str:
         size, skip = axis_sizes[self.axis], (self.scanned or {}).get(path, ())
@@ -130,7 +148,7 @@ class FSDP(Strategy):
         if size == 1 or self.axis in spec_lib.dims_axes(dims) or math.prod(shape) <= self.min_weight_size:
             return dims
         skip = (self.scanned or {}).get(path, ())
-        for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        for dim in self.dim_order(shape):
             if dims[dim] is None and shape[dim] % size == 0 and dim not in skip:
                 dims[dim] = self.axis
                 break

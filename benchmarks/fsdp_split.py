@@ -1,0 +1,126 @@
+"""Which dim FSDP splits, and how the step compiles: every combination timed side by side.
+
+    python -m benchmarks.fsdp_split                    # 8 simulated CPU devices, MLP, LM and CNN
+    python -m benchmarks.fsdp_split --models mlp --rounds 5
+    python -m benchmarks.fsdp_split --smoke            # tiny models, one round: checks it still runs
+
+For each model (``benchmarks/models.py``, AdamW, FSDP over 8 devices splitting params above
+2**14 elements), ``FSDP(split=...)`` in ``"largest"`` (today's default), ``"output"`` and
+``"input"``, each compiled with ``jit`` and with ``shard_map``, run interleaved in one process
+in a new random order each round. Reported per configuration: the step time over the default
+(``split="largest"``, ``compile="auto"``, which is ``jit`` for a loss as written) round by
+round, median (min–max); per-device state bytes from the real arrays' shards; the compiled
+step's temporaries; and its collective bytes by kind. Results go to
+``benchmarks/results/fsdp_split.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,lm,cnn")
+    parser.add_argument("--splits", default="largest,output,input")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny models, one round")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    args.scale = 0.125 if args.smoke else 1.0
+    if args.smoke:
+        args.rounds = 1
+    return args
+
+
+ARGS = _parse() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.devices:
+    from benchmarks import simulate_cpu_devices
+
+    simulate_cpu_devices(ARGS.devices)
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import parallax as px  # noqa: E402
+from benchmarks.models import build, make_batch  # noqa: E402
+from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, round_ratios  # noqa: E402
+from parallax.inspect import state_bytes_per_device  # noqa: E402
+
+DEFAULT = "largest/jit"
+
+
+def bench(kind: str, splits: list[str], rounds: int, scale: float) -> list[dict]:
+    model, loss_fn, _ = build(kind, scale)
+    tx = optax.adamw(1e-3)
+    batch = make_batch(kind, BATCH[kind], scale)
+    configs = {}
+    for split in splits:
+        strategy = px.FSDP(min_weight_size=MIN_WEIGHT_SIZE, split=split)
+        mesh = strategy.make_mesh()
+        placed = px.data.to_global(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
+        for mode in ("jit", "shard_map"):
+            state = px.init_state(model, tx, batch, strategy=strategy, loss_fn=loss_fn, mesh=mesh)
+            configs[f"{split}/{mode}"] = Config(f"{split}/{mode}", px.make_train_step(loss_fn, strategy, compile=mode),
+                                                state, placed)
+    assert px.make_train_step(loss_fn, px.FSDP()).mode() == "jit"  # what DEFAULT names
+    order = list(configs.values())
+    for _ in range(2):  # warm-up
+        for config in order:
+            config.run()
+    shuffle = np.random.default_rng(0)
+    for _ in range(rounds):
+        for index in shuffle.permutation(len(order)):
+            order[index].times.append(order[index].run())
+    default = configs[DEFAULT] if DEFAULT in configs else order[0]
+    return [{
+        "model": kind, "config": label, "ms": 1e3 * config.median_s, "vs_default": round_ratios(config, default),
+        "state_bytes": state_bytes_per_device(config.state), "temp_bytes": config.memory["temporaries"],
+        "collective_bytes": config.collective_total(),
+        "collectives": {k: vars(v) for k, v in config.collectives.items() if v.count},
+        "compile_s": config.compile_s,
+    } for label, config in configs.items()]
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"# FSDP: which dim to split, and how to compile ({meta['devices']} {meta['platform']} devices, "
+             f"jax {meta['jax']}, {meta['rounds']} rounds, AdamW)", "",
+             f"Ratios are step time over the default ({DEFAULT}: `FSDP()` with `compile=\"auto\"`), round by round.",
+             "", "| model | split / compile | ms | vs default, median (min–max) | state MB/dev | temp MB "
+             "| collective MB | by kind (MB) |", "| --- | --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    for r in results:
+        v = r["vs_default"]
+        kinds = ", ".join(f"{k} {s['bytes'] / MB:.1f}" for k, s in r["collectives"].items())
+        lines.append(f"| {r['model']} | {r['config']} | {r['ms']:.1f} | {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) "
+                     f"| {r['state_bytes'] / MB:.2f} | {r['temp_bytes'] / MB:.1f} | {r['collective_bytes'] / MB:.1f} "
+                     f"| {kinds} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> None:
+    results = []
+    for kind in args.models.split(","):
+        results.extend(bench(kind, args.splits.split(","), args.rounds, args.scale))
+        print(f"{kind}: done", flush=True)
+    meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
+            "rounds": args.rounds}
+    text = markdown(results, meta)
+    print(text)
+    if not args.smoke:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fsdp_split.json"), "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        with open(os.path.join(args.out, "fsdp_split.md"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main(ARGS)
