@@ -54,4 +54,4 @@ def strategy_from_name(name: str, tp_rules=None, min_weight_size: int = 2**10) -
 
 def describe_run(strategy: px.Strategy) -> str:
     devices = jax.devices()
-    return f"{strategy.describe()} on {len(devices)} {devices[0].platform.upper()} device(s)"
+    return f"{strategy.describe(strategy.make_mesh(devices))} on {len(devices)} {devices[0].platform.upper()} device(s)"
