@@ -144,15 +144,15 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     budgets = tuple(parse_bytes(b) for b in given)
     parsed = [parse_strategy(s) for s in strategies]  # a bad name fails here, before anything compiles
     local = jax.devices()
+    if isolate is False and max(counts) > len(local):
+        raise ValueError(f"devices={max(counts)} but this process has {len(local)}; let it plan in a subprocess "
+                         "(isolate=None or True).")
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
     rows: list[dict] = []
     resolved: dict | None = None
     for count in counts:
         if isolate or (isolate is None and count > len(local)):
             rows += isolated.run({**args, "strategies": parsed, "options": options, "rng": rng}, count)
-        elif count > len(local):
-            raise ValueError(f"devices={count} but this process has {len(local)}; let it plan in a subprocess "
-                             "(isolate=None or True).")
         else:
             resolved = resolved or {kind: resolve(kind, value) for kind, value in args.items()}
             rows += [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
