@@ -136,6 +136,8 @@ def test_bad_arguments_are_clear_errors_before_anything_compiles():
         px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, memory_budget="16 gigs")
     with pytest.raises(ValueError, match=r"devices=0"):
         px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, devices=0)
+    with pytest.raises(ValueError, match=r"devices=16 but this process has 8; let it plan in a subprocess"):
+        px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, devices=[8, 16], isolate=False)
 
 
 # --- summarize and its lint ---------------------------------------------------------------
