@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", required=True, help="package.module:name of loss_fn(model, batch)")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, or package.module:name")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help=f"comma-separated: dp, fsdp, tp joined by + with sizes (default {','.join(DEFAULT_STRATEGIES)})")
+                        help="comma-separated: dp, fsdp, tp joined by + with optional sizes (default "
+                             f"{','.join(DEFAULT_STRATEGIES)})")
     parser.add_argument("--devices", default=None, help="comma-separated device counts (default: this machine's)")
     parser.add_argument("--budget", default=None, help="comma-separated memory budgets per device, e.g. 16GB,80GB")
     parser.add_argument("--target", default=None, help="the backend the plan is for: gpu, tpu or cpu")

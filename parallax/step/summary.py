@@ -208,9 +208,9 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     state_bytes = sum(row.bytes_global for row in all_rows)
     sizes = {name: int(size) for name, size in mesh.shape.items()}
     whole = _replicated_params(rows["params"], strategy, sizes)
-    lint = Lint(tuple(r for r in whole if r.bytes > large_bytes), _unmatched_rules(strategy, [row.path for row in rows["params"]]),
-                sum(row.bytes_global for row in all_rows if row.sharded) / state_bytes if state_bytes else 0.0,
-                large_bytes)
+    sharded = sum(row.bytes_global for row in all_rows if row.sharded) / state_bytes if state_bytes else 0.0
+    lint = Lint(tuple(r for r in whole if r.bytes > large_bytes),
+                _unmatched_rules(strategy, [row.path for row in rows["params"]]), sharded, large_bytes)
     summary = Summary(strategy.describe(mesh) if strategy is not None else "(strategy not given)", sizes,
                       tuple(rows["params"]), totals, lint)
     if fail_if_replicated_over is not None:
