@@ -1,9 +1,61 @@
-"""Benchmarks of parallax against hand-written code (``python -m benchmarks.run``)."""
+"""Benchmarks of parallax against hand-written code (``python -m benchmarks.run``).
 
+The helpers here import no JAX: a runner parses its arguments and sets up the simulated
+devices (:func:`side_runner_args`) before JAX starts.
+"""
+
+import argparse
+import json
 import os
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def simulate_cpu_devices(count: int) -> None:
     """Makes JAX start ``count`` simulated CPU devices; call before JAX is imported."""
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def side_runner_args(doc: str, *, models: str, rounds: int = 9, **lists: str) -> argparse.Namespace:
+    """The arguments of a comparison runner (``--models``, one option per ``lists`` entry with its
+    default, ``--rounds``, ``--devices``, ``--smoke``, ``--out``); starts the simulated devices."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=models)
+    for name, default in lists.items():
+        parser.add_argument(f"--{name}", default=default)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny models, one round")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args()
+    args.scale = 0.125 if args.smoke else 1.0
+    if args.smoke:
+        args.rounds = 1
+    if args.devices:
+        simulate_cpu_devices(args.devices)
+    return args
+
+
+def time_interleaved(runners: list, rounds: int, warmup: int = 2) -> None:
+    """Runs each runner ``warmup`` times, then ``rounds`` times in a fresh random order each round
+    (no configuration always follows the same one: a heavy predecessor leaves cold caches
+    behind), appending each step time to its ``times``."""
+    import numpy as np
+
+    for _ in range(warmup):
+        for runner in runners:
+            runner.run()
+    order = np.random.default_rng(0)
+    for _ in range(rounds):
+        for index in order.permutation(len(runners)):
+            runners[index].times.append(runners[index].run())
+
+
+def write_results(out: str, name: str, meta: dict, results: list, text: str) -> None:
+    """``out/name.json`` (the meta and every figure) and ``out/name.md`` (the table)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)

@@ -20,32 +20,12 @@ import argparse
 import os
 import sys
 
+from benchmarks import side_runner_args, time_interleaved, write_results
 
-def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,lm,cnn")
-    parser.add_argument("--splits", default="largest,output,input")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="tiny models, one round")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = parser.parse_args()
-    args.scale = 0.125 if args.smoke else 1.0
-    if args.smoke:
-        args.rounds = 1
-    return args
-
-
-ARGS = _parse() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.devices:
-    from benchmarks import simulate_cpu_devices
-
-    simulate_cpu_devices(ARGS.devices)
-
-import json  # noqa: E402
+ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", splits="largest,output,input") \
+    if __name__ == "__main__" else None
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,13 +53,7 @@ def bench(kind: str, splits: list[str], rounds: int, scale: float) -> list[dict]
                                                 state, placed)
     assert px.make_train_step(loss_fn, px.FSDP()).mode() == "jit"  # what DEFAULT names
     order = list(configs.values())
-    for _ in range(2):  # warm-up
-        for config in order:
-            config.run()
-    shuffle = np.random.default_rng(0)
-    for _ in range(rounds):
-        for index in shuffle.permutation(len(order)):
-            order[index].times.append(order[index].run())
+    time_interleaved(order, rounds)
     default = configs[DEFAULT] if DEFAULT in configs else order[0]
     return [{
         "model": kind, "config": label, "ms": 1e3 * config.median_s, "vs_default": round_ratios(config, default),
@@ -115,11 +89,7 @@ def main(args: argparse.Namespace) -> None:
     text = markdown(results, meta)
     print(text)
     if not args.smoke:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fsdp_split.json"), "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        with open(os.path.join(args.out, "fsdp_split.md"), "w") as f:
-            f.write(text)
+        write_results(args.out, "fsdp_split", meta, results, text)
 
 
 if __name__ == "__main__":

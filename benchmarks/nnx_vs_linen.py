@@ -28,29 +28,11 @@ import os
 import sys
 import time
 
+from benchmarks import side_runner_args, time_interleaved, write_results
 
-def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,lm")
-    parser.add_argument("--strategies", default="dp,fsdp,fsdp+tp")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="tiny models, one round")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = parser.parse_args()
-    args.scale = 0.125 if args.smoke else 1.0
-    if args.smoke:
-        args.rounds = 1
-    return args
+ARGS = side_runner_args(__doc__, models="mlp,lm", strategies="dp,fsdp,fsdp+tp") \
+    if __name__ == "__main__" else None
 
-
-ARGS = _parse() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.devices:
-    from benchmarks import simulate_cpu_devices
-
-    simulate_cpu_devices(ARGS.devices)
-
-import json  # noqa: E402
 import re  # noqa: E402
 
 import flax  # noqa: E402
@@ -130,13 +112,7 @@ def bench(kind: str, names: list[str], rounds: int, scale: float) -> list[dict]:
         first["nnx.jit"] = handwritten.first_loss
         rows.append((name, configs, handwritten, first))
     runners = [r for _, configs, handwritten, _ in rows for r in (*configs.values(), handwritten)]
-    for _ in range(2):
-        for runner in runners:
-            runner.run()
-    order = np.random.default_rng(0)
-    for _ in range(rounds):
-        for index in order.permutation(len(runners)):
-            runners[index].times.append(runners[index].run())
+    time_interleaved(runners, rounds)
     results = []
     for name, configs, handwritten, first in rows:
         linen, ours = configs["linen"], configs["nnx"]
@@ -203,11 +179,7 @@ def main(args: argparse.Namespace) -> None:
     text = markdown(results, meta)
     print(text)
     if not args.smoke:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "nnx_vs_linen.json"), "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        with open(os.path.join(args.out, "nnx_vs_linen.md"), "w") as f:
-            f.write(text)
+        write_results(args.out, "nnx_vs_linen", meta, results, text)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parallax as px  # noqa: E402
-from benchmarks import handwritten  # noqa: E402
+from benchmarks import handwritten, time_interleaved  # noqa: E402
 from benchmarks.models import build, make_batch  # noqa: E402
 from parallax.inspect import collective_bytes, memory_bytes, state_bytes_per_device  # noqa: E402
 
@@ -174,15 +174,7 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
                      "defaults": defaults,
                      "state": state, "specs": specs, "sizes": strategy.axis_sizes(mesh), "batch": batch})
         del state
-    for _ in range(2):  # warm-up
-        for config in configs:
-            config.run()
-    shuffle = np.random.default_rng(0)
-    for _ in range(rounds):
-        # A fresh random order each round: no configuration always follows the same one
-        # (a heavy predecessor leaves cold caches behind).
-        for index in shuffle.permutation(len(configs)):
-            configs[index].times.append(configs[index].run())
+    time_interleaved(configs, rounds)
     results = []
     params = single_state[0]
     total_state = bytes_of(single.state[0]) + bytes_of(single.state[2])

@@ -20,32 +20,12 @@ import argparse
 import os
 import sys
 
+from benchmarks import side_runner_args, time_interleaved, write_results
 
-def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,lm,cnn")
-    parser.add_argument("--strategies", default="tp,fsdp+tp")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="tiny models, one round")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = parser.parse_args()
-    args.scale = 0.125 if args.smoke else 1.0
-    if args.smoke:
-        args.rounds = 1
-    return args
-
-
-ARGS = _parse() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.devices:
-    from benchmarks import simulate_cpu_devices
-
-    simulate_cpu_devices(ARGS.devices)
-
-import json  # noqa: E402
+ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", strategies="tp,fsdp+tp") \
+    if __name__ == "__main__" else None
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,13 +70,7 @@ def bench(kind: str, names: list[str], rounds: int, scale: float) -> list[dict]:
             pair[label] = (Config(f"{name}/{label}", step, state, placed), plan)
         rows.append((name, pair))
     configs = [config for _, pair in rows for config, _ in pair.values()]
-    for _ in range(2):
-        for config in configs:
-            config.run()
-    order = np.random.default_rng(0)
-    for _ in range(rounds):
-        for index in order.permutation(len(configs)):
-            configs[index].times.append(configs[index].run())
+    time_interleaved(configs, rounds)
     results = []
     for name, pair in rows:
         (derived, derived_plan), (written, written_plan) = pair["derived"], pair["hand-written"]
@@ -147,11 +121,7 @@ def main(args: argparse.Namespace) -> None:
     text = markdown(results, meta)
     print(text)
     if not args.smoke:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tp_layout.json"), "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        with open(os.path.join(args.out, "tp_layout.md"), "w") as f:
-            f.write(text)
+        write_results(args.out, "tp_layout", meta, results, text)
 
 
 if __name__ == "__main__":
