@@ -131,28 +131,27 @@ class FSDP(Strategy):
         first = len(shape) - 1 if self.split == "output" else max(len(shape) - 2, 0)
         return [first] + [d for d in largest if d != first]
 
-    def why_whole(self, path, shape, axis_sizes) -> str:
+    def _split(self, path, shape, dims, axis_sizes) -> tuple[int | None, str]:
+        """The dim to split (``None``: none), and why none is: one decision for ``place`` and ``why_whole``."""
         size, skip = axis_sizes[self.axis], (self.scanned or {}).get(path, ())
-        if size == 1:
-            return f"FSDP axis {self.axis!r} has size 1"
+        if size == 1 or self.axis in spec_lib.dims_axes(dims):
+            return None, f"FSDP axis {self.axis!r} has size 1" if size == 1 else "annotated on this axis already"
         if math.prod(shape) <= self.min_weight_size:
-            return (f"{math.prod(shape)} elements, at most FSDP min_weight_size={self.min_weight_size} "
-                    "(lower it to split smaller params)")
-        if not any(shape[d] % size == 0 and d not in skip for d in range(len(shape))):
+            return None, (f"{math.prod(shape)} elements, at most FSDP min_weight_size={self.min_weight_size} "
+                          "(lower it to split smaller params)")
+        dim = next((d for d in self.dim_order(shape) if dims[d] is None and shape[d] % size == 0 and d not in skip),
+                   None)
+        if dim is None and not any(shape[d] % size == 0 and d not in skip for d in range(len(shape))):
             scanned = f" (dim {', '.join(map(str, skip))} is a scanned layer dim)" if skip else ""
-            return f"no dim of {tuple(shape)} is divisible by {self.axis}={size}{scanned}"
-        return f"its divisible dims are taken by other axes ({self.axis}={size})"
+            return None, f"no dim of {tuple(shape)} is divisible by {self.axis}={size}{scanned}"
+        return dim, f"its divisible dims are taken by other axes ({self.axis}={size})"
+
+    def why_whole(self, path, shape, axis_sizes) -> str:
+        return self._split(path, shape, [None] * len(shape), axis_sizes)[1]
 
     def place(self, path, shape, dims, axis_sizes):
-        size = axis_sizes[self.axis]
-        if size == 1 or self.axis in spec_lib.dims_axes(dims) or math.prod(shape) <= self.min_weight_size:
-            return dims
-        skip = (self.scanned or {}).get(path, ())
-        for dim in self.dim_order(shape):
-            if dims[dim] is None and shape[dim] % size == 0 and dim not in skip:
-                dims[dim] = self.axis
-                break
-        return dims
+        dim = self._split(path, shape, dims, axis_sizes)[0]
+        return dims if dim is None else [*dims[:dim], self.axis, *dims[dim + 1:]]
 
 
 @dataclasses.dataclass(frozen=True)
