@@ -30,7 +30,8 @@ try:
     from parallax.step.build import make_eval_step, make_train_step
     from parallax.step.options import StepOptions
     from parallax.step.per_example import PerExampleLoss, is_per_example_loss, per_example_loss
-    from parallax.step.plan import StatePlan, init_state, plan_state
+    from parallax.step.initialize import init_state
+    from parallax.step.plan import StatePlan, plan_state
     from parallax.step.state import TrainState
     from parallax.train import callbacks, checkpoint, data
     from parallax.train.callbacks import EarlyStopping, JSONLogger, LearningRateLogger, ProgressBar, TensorBoardLogger

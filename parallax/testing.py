@@ -30,9 +30,10 @@ from jax.sharding import NamedSharding
 
 from parallax._tree import path_str
 from parallax.models import LossFn, ModelRun, adapter_for
+from parallax.sharding.auto import AUTO, from_mesh
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import make_train_step
-from parallax.step.plan import init_state
+from parallax.step.initialize import init_state
 from parallax.step.state import TrainState, model_rngs
 
 __all__ = ["EquivalenceReport", "NotEquivalentError", "assert_equivalent", "fake_devices"]
@@ -141,7 +142,7 @@ def assert_equivalent(
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
     batches: Sequence[Any],
-    strategy: Strategy,
+    strategy: Strategy | str,
     *,
     steps: int | None = None,
     tolerance: float | str = "auto",
@@ -156,7 +157,7 @@ def assert_equivalent(
         optimizer: an optax transformation (a fresh state is built for each run).
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, metrics)``.
         batches: the global batches, one per step (host arrays).
-        strategy: the strategy to check.
+        strategy: the strategy to check, or ``"auto"`` (what the search picks on these devices).
         steps: how many of ``batches`` to train on (all by default).
         tolerance: the largest absolute difference allowed, or ``"auto"``: twice what plain
             ``jit`` already drifts when the same values are merely placed on the strategy's
@@ -185,19 +186,21 @@ def assert_equivalent(
     step = make_train_step(loss_fn, strategy, **step_options)
     options = step.options
     state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
-                       rng_streams=options.rng_streams)
+                       rng_streams=options.rng_streams, options=options)
     initial = jax.device_get(state)
     mesh_of = jax.tree.leaves(state.params)[0].sharding.mesh
-    mode = step.mode()
-    data_shards = int(np.prod([mesh_of.shape[a] for a in strategy.data_axes]))
-    reference = _Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
-                           per_shard=mode == "shard_map")
+    if strategy == AUTO:
+        strategy = from_mesh(mesh_of)  # what the search chose (the step reads it from the state too)
 
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     final = jax.device_get(state)
+    mode = step.mode()  # known once the step has compiled: the cost model may pick it
+    data_shards = int(np.prod([mesh_of.shape[a] for a in strategy.data_axes]))
+    reference = _Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
+                           per_shard=mode == "shard_map")
     ref_losses, ref_final = reference.run(initial, batches)
     report = _report(strategy, mode, np.array(losses), ref_losses, final, ref_final, FLOAT32_TOLERANCE,
                      "float32 rounding")

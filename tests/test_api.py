@@ -93,7 +93,7 @@ def test_a_new_kind_of_part_is_classified_by_what_it_declares():
     assert strategy.data_axes == ("fsdp",) and strategy.fsdp_axes == ("fsdp",)
     assert strategy.model_axes == ("expert",)
     assert strategy.batch_spec() == jax.sharding.PartitionSpec("fsdp")
-    assert px.make_train_step(px.per_example_loss(classifier_loss), strategy).mode() == "shard_map"
+    assert px.make_train_step(px.per_example_loss(classifier_loss), strategy).modes() == ("jit", "shard_map")
     spec = strategy.param_specs({"Dense_0": {"kernel": jax.ShapeDtypeStruct((24, 64), np.float32)}})
     assert spec["Dense_0"]["kernel"] == jax.sharding.PartitionSpec("expert", "fsdp")
 

@@ -139,5 +139,5 @@ def test_every_split_trains_like_one_device():
 def test_a_bad_split_is_a_clear_error():
     import pytest
 
-    with pytest.raises(ValueError, match=r"FSDP\(split='rows'\): use 'largest', 'output' .* or 'input'"):
+    with pytest.raises(ValueError, match=r"FSDP\(split='rows'\): use 'largest', 'output' .*, 'input' or 'auto'"):
         px.FSDP(split="rows")

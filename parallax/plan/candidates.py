@@ -19,6 +19,7 @@ from parallax.sharding.strategy import Strategy, combine
 from parallax.step.build import make_train_step
 from parallax.step.options import StepOptions
 from parallax.step.plan import plan_state
+from parallax.step.search import abstract_batch
 from parallax.step.summary import summarize
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
@@ -44,12 +45,6 @@ def parse_strategy(text: str | Strategy) -> Strategy:
                              "(e.g. 'fsdp', 'dp2+fsdp', 'fsdp+tp2'); or pass a px strategy object.")
         parts.append(_PARTS[match.group(1)](int(match.group(2)) if match.group(2) else -1))
     return parts[0] if len(parts) == 1 else combine(*parts)
-
-
-def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
-    """The batch's shapes and dtypes, placed like a real batch (no data needed)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
-                                                       sharding=sharding), example_batch)
 
 
 def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strategy: Strategy,

@@ -61,7 +61,7 @@ class DataParallel(Strategy):
         return f"DataParallel({self.axis}) replicates params"
 
 
-FSDP_SPLITS = ("largest", "output", "input")
+FSDP_SPLITS = ("largest", "output", "input", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,8 @@ class FSDP(Strategy):
         axis: the mesh axis name.
         min_weight_size: params with at most this many elements stay replicated.
         split: the dim to prefer: ``"largest"``, ``"output"`` (the last: a kernel's output
-            features) or ``"input"`` (the one before). All train the same; they differ in
+            features), ``"input"`` (the one before), or ``"auto"`` (the cost model's pick when the
+            state is planned: :mod:`parallax.step.search`). All train the same; they differ in
             what the step moves (``benchmarks/fsdp_split.py``).
         scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
             not part of the strategy's identity).
@@ -108,7 +109,7 @@ class FSDP(Strategy):
                 "(0 splits every param whose dims allow it)."
             )
         if self.split not in FSDP_SPLITS:
-            raise ValueError(f"FSDP(split={self.split!r}): use 'largest', 'output' (a param's last dim) or 'input'.")
+            raise ValueError(f"FSDP(split={self.split!r}): use 'largest', 'output' (last dim), 'input' or 'auto'.")
 
     def skipping_scanned(self, scanned: Mapping[str, tuple[int, ...]]) -> "FSDP":
         """This strategy, told which param dims a ``scan`` steps over (never split those).
@@ -126,7 +127,7 @@ class FSDP(Strategy):
         """The dims of a param in the order this strategy tries to split them (``[2, 3, 0, 1]``
         for a (3, 3, 64, 128) conv kernel and ``split="input"``)."""
         largest = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
-        if self.split == "largest" or not shape:
+        if self.split in ("largest", "auto") or not shape:  # "auto" not yet resolved: the default's order
             return largest
         first = len(shape) - 1 if self.split == "output" else max(len(shape) - 2, 0)
         return [first] + [d for d in largest if d != first]

@@ -8,7 +8,8 @@ from parallax.step.batch import state_specs_of
 from parallax.step.build import Step, make_eval_step, make_train_step
 from parallax.step.options import StepOptions
 from parallax.step.per_example import PerExampleLoss, is_per_example_loss, per_example_loss
-from parallax.step.plan import StatePlan, init_state, plan_state
+from parallax.step.initialize import init_state
+from parallax.step.plan import StatePlan, plan_state
 from parallax.step.state import TrainState
 
 __all__ = [

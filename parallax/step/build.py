@@ -9,8 +9,8 @@ Two ways to compile, driven by the same spec tree and the same loss closure
   the compiler (GSPMD) inserts every collective. Always used for pure tensor parallelism.
 
 ``compile="auto"`` is exact for any loss: ``jit`` unless the loss is marked
-:func:`parallax.per_example_loss`, then whichever path measured faster for the strategy
-(see ``Step.mode``).
+:func:`parallax.per_example_loss`, then whichever path the cost model prices faster for
+this model, strategy and batch (see ``Step.mode``).
 
 The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
 so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
@@ -20,6 +20,7 @@ whole gradient, not one shard.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -27,10 +28,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax._units import parse_bytes
 from parallax.models import LossFn
+from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.step import metrics as metric_lib
+from parallax.step.choice import Choice, choose
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
 from parallax.step.jit import jit_gradients
 from parallax.step.options import StepOptions
@@ -38,52 +42,112 @@ from parallax.step.per_example import is_per_example_loss
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.state import TrainState
 
+log = logging.getLogger("parallax")
+
 
 class Step:
     """A step built once per state layout; ``__call__`` checks the batch, then runs it.
 
     Attributes:
         loss_fn: the user's loss.
-        strategy: the strategy the state was built with.
+        strategy: the strategy the state was built with (for ``"auto"``: ``None`` until the
+            first call reads it from the state's mesh).
         options: the :class:`StepOptions`.
         train: a train step (update) or an eval step (metric sums).
         replicated_batch: an eval step that takes a batch of any size, whole on every device.
+        choice: the cost model's pick of the compile path (``None`` while there is none).
+        auto_strategy: built with ``strategy="auto"``.
     """
 
-    def __init__(self, loss_fn: LossFn, strategy: Strategy, options: StepOptions, *, train: bool,
+    def __init__(self, loss_fn: LossFn, strategy: Strategy | str, options: StepOptions, *, train: bool,
                  replicated_batch: bool = False):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
-        if not isinstance(strategy, Strategy):
-            raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
+        check_strategy(strategy)
         self.loss_fn = loss_fn
-        self.strategy = strategy
+        # "auto": the state was built by init_state(strategy="auto"); its mesh says which strategy.
+        self.strategy: Strategy | None = None if strategy == AUTO else strategy
         self.options = options
         self.train = train
         self.replicated_batch = replicated_batch
         self._cache: dict = {}  # one jitted function per state layout
         self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
+        self.choice: Choice | None = None  # the cost model's pick of the compile path, once made
+        self.auto_strategy = strategy == AUTO
+
+    def modes(self) -> tuple[str, ...]:
+        """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
+        model picks between them at the first call (see :meth:`mode`)."""
+        if self.strategy is None:
+            raise ValueError("strategy='auto': the step learns its strategy from the state at the first call.")
+        if self.replicated_batch or not self.strategy.data_axes:
+            return ("jit",)
+        if self.options.batch_stats == "local":
+            return ("shard_map",)  # per-shard statistics only exist where shards are explicit
+        if self.options.compile != "auto":
+            return (self.options.compile,)
+        if not is_per_example_loss(self.loss_fn):
+            return ("jit",)  # per-shard losses averaged would change a batch-level loss
+        if not self.train:  # an eval step is not worth a second compile: the path measured faster in benchmarks/
+            return ("jit",) if self.strategy.fsdp_axes and not self.strategy.model_axes else ("shard_map",)
+        return ("jit", "shard_map")
 
     def mode(self) -> str:
-        """``"shard_map"`` or ``"jit"``: how this step compiles.
+        """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call
+        decides it).
 
-        ``"auto"`` is exact for any loss: it compiles with ``jit`` (the loss sees the
-        global batch) unless the loss is marked :func:`parallax.per_example_loss`. For a
-        marked loss it picks what measured fastest at equal per-device state in
-        ``benchmarks/`` (8 simulated devices): explicit ``shard_map`` for data parallelism
-        (the compiler's plan transposes gradients around the all-reduce) and for hybrids
-        with a tensor axis; ``jit`` for FSDP without a tensor axis (it keeps weights in
-        place and moves activations where that is cheaper) and for pure tensor parallelism.
+        ``compile="auto"`` is exact for any loss: it compiles with ``jit`` (the loss sees the
+        global batch) unless the loss is marked :func:`parallax.per_example_loss`. For a marked
+        loss both paths are exact, and the train step compiles both ahead of time at its first
+        call and keeps the faster by the cost model (:mod:`parallax.step.cost`: FLOPs, bytes
+        and collectives of each compiled program, priced with speeds measured on the devices),
+        among those whose peak memory fits ``memory_budget``. :attr:`choice` holds the
+        estimates; :meth:`describe` says what was picked and why.
         """
+        if self.choice is not None:
+            return self.choice.picked
+        if self.strategy is None:
+            return "auto"
+        modes = self.modes()
+        return modes[0] if len(modes) == 1 else "auto"
+
+    def describe(self) -> str:
+        """How this step compiles and why, in one line.
+
+        Example:
+            >>> px.make_train_step(loss_fn, px.FSDP()).describe()
+            'compile path jit: the loss sees the global batch (mark it px.per_example_loss to let the cost model choose)'
+        """
+        if self.choice is not None:
+            return self.choice.describe()
+        if self.strategy is None:
+            return "strategy auto: read from the state's mesh at the first call, then the compile path"
+        modes = self.modes()
+        if len(modes) > 1:
+            return "compile path auto: the cost model picks jit or shard_map at the first call"
         if self.replicated_batch or not self.strategy.data_axes:
-            return "jit"
-        if self.options.batch_stats == "local":
-            return "shard_map"  # per-shard statistics only exist where shards are explicit
-        if self.options.compile == "auto":
-            if not is_per_example_loss(self.loss_fn):
-                return "jit"  # per-shard losses averaged would change a batch-level loss
-            return "jit" if self.strategy.fsdp_axes and not self.strategy.model_axes else "shard_map"
-        return self.options.compile
+            why = "no data axis to split the batch over"
+        elif self.options.batch_stats == "local":
+            why = "batch_stats='local' needs explicit shards"
+        elif self.options.compile != "auto":
+            why = "compile= as given"
+        elif not is_per_example_loss(self.loss_fn):
+            why = "the loss sees the global batch (mark it px.per_example_loss to let the cost model choose)"
+        else:
+            why = "eval steps take the path measured faster in benchmarks/"
+        return f"compile path {modes[0]}: {why}"
+
+    def choose(self, state: TrainState, batch: Any) -> Choice:
+        """Compiles every path of :meth:`modes` for this state and batch (real or abstract
+        arrays; nothing runs) and prices each with the cost model."""
+        return self._choose(state, batch)[0]
+
+    def _choose(self, state: TrainState, batch: Any) -> tuple[Choice, dict]:
+        mesh, specs = state_specs_of(state)
+        functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
+        compiled = {mode: fn.lower(state, batch).compile() for mode, fn in functions.items()}
+        budget = None if self.options.memory_budget is None else parse_bytes(self.options.memory_budget)
+        return choose(compiled, list(mesh.devices.flat), budget), functions
 
     def __call__(self, state: TrainState, batch: Any):
         return self._jitted(state, batch)(state, batch)
@@ -102,6 +166,8 @@ class Step:
         if found is not None:
             return found
         mesh, specs = state_specs_of(state)
+        if self.auto_strategy:
+            self.strategy = from_mesh(mesh)
         self.strategy.check_mesh(mesh)
         check_batch_devices(batch, mesh)
         if self.replicated_batch:
@@ -110,15 +176,20 @@ class Step:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
-            self._cache[key] = self._build(mesh, specs)
+            if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
+                self.choice, functions = self._choose(state, batch)
+                log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
+                self._cache[key] = functions[self.choice.picked]
+            else:
+                self._cache[key] = self._function(self.mode(), mesh, specs)
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
 
-    def _build(self, mesh: Mesh, specs: TrainState):
+    def _function(self, mode: str, mesh: Mesh, specs: TrainState):
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
         replicated = NamedSharding(mesh, PartitionSpec())
         batch_sharding = replicated if self.replicated_batch else NamedSharding(mesh, self.strategy.batch_spec())
-        if self.mode() == "shard_map":
+        if mode == "shard_map":
             gradients = shard_map_gradients(self.loss_fn, self.strategy, self.options, mesh, specs, self.train)
         else:
             gradients = jit_gradients(self.loss_fn, self.strategy, self.options, mesh, self.train)
@@ -154,14 +225,16 @@ class Step:
         return jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated)
 
 
-def make_train_step(loss_fn: LossFn, strategy: Strategy, options: StepOptions | None = None, **overrides: Any) -> Step:
+def make_train_step(loss_fn: LossFn, strategy: Strategy | str, options: StepOptions | None = None, **overrides: Any) -> Step:
     """A jitted ``step(state, batch) -> (state, metrics)`` for any strategy.
 
     Args:
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss or ``(loss, metrics)``;
             ``model`` is the bound flax module (call it, or any of its methods). A metric
             may be a scalar mean, per-example values, or a ``(sum, count)`` pair.
-        strategy: the parallelism strategy the state was built with.
+        strategy: the parallelism strategy the state was built with, or ``"auto"`` for a
+            state built by ``init_state(strategy="auto")`` (the step reads it from the
+            state's mesh).
         options: a :class:`StepOptions` (its defaults otherwise).
         **overrides: any :class:`StepOptions` field by name (``compile``, ``grad_accum``,
             ``batch_stats``, ``rng_streams``, ``precision``, ``remat``, ``donate``,
@@ -180,7 +253,7 @@ def make_train_step(loss_fn: LossFn, strategy: Strategy, options: StepOptions | 
     return Step(loss_fn, strategy, StepOptions.create(options, **overrides), train=True)
 
 
-def make_eval_step(loss_fn: LossFn, strategy: Strategy, options: StepOptions | None = None, *,
+def make_eval_step(loss_fn: LossFn, strategy: Strategy | str, options: StepOptions | None = None, *,
                    replicated_batch: bool = False, **overrides: Any) -> Step:
     """A jitted ``eval(state, batch) -> {name: (sum, count)}`` without an update.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from parallax._units import parse_bytes
 from parallax.step.precision import Precision
 from parallax.step.precision import resolve as resolve_precision
 
@@ -35,6 +36,9 @@ class StepOptions:
         donate: donate the state's buffers to the train step.
         skip_nonfinite: if the loss or any gradient is NaN/Inf, keep the old params,
             optimizer and model state (the step still counts); metrics gain ``skipped``.
+        memory_budget: bytes per device (``"16GB"`` or an int) a compiled step may peak
+            at when the cost model picks among candidates (``compile="auto"``); the
+            device's own memory where the backend reports it, by default.
 
     Example:
         >>> StepOptions(grad_accum=2, precision="bf16").grad_accum
@@ -53,6 +57,7 @@ class StepOptions:
     remat: tuple = ()
     donate: bool = True
     skip_nonfinite: bool = False
+    memory_budget: int | str | None = None
 
     def __post_init__(self):
         for name in ("rng_streams", "remat"):
@@ -76,6 +81,8 @@ class StepOptions:
             if not isinstance(stream, str):
                 raise ValueError(f"rng_streams takes rng names such as 'dropout', got {stream!r}.")
         resolve_precision(self.precision)  # raises for an unknown policy
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # raises for a budget it cannot read
 
     @property
     def policy(self) -> Precision:

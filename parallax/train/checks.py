@@ -13,6 +13,7 @@ from parallax.models import LossFn, ModelAdapter, ModelRun
 from parallax.step.plan import StatePlan
 from parallax.step.state import TrainState, model_rngs
 from parallax.step.summary import summarize
+from parallax.train.data import as_data
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -72,3 +73,23 @@ def check_plan(plan: StatePlan, summary: bool, fail_if_replicated_over: int | No
         report = summarize(plan, fail_if_replicated_over=fail_if_replicated_over)
         if summary:
             report.print()
+
+
+def check_eval_data(adapter: Any, abstract: Any, eval_data: Any, eval_loss_fn: Any, cfg: Any) -> None:
+    """Runs ``eval_loss_fn`` on the first eval batch abstractly (shapes only) before step 1."""
+    source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0, drop_remainder=False)
+    batch = next(iter(source.epoch()), None)
+    if batch is None:
+        raise ValueError("eval_data yields no batches; pass at least one example, or no eval_data.")
+    check_eval_batch(adapter, abstract, batch, eval_loss_fn, cfg.step.rng_streams)
+
+
+def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, mesh: Any, grad_accum: int) -> None:
+    """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
+    rows = int(np.shape(jax.tree.leaves(batch)[0])[0]) * jax.process_count()
+    if rows != batch_size:
+        try:
+            strategy.check_batch_size(rows, mesh, multiple=grad_accum)
+        except ValueError as err:
+            raise ValueError(f"The batch for step {step} has {rows} examples (the first had {batch_size}). "
+                             f"{err} Drop or pad the last batch of the data.") from None

@@ -17,19 +17,21 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax.models import LossFn, adapter_for
+from parallax.sharding.auto import AUTO, check_strategy, is_auto
 from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
 from parallax.step import metrics as metric_lib
 from parallax.step.build import make_eval_step, make_train_step
 from parallax.step.plan import StatePlan, plan_state
+from parallax.step.search import Resolved, resolve
 from parallax.step.state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, CheckpointError
-from parallax.train.checks import check_eval_batch, check_loss_fn, check_optimizer, check_plan
+from parallax.train.checks import check_eval_data, check_later_batch, check_loss_fn, check_optimizer, check_plan
 from parallax.train.config import FitResult, History, TrainerConfig
 from parallax.train.data import as_data, check_batch_leaves, to_global
 from parallax.train.guard import NonFiniteGuard
@@ -49,7 +51,10 @@ class Trainer:
             ``result.state.module()`` gives the trained module).
         optimizer: an optax transformation, or an ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, metrics)``.
-        strategy: the parallelism strategy (``DataParallel()`` by default).
+        strategy: the parallelism strategy (``DataParallel()`` by default), or ``"auto"``: at
+            the first batch every DP/FSDP/TP mesh of the devices is compiled and priced by
+            the cost model, and the fastest that fits is used (``trainer.search`` says what
+            was chosen and why; printed with ``progress``). ``FSDP(split="auto")`` likewise.
         config: an ``ml_collections.ConfigDict`` (or dict) of :class:`TrainerConfig` options.
         eval_loss_fn: the loss for evaluation (e.g. calling the model with
             ``train=False``); ``loss_fn`` by default.
@@ -66,7 +71,7 @@ class Trainer:
     """
 
     def __init__(self, model: Any, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
-                 strategy: Strategy | None = None, config: Any = None, eval_loss_fn: LossFn | None = None,
+                 strategy: Strategy | str | None = None, config: Any = None, eval_loss_fn: LossFn | None = None,
                  callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
         self.config = cfg = TrainerConfig.create(config, **options)
         self.adapter = adapter_for(model)
@@ -77,19 +82,14 @@ class Trainer:
             check_loss_fn(eval_loss_fn, "eval_loss_fn")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.eval_loss_fn = eval_loss_fn or loss_fn
-        self.strategy = strategy if strategy is not None else DataParallel()
-        if not isinstance(self.strategy, Strategy):
-            raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {self.strategy!r}.")
-        self.mesh = self.strategy.make_mesh(devices)
+        strategy = strategy if strategy is not None else DataParallel()
+        check_strategy(strategy)
+        self.devices = devices
+        self.search: Resolved | None = None  # what strategy="auto" or FSDP(split="auto") chose, once a batch is seen
+        self._use(strategy, None if strategy == AUTO else strategy.make_mesh(devices))
         self.callbacks = list(callbacks)
         if cfg.progress:
             self.callbacks.append(ProgressBar(every=cfg.log_every))
-        self.train_step = make_train_step(loss_fn, self.strategy, cfg.step)
-        self.eval_step = make_eval_step(self.eval_loss_fn, self.strategy, cfg.step)
-        self.eval_step_any_size = make_eval_step(self.eval_loss_fn, self.strategy, cfg.step, compile="auto",
-                                                 replicated_batch=True)
-        self.batch_sharding = NamedSharding(self.mesh, self.strategy.batch_spec())
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.checkpointer = (Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
                                           async_save=cfg.async_checkpoints) if cfg.checkpoint_dir else None)
         self.guard = NonFiniteGuard(cfg.on_nonfinite, self.checkpointer)
@@ -107,8 +107,24 @@ class Trainer:
         self._live_step: int | None = None  # the step self.state is after, while fit runs
         self.layout_change: dict | None = None  # what an elastic resume changed (logged, and saved in metadata)
 
+    def _use(self, strategy: Strategy | str, mesh: Mesh | None) -> None:
+        """Trains with ``strategy`` on ``mesh`` (``None`` for ``"auto"`` until a batch is seen): the steps for them."""
+        self.strategy, self.mesh, options = strategy, mesh, self.config.step
+        self.train_step = make_train_step(self.loss_fn, strategy, options)
+        self.eval_step = make_eval_step(self.eval_loss_fn, strategy, options)
+        self.eval_step_any_size = make_eval_step(self.eval_loss_fn, strategy, options, compile="auto", replicated_batch=True)
+        self.batch_sharding = NamedSharding(mesh, strategy.batch_spec()) if mesh is not None else None
+        self.replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+
     # --- state ---------------------------------------------------------------------------
     def _plan(self, example_batch: Any) -> StatePlan:
+        if self.plan is None and is_auto(self.strategy):
+            self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
+                                  devices=self.devices, mesh=self.mesh, options=self.config.step,
+                                  rng=self.config.seed, rng_streams=self.config.step.rng_streams)
+            self._use(self.search.strategy, self.search.mesh)
+            if self.config.progress:
+                print(f"strategy: {self.search.describe()}")
         if self.plan is None:
             self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
                                    rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
@@ -167,7 +183,7 @@ class Trainer:
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else self._epoch_steps(source)
         check_plan(self._plan(first), cfg.progress if cfg.summary is None else cfg.summary, cfg.fail_if_replicated_over)
         if eval_data is not None:
-            self._check_eval_data(eval_data, first)
+            check_eval_data(self.adapter, self.plan.abstract, eval_data, self.eval_loss_fn, cfg)
         if self.checkpointer is not None:
             self.checkpointer.check_writable(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.plan.abstract_arrays())))
         self.batch_size = int(getattr(source, "batch_size", None) or
@@ -239,16 +255,6 @@ class Trainer:
             self.train_step = make_train_step(self.loss_fn, self.strategy, self.config.step)
         self.strategy.check_batch_size(self.batch_size, self.mesh, multiple=self.config.step.grad_accum)
 
-    def _check_batch(self, batch: Any, step: int) -> None:
-        """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
-        rows = int(np.shape(jax.tree.leaves(batch)[0])[0]) * jax.process_count()
-        if rows != self.batch_size:
-            try:
-                self.strategy.check_batch_size(rows, self.mesh, multiple=self.config.step.grad_accum)
-            except ValueError as err:
-                raise ValueError(f"The batch for step {step} has {rows} examples (the first had {self.batch_size}). "
-                                 f"{err} Drop or pad the last batch of the data.") from None
-
     def _loop(self, source) -> str:
         for callback in self.callbacks:
             if hasattr(callback, "on_fit_start"):
@@ -262,7 +268,7 @@ class Trainer:
                 reason = "data exhausted"
                 break
             epoch = (step + self.data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
-            self._check_batch(batch, step + 1)
+            check_later_batch(batch, step + 1, self.batch_size, self.strategy, self.mesh, self.config.step.grad_accum)
             self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
             step = self._live_step = step + 1
             if pending:
@@ -321,17 +327,6 @@ class Trainer:
         pending.clear()
 
     # --- evaluation -----------------------------------------------------------------------
-    def _check_eval_data(self, eval_data: Any, example_batch: Any) -> None:
-        """Runs ``eval_loss_fn`` on the first eval batch abstractly (shapes only) before step 1."""
-        cfg = self.config
-        source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0,
-                         drop_remainder=False)
-        batch = next(iter(source.epoch()), None)
-        if batch is None:
-            raise ValueError("eval_data yields no batches; pass at least one example, or no eval_data.")
-        check_eval_batch(self.adapter, self._plan(example_batch).abstract, batch, self.eval_loss_fn,
-                         cfg.step.rng_streams)
-
     def evaluate(self, eval_data: Any, state: TrainState | None = None) -> dict[str, float]:
         """Exact metric means over a whole eval set, the last partial batch included.
 

@@ -1,0 +1,82 @@
+"""``strategy="auto"``: the candidate strategies for a device count, and the strategy a mesh implies.
+
+The search itself (compile each candidate, price it, keep the fastest that fits) is
+:mod:`parallax.step.search`; this module only says what the candidates are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from jax.sharding import Mesh
+
+from parallax.sharding.parts import FSDP, FSDP_SPLITS, DataParallel, TensorParallel
+from parallax.sharding.strategy import Strategy, combine
+
+AUTO = "auto"
+
+
+def is_auto(strategy: object) -> bool:
+    """Whether ``strategy`` leaves a choice to the cost model: ``"auto"``, or an FSDP part with ``split="auto"``."""
+    if isinstance(strategy, str):
+        return strategy == AUTO
+    return isinstance(strategy, Strategy) and any(isinstance(p, FSDP) and p.split == AUTO for p in strategy.parts)
+
+
+def check_strategy(strategy: object) -> None:
+    """A clear error for anything that is neither a parallax strategy nor ``"auto"``."""
+    if isinstance(strategy, Strategy) or strategy == AUTO:
+        return
+    raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()) or 'auto', got {strategy!r}.")
+
+
+def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: FSDP = FSDP(),
+               tensor: TensorParallel = TensorParallel()) -> list[Strategy]:
+    """Every DP × FSDP × TP mesh whose sizes multiply to ``device_count`` (an axis of size 1 is
+    left out): DP, FSDP, TP, DP×FSDP, DP×TP, FSDP×TP and DP×FSDP×TP. Each part is its template
+    (``data``, ``fsdp``, ``tensor``: their other settings, e.g. FSDP's ``min_weight_size``)
+    with the size of that mesh.
+
+    Example:
+        >>> [s.describe() for s in candidates(4)]  # doctest: +NORMALIZE_WHITESPACE
+        ['DataParallel(data=4)', 'FSDP(fsdp=4)', 'TensorParallel(tensor=4)', 'DataParallel(data=2) × FSDP(fsdp=2)',
+         'DataParallel(data=2) × TensorParallel(tensor=2)', 'FSDP(fsdp=2) × TensorParallel(tensor=2)']
+    """
+    if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 1:
+        raise ValueError(f"device_count={device_count!r}; give an int >= 1.")
+    divisors = [d for d in range(1, device_count + 1) if device_count % d == 0]
+    shapes = [(d, f, device_count // (d * f)) for d, f in itertools.product(divisors, divisors)
+              if device_count % (d * f) == 0]
+    if device_count == 1:
+        return [dataclasses.replace(data, size=1)]
+    found = []
+    for shape in sorted(shapes, key=lambda s: (sum(x > 1 for x in s), [-x for x in s])):
+        parts = [dataclasses.replace(template, size=size) for size, template in zip(shape, (data, fsdp, tensor))
+                 if size > 1]
+        found.append(parts[0] if len(parts) == 1 else combine(*parts))
+    return found
+
+
+def split_candidates(strategy: Strategy) -> list[Strategy]:
+    """``strategy`` with each FSDP part's ``split="auto"`` replaced by each concrete split."""
+    concrete = [s for s in FSDP_SPLITS if s != AUTO]
+    parts = strategy.parts
+    if not any(isinstance(p, FSDP) and p.split == AUTO for p in parts):
+        return [strategy]
+    out = []
+    for split in concrete:
+        chosen = [dataclasses.replace(p, split=split) if isinstance(p, FSDP) and p.split == AUTO else p for p in parts]
+        out.append(chosen[0] if len(chosen) == 1 else combine(*chosen))
+    return out
+
+
+def from_mesh(mesh: Mesh) -> Strategy:
+    """The strategy a mesh built by ``strategy="auto"`` stands for (axes ``data``, ``fsdp``, ``tensor``)."""
+    kinds = {"data": DataParallel, "fsdp": FSDP, "tensor": TensorParallel}
+    unknown = [name for name in mesh.axis_names if name not in kinds]
+    if unknown:
+        raise ValueError(f"strategy='auto' reads the strategy from the state's mesh, but its axes {list(mesh.axis_names)} "
+                         f"include {unknown}; pass the strategy the state was built with.")
+    parts = [kinds[name](int(mesh.shape[name])) for name in mesh.axis_names]
+    return parts[0] if len(parts) == 1 else combine(*parts)

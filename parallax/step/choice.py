@@ -1,0 +1,90 @@
+"""Picking the fastest of compiled candidates by the cost model, within a memory budget.
+
+The candidates are the same work compiled different ways: the compile paths of a step, the
+FSDP split of each weight, the mesh shapes of ``strategy="auto"``. Each is compiled ahead of
+time (nothing runs), priced by :func:`parallax.step.cost.estimate`, and those whose peak
+bytes per device exceed the budget are dropped before the fastest is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+
+from parallax._units import format_bytes
+from parallax.step.cost import Estimate, calibrate, estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What the cost model picked, and why.
+
+    Attributes:
+        picked: the label of the candidate taken.
+        estimates: every candidate's :class:`Estimate`, by label, fastest first.
+        budget: the memory budget in bytes per device (``None``: no limit known).
+        over_budget: the labels dropped because their peak exceeds the budget.
+        what: what was chosen (``"compile path"``, ``"FSDP split"``, ``"strategy"``).
+    """
+
+    picked: str
+    estimates: dict[str, Estimate]
+    budget: int | None = None
+    over_budget: tuple[str, ...] = ()
+    what: str = "compile path"
+
+    @property
+    def runner_up(self) -> str | None:
+        """The fastest candidate after the pick that fits, if any."""
+        rest = [label for label in self.estimates if label != self.picked and label not in self.over_budget]
+        return rest[0] if rest else None
+
+    def describe(self) -> str:
+        """One line: the pick, its estimate and the runner-up's.
+
+        Example:
+            >>> print(step.choice.describe())  # doctest: +SKIP
+            compile path jit: est. 61.2 ms (...); runner-up shard_map: est. 190.4 ms (...)
+        """
+        text = f"{self.what} {self.picked}: est. {self.estimates[self.picked].describe()}"
+        if self.runner_up is not None:
+            text += f"; runner-up {self.runner_up}: est. {self.estimates[self.runner_up].describe()}"
+        if self.over_budget:
+            text += f"; over the {format_bytes(self.budget or 0)} budget: {', '.join(self.over_budget)}"
+        return text
+
+
+def device_budget(devices: Sequence[jax.Device]) -> int | None:
+    """The memory one device can hold (``bytes_limit``), where the backend reports it (GPU, TPU)."""
+    try:
+        stats = devices[0].memory_stats() or {}
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def choose(compiled: Mapping[str, Any], devices: Sequence[jax.Device], budget: int | None = None, *,
+           what: str = "compile path") -> Choice:
+    """The fastest of ``compiled`` (label -> ``jax.stages.Compiled``) on ``devices`` that fits ``budget``.
+
+    ``budget`` defaults to the device's own memory where known. When none fits, the one with
+    the smallest peak is taken (and the choice says every candidate was over).
+    """
+    speeds = calibrate(devices)
+    budget = budget if budget is not None else device_budget(devices)
+    estimates = {label: estimate(program, speeds) for label, program in compiled.items()}
+    return rank(estimates, budget, what=what)
+
+
+def rank(estimates: Mapping[str, Estimate], budget: int | None, *, what: str) -> Choice:
+    """A :class:`Choice` over already priced candidates."""
+    if not estimates:
+        raise ValueError(f"No candidate {what} to choose from.")
+    ordered = dict(sorted(estimates.items(), key=lambda item: item[1].seconds))
+    over = tuple(label for label, est in ordered.items() if budget is not None and est.peak > budget)
+    fitting = [label for label in ordered if label not in over]
+    picked = fitting[0] if fitting else min(ordered, key=lambda label: ordered[label].peak)
+    return Choice(picked, ordered, budget, over, what)

@@ -1,0 +1,295 @@
+"""A step-time model for compiled programs, from speeds measured on the devices themselves.
+
+``estimate(compiled, speeds)`` prices one compiled step (per device) as
+
+    flops × s/FLOP + bytes accessed × s/byte + transposed bytes × s/byte
+    + Σ over collective kinds (count × latency + bytes × s/byte)
+
+with FLOPs and bytes accessed from XLA's ``cost_analysis()`` and collective bytes by kind
+from the HLO (:func:`parallax.inspect.collective_bytes`, the same count the benchmarks and
+``px.plan`` report). The speeds come from :func:`calibrate`: a matmul, a memory-bound
+elementwise op and each collective kind at two sizes, run on the given devices all at once
+(so simulated devices that share cores are measured as they run), fitted to the same terms.
+A calibration takes a second or two and is cached per machine, device kind, device count
+and JAX version in ``$PARALLAX_CACHE_DIR`` (``~/.cache/parallax`` by default).
+
+The model ranks candidates of the *same* work (compile paths, FSDP splits, mesh shapes); it
+is not a profiler. ``benchmarks/cost_model.py`` measures it against real step times.
+
+Example:
+    >>> speeds = calibrate(jax.devices()[:8])
+    >>> compiled = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((256, 256))).compile()
+    >>> 0 < estimate(compiled, speeds).seconds < 1
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import tempfile
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from parallax import inspect
+from parallax._compat import shard_map
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_VERSION = 3  # of the cached calibration's fields
+_ITEM_BYTES = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+               "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_MOVE = re.compile(r"= (\w+)\[([\d,]*)\]\{([\d,]*)[^}]*\} (copy|transpose)\(")
+
+
+def layout_bytes(hlo_text: str) -> int:
+    """Bytes of the physical transposes in a compiled program (inside fusions too): a ``copy``
+    into another layout, or a ``transpose`` whose result has the default (row-major) layout.
+
+    ``cost_analysis`` counts a fusion's bytes at its boundary, so a transpose fused into an
+    elementwise op costs nothing there; on real memory it is a strided pass over the array.
+    A ``transpose`` into a non-default layout is a relabelling (a bitcast) and is not counted.
+    """
+    total = 0
+    for dtype, dims, layout, op in _MOVE.findall(hlo_text):
+        shape = [int(d) for d in dims.split(",") if d]
+        if len(shape) < 2 or dtype not in _ITEM_BYTES:
+            continue
+        default = ",".join(str(d) for d in reversed(range(len(shape))))
+        if op == "copy" or layout == default:
+            total += math.prod(shape) * _ITEM_BYTES[dtype]
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpeeds:
+    """What one device achieves while every device of its group runs.
+
+    Attributes:
+        key: what the calibration is for (machine, device kind and count, JAX version).
+        seconds_per_flop: of a float32 matmul.
+        seconds_per_byte: of memory traffic (an elementwise op).
+        seconds_per_layout_byte: of a physical transpose (:func:`layout_bytes`).
+        collectives: kind -> ``(seconds per op, seconds per byte)``, bytes as
+            :func:`parallax.inspect.collective_bytes` counts them.
+        overhead: seconds of launching one program.
+        calibration_seconds: what measuring took (0 when read from the cache).
+    """
+
+    key: str
+    seconds_per_flop: float
+    seconds_per_byte: float
+    seconds_per_layout_byte: float
+    collectives: dict[str, tuple[float, float]]
+    overhead: float = 0.0
+    calibration_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The predicted time of one step, per device, and what it is made of.
+
+    Attributes:
+        seconds: the predicted step time.
+        compute: seconds of FLOPs.
+        memory: seconds of bytes accessed and of physical transposes.
+        collectives: seconds of collectives.
+        flops: FLOPs per device (``cost_analysis``).
+        bytes_accessed: bytes per device (``cost_analysis``).
+        transposed: bytes of physical transposes per device (:func:`layout_bytes`).
+        moved: collective bytes per device, all kinds.
+        peak: arguments + outputs - donated + temporaries (``memory_analysis``).
+    """
+
+    seconds: float
+    compute: float
+    memory: float
+    collectives: float
+    flops: float
+    bytes_accessed: float
+    transposed: int
+    moved: int
+    peak: int
+
+    def describe(self) -> str:
+        return (f"{1e3 * self.seconds:.1f} ms (compute {1e3 * self.compute:.1f}, memory {1e3 * self.memory:.1f}, "
+                f"collectives {1e3 * self.collectives:.1f} for {self.moved / 2**20:.1f} MiB; "
+                f"peak {self.peak / 2**20:.1f} MiB)")
+
+
+def _costs(compiled: Any) -> tuple[float, float]:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else {}
+    analysis = analysis or {}
+    return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+
+
+def peak_bytes(compiled: Any) -> int:
+    """Arguments + outputs - donated + temporaries of a compiled program, per device."""
+    memory = inspect.memory_bytes(compiled)
+    return memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+
+
+def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
+    """The predicted step time of ``compiled`` (a ``jax.stages.Compiled``) on ``speeds``' devices."""
+    flops, accessed = _costs(compiled)
+    text = compiled.as_text()
+    transposed = layout_bytes(text)
+    traffic = inspect.collective_bytes(text)
+    collective_s = 0.0
+    for kind, stat in traffic.items():
+        latency, per_byte = speeds.collectives.get(kind, speeds.collectives["all-reduce"])
+        collective_s += stat.count * latency + stat.bytes * per_byte
+    compute = flops * speeds.seconds_per_flop
+    memory = accessed * speeds.seconds_per_byte + transposed * speeds.seconds_per_layout_byte
+    return Estimate(seconds=speeds.overhead + compute + memory + collective_s, compute=compute, memory=memory,
+                    collectives=collective_s, flops=flops, bytes_accessed=accessed, transposed=transposed,
+                    moved=sum(stat.bytes for stat in traffic.values()), peak=peak_bytes(compiled))
+
+
+# --- calibration -------------------------------------------------------------------------
+def _key(devices: Sequence[jax.Device]) -> str:
+    first = devices[0]
+    return "|".join([platform.node(), first.platform, getattr(first, "device_kind", "?"), str(len(devices)),
+                     f"jax {jax.__version__}", f"v{_VERSION}"])
+
+
+def _cache_path() -> pathlib.Path:
+    root = os.environ.get("PARALLAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "parallax")
+    return pathlib.Path(root) / "device_speeds.json"
+
+
+def _read_cache(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or one a crash left half-written: measure again
+
+
+def _write_cache(path: pathlib.Path, key: str, speeds: DeviceSpeeds) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cached = _read_cache(path)
+        cached[key] = {"seconds_per_flop": speeds.seconds_per_flop, "seconds_per_byte": speeds.seconds_per_byte,
+                       "seconds_per_layout_byte": speeds.seconds_per_layout_byte,
+                       "overhead": speeds.overhead,
+                       "collectives": {k: list(v) for k, v in speeds.collectives.items()},
+                       "calibration_seconds": speeds.calibration_seconds}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(cached, f, indent=1)
+        os.replace(f.name, path)  # atomic: parallel processes never read half a file
+    except OSError:
+        pass  # a read-only home: the speeds are still used, only not kept
+
+
+def _timed(fn: Any, *args: Any, repeats: int = 5) -> tuple[float, Any]:
+    """Median wall time of ``fn(*args)`` after one warm-up call, and the compiled program."""
+    compiled = fn.lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), compiled
+
+
+def _two_point(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """``(fixed seconds, seconds per unit)`` of the line through two (units, seconds) points."""
+    (u0, t0), (u1, t1) = small, large
+    per_unit = max((t1 - t0) / max(u1 - u0, 1.0), t1 / max(u1, 1.0) * 0.05, 1e-15)
+    return max(t0 - u0 * per_unit, 0.0), per_unit
+
+
+def _nonnegative_fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (few unknowns: every subset of them is tried)."""
+    weights = 1.0 / seconds  # relative errors: a 2 ms program counts as much as a 200 ms one
+    best, best_error = np.zeros(features.shape[1]), float(len(seconds))
+    for mask in range(1, 2 ** features.shape[1]):
+        columns = [i for i in range(features.shape[1]) if mask >> i & 1]
+        solution = np.linalg.lstsq(features[:, columns] * weights[:, None], seconds * weights, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        coefficients = np.zeros(features.shape[1])
+        coefficients[columns] = solution
+        error = float(np.sum(((features @ coefficients - seconds) * weights) ** 2))
+        if error < best_error:
+            best, best_error = coefficients, error
+    return best
+
+
+def _measure(devices: Sequence[jax.Device]) -> DeviceSpeeds:
+    start = time.perf_counter()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    rows = NamedSharding(mesh, PartitionSpec("d"))
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    # Compute and memory: matmuls, elementwise ops and a transpose of a few sizes on every
+    # device at once, fitted to flops x a + bytes x b + c.
+    programs = []
+    for size in (2**18, 2**21):
+        programs.append((jax.jit(lambda v: v * 1.5 + 0.5), (jnp.ones((n * size,), jnp.float32),), (rows,)))
+    for m, k in ((128, 512), (512, 1024)):
+        programs.append((jax.jit(lambda a, b: a @ b), (jnp.ones((n * m, k), jnp.float32), jnp.ones((k, k), jnp.float32)),
+                         (rows, whole)))
+    for m in (256, 1024):
+        programs.append((jax.jit(lambda a, m=m: jnp.swapaxes(a.reshape(n, m, 512), 1, 2) + 1.0),
+                         (jnp.ones((n * m, 512), jnp.float32),), (rows,)))
+    features, seconds = [], []
+    for fn, values, shardings in programs:
+        placed = [jax.device_put(v, s) for v, s in zip(values, shardings)]
+        elapsed, compiled = _timed(fn, *placed)
+        features.append([*_costs(compiled), layout_bytes(compiled.as_text()), 1.0])
+        seconds.append(elapsed)
+    seconds_per_flop, seconds_per_byte, per_layout_byte, overhead = _nonnegative_fit(np.array(features),
+                                                                                      np.array(seconds))
+
+    collectives = {}
+    ops = {
+        "all-gather": lambda x: jax.lax.all_gather(x, "d", tiled=True),
+        "all-reduce": lambda x: jax.lax.psum(x, "d"),
+        "reduce-scatter": lambda x: jax.lax.psum_scatter(x, "d", tiled=True),
+        "all-to-all": lambda x: jax.lax.all_to_all(x, "d", 0, 0, tiled=True),
+        "collective-permute": lambda x: jax.lax.ppermute(x, "d", [(i, (i + 1) % n) for i in range(n)]),
+    }
+    for kind, op in ops.items():
+        points = []
+        for elements in (256, 2**17):  # per device: 1 KiB and 512 KiB
+            mapped = jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"),
+                                       manual_axes={"d"}))
+            data = jax.device_put(jnp.ones((n * elements,), jnp.float32), rows)
+            seconds, compiled = _timed(mapped, data)
+            moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
+            points.append((float(moved), seconds))
+        collectives[kind] = _two_point(*points)
+    return DeviceSpeeds(_key(devices), float(seconds_per_flop), float(seconds_per_byte), float(per_layout_byte),
+                        collectives,
+                        overhead=float(overhead), calibration_seconds=time.perf_counter() - start)
+
+
+def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = False) -> DeviceSpeeds:
+    """The speeds of ``devices`` (all of this process's by default) running together.
+
+    Read from the per-machine cache when it has them; otherwise measured (a second or two)
+    and cached. ``refresh=True`` measures again.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    key, path = _key(devices), _cache_path()
+    found = None if refresh else _read_cache(path).get(key)
+    if found:
+        return DeviceSpeeds(key, found["seconds_per_flop"], found["seconds_per_byte"], found["seconds_per_layout_byte"],
+                            {k: tuple(v) for k, v in found["collectives"].items()}, found["overhead"])
+    speeds = _measure(devices)
+    _write_cache(path, key, speeds)
+    return speeds

@@ -1,0 +1,75 @@
+"""``init_state``: the sharded train state, built from shapes, for a strategy or ``"auto"``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from parallax.models import LossFn
+from parallax.sharding.auto import check_strategy
+from parallax.sharding.strategy import Strategy
+from parallax.step.options import StepOptions
+from parallax.step.plan import plan_state
+from parallax.step.search import resolve
+from parallax.step.state import TrainState
+
+
+def init_state(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    example_batch: Any,
+    *,
+    strategy: Strategy | str,
+    rng: Any = 0,
+    loss_fn: LossFn | None = None,
+    mesh: Mesh | None = None,
+    rng_streams: Sequence[str] = ("dropout",),
+    devices: Sequence[jax.Device] | None = None,
+    options: StepOptions | None = None,
+) -> TrainState:
+    """Builds the sharded train state from shapes (``eval_shape`` → specs → ``jit``).
+
+    Each device computes only its own shard of every param and moment; no param is
+    ever whole on one device under FSDP.
+
+    Args:
+        model: an unmodified flax linen module; an NNX module (its values are kept, e.g.
+            pretrained weights); or a function that builds an NNX module (planned from shapes:
+            each device builds only its shards).
+        optimizer: an optax transformation, or an ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
+            (its ``tx``, and its state once it has taken steps).
+        example_batch: a batch as the loss function receives it (any batch size; only
+            shapes and dtypes matter beyond the feature dims).
+        strategy: the parallelism strategy, or ``"auto"``: every DP/FSDP/TP mesh of the
+            devices is planned and its train step compiled (nothing runs), and the fastest
+            by the cost model that fits the memory budget is built; one log line says what was
+            chosen and why (:func:`parallax.step.search.resolve`). ``FSDP(split="auto")``
+            picks each weight's split dim the same way. Both need ``loss_fn``.
+        rng: a seed or a PRNG key.
+        loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
+            which calls the model exactly as training will. Otherwise the model is
+            called on ``example_batch`` (unpacked if it is a tuple).
+        mesh: the device mesh; ``strategy.make_mesh()`` by default.
+        rng_streams: rng names the model draws from besides ``"params"``.
+        devices: the devices ``strategy="auto"`` searches meshes over (all by default).
+        options: the :class:`parallax.StepOptions` the train step will use: the candidates
+            of an ``"auto"`` search are compiled and priced with them (``memory_budget``,
+            ``grad_accum``, ``precision``...).
+
+    Returns:
+        A :class:`TrainState` whose arrays carry ``NamedSharding`` s on ``mesh``.
+
+    Example:
+        >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0),
+        ...                       rng=0, loss_fn=loss_fn)
+        >>> tuple(state.params["Dense_1"]["kernel"].sharding.spec), int(state.step)
+        (('fsdp',), 0)
+    """
+    check_strategy(strategy)
+    found = resolve(model, optimizer, example_batch, strategy, loss_fn=loss_fn, devices=devices, mesh=mesh,
+                    options=options, rng=rng, rng_streams=rng_streams)
+    return plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
+                      mesh=found.mesh, rng_streams=rng_streams).build()

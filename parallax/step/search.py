@@ -1,0 +1,144 @@
+"""``strategy="auto"`` and ``FSDP(split="auto")``: compile each candidate, price it, keep the fastest that fits.
+
+Each candidate's state is planned from shapes (nothing is allocated) and its train step is
+compiled ahead of time on abstract arrays placed on the candidate's mesh, then priced by the
+cost model (:mod:`parallax.step.cost`). Candidates whose state alone exceeds the memory
+budget are dropped before anything compiles; those whose compiled peak exceeds it after.
+A candidate that does not apply (the batch does not divide, a tensor layout cannot be
+derived) is skipped with its reason.
+
+Example:
+    >>> found = resolve(model, optax.adam(1e-3), batch, "auto", loss_fn=loss_fn, devices=jax.devices()[:4])
+    >>> found.choice.picked.startswith(found.strategy.describe(found.mesh))
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from parallax._units import format_bytes, parse_bytes
+from parallax.models import LossFn
+from parallax.sharding.auto import AUTO, candidates, is_auto, split_candidates
+from parallax.sharding.parts import FSDP
+from parallax.sharding.strategy import Strategy
+from parallax.step.build import Step
+from parallax.step.choice import Choice, device_budget, rank
+from parallax.step.options import StepOptions
+from parallax.step.plan import plan_state
+from parallax.step.summary import summarize
+
+log = logging.getLogger("parallax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A concrete strategy and mesh for an ``"auto"`` request, and how it was found.
+
+    Attributes:
+        strategy: the strategy to build with (no ``"auto"`` left in it).
+        mesh: its mesh.
+        choice: the cost model's :class:`~parallax.step.choice.Choice` (``None`` when nothing
+            was searched).
+        skipped: candidates that do not apply, with the reason.
+        seconds: what the search took (planning and compiling every candidate).
+    """
+
+    strategy: Strategy
+    mesh: Mesh
+    choice: Choice | None = None
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        """One line: what was chosen, its estimate, the runner-up, and what the search cost."""
+        if self.choice is None:
+            return f"{self.strategy.describe(self.mesh)} (as given)"
+        text = (f"{self.choice.describe()}; {len(self.choice.estimates)} candidates compiled in "
+                f"{self.seconds:.1f} s")
+        return text + (f", {len(self.skipped)} skipped" if self.skipped else "")
+
+
+def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
+    """The batch's shapes and dtypes, placed like a real batch (no data needed)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
+                                                       sharding=sharding), example_batch)
+
+
+def _label(strategy: Strategy, mesh: Mesh, searching_splits: bool) -> str:
+    if searching_splits:
+        return ", ".join(f"split={p.split}" for p in strategy.parts if isinstance(p, FSDP))
+    return strategy.describe(mesh)
+
+
+def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
+            devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
+            options: StepOptions | None = None, rng: Any = 0, rng_streams: Sequence[str] = ("dropout",),
+            among: Sequence[Strategy] | None = None) -> Resolved:
+    """The concrete strategy for ``strategy``: itself unless it is ``"auto"`` or has ``FSDP(split="auto")``.
+
+    Args:
+        model, optimizer, example_batch, loss_fn, rng, rng_streams: as for :func:`parallax.init_state`.
+        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, see
+            :func:`parallax.sharding.auto.candidates`) or a strategy whose FSDP part has
+            ``split="auto"`` (each split on the given mesh); any other strategy is returned as is.
+        devices: the devices to search meshes over (all of this process's by default).
+        mesh: for a split search, the mesh to use; ``strategy="auto"`` picks its own.
+        options: the step's :class:`parallax.StepOptions` (``memory_budget``, ``grad_accum``,
+            ``precision``... the candidates are compiled with them).
+        among: for ``"auto"``, the strategies to choose from instead of every mesh of the
+            devices (e.g. ``candidates(8, fsdp=px.FSDP(min_weight_size=2**14))``).
+    """
+    if not is_auto(strategy):
+        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
+    if loss_fn is None:
+        raise ValueError(f"strategy={strategy!r} compiles each candidate's train step to price it: pass loss_fn=.")
+    if strategy == AUTO and mesh is not None:
+        raise ValueError("strategy='auto' picks the mesh shape itself: pass devices= instead of mesh=.")
+    start = time.perf_counter()
+    options = StepOptions.create(options)
+    devices = list(mesh.devices.flat) if mesh is not None else list(devices if devices is not None else jax.devices())
+    budget = parse_bytes(options.memory_budget) if options.memory_budget is not None else device_budget(devices)
+    splitting = strategy != AUTO
+    pool = split_candidates(strategy) if splitting else list(among or candidates(len(devices)))
+    rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
+    estimates, found, skipped = {}, {}, {}
+    for candidate in pool:
+        label = candidate.describe()
+        try:
+            candidate_mesh = mesh if mesh is not None else candidate.make_mesh(devices)
+            label = _label(candidate, candidate_mesh, splitting)
+            candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
+            planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
+                                 mesh=candidate_mesh, rng_streams=rng_streams)
+            state_bytes = summarize(planned).totals["total"]["per_device"]
+            if budget is not None and state_bytes > budget:  # pruned by memory before compiling
+                skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
+                continue
+            step = Step(loss_fn, planned.strategy, options, train=True)
+            batch = abstract_batch(example_batch, NamedSharding(candidate_mesh, planned.strategy.batch_spec()))
+            step_choice = step.choose(planned.abstract_arrays(), batch)
+        except (ValueError, TypeError) as err:  # does not apply: sizes, the batch, a layout
+            skipped[label] = str(err).splitlines()[0]
+            continue
+        label = f"{label}, {step_choice.picked}"
+        estimates[label] = step_choice.estimates[step_choice.picked]
+        found[label] = (planned.strategy, candidate_mesh)
+    if not estimates:
+        reasons = "; ".join(f"{label}: {why}" for label, why in skipped.items())
+        if budget is not None and all("over the budget" in why for why in skipped.values()):
+            raise ValueError(f"strategy={strategy!r}: no candidate fits the memory budget of {format_bytes(budget)} "
+                             f"per device on {len(devices)} devices ({reasons}). Raise memory_budget, use more "
+                             "devices, or shrink the model or optimizer state.")
+        raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
+    choice = rank(estimates, budget, what="FSDP split" if splitting else "strategy")
+    picked, picked_mesh = found[choice.picked]
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start)
+    log.info("%s", resolved.describe())
+    return resolved

@@ -1,0 +1,189 @@
+"""The cost model, and the choices it makes: the compile path, FSDP's split, ``strategy="auto"``.
+
+Every plan the search can choose is checked against a plain one-device optax loop
+(``px.testing.assert_equivalent``); the choices themselves are checked against the cost
+model's own rules (fastest that fits the budget), not against timers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import parallax as px
+from parallax.sharding.auto import candidates, from_mesh, split_candidates
+from parallax.step import cost
+from parallax.step.choice import rank
+from parallax.step.search import resolve
+from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
+
+MARKED = px.per_example_loss(classifier_loss)
+
+
+@pytest.fixture(scope="module")
+def speeds():
+    return cost.calibrate(jax.devices())
+
+
+def test_calibration_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path))
+    devices = jax.devices()[:2]
+    measured = cost.calibrate(devices)
+    assert measured.calibration_seconds > 0
+    assert measured.seconds_per_flop > 0 and measured.seconds_per_byte > 0
+    assert set(measured.collectives) == set(cost.KINDS)
+    assert all(latency >= 0 and per_byte > 0 for latency, per_byte in measured.collectives.values())
+    cached = json.loads((tmp_path / "device_speeds.json").read_text())
+    assert list(cached) == [measured.key] and "|2|" in measured.key  # per device count (and machine, JAX)
+    again = cost.calibrate(devices)
+    assert again.calibration_seconds == 0 and again.seconds_per_flop == measured.seconds_per_flop
+    assert cost.calibrate(devices, refresh=True).calibration_seconds > 0
+    (tmp_path / "device_speeds.json").write_text("{ half a file")  # a crash mid-write: measured again
+    assert cost.calibrate(devices).calibration_seconds > 0
+
+
+def test_estimate_reads_flops_bytes_transposes_and_collectives(speeds):
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    small = jax.jit(lambda a: a * 2.0).lower(x).compile()
+    matmul = jax.jit(lambda a: a @ a.T[:, :256]).lower(x).compile()
+    gathered = jax.jit(lambda a: a * 2.0, out_shardings=NamedSharding(mesh, P())).lower(x).compile()
+    cheap, dear, moving = (cost.estimate(c, speeds) for c in (small, matmul, gathered))
+    assert dear.flops > cheap.flops and dear.compute > cheap.compute
+    assert cheap.moved == 0 and cheap.collectives == 0
+    assert moving.moved == sum(s.bytes for s in px.inspect.collective_bytes(gathered.as_text()).values()) > 0
+    assert moving.collectives > 0 and moving.seconds > cheap.seconds
+    assert moving.peak == cost.peak_bytes(gathered) > 0
+    # A physical transpose is counted; a transpose into a relabelled layout (a bitcast) is not.
+    text = ("%t = f32[64,32]{1,0} transpose(f32[32,64]{1,0} %a), dimensions={1,0}\n"
+            "%b = f32[64,32]{0,1} transpose(f32[32,64]{1,0} %a), dimensions={1,0}\n"
+            "%c = bf16[64,32]{1,0} copy(bf16[64,32]{0,1} %b)\n")
+    assert cost.layout_bytes(text) == 64 * 32 * 4 + 64 * 32 * 2
+
+
+def _estimate(seconds, peak):
+    return cost.Estimate(seconds=seconds, compute=seconds, memory=0.0, collectives=0.0, flops=0.0,
+                         bytes_accessed=0.0, transposed=0, moved=0, peak=peak)
+
+
+def test_the_fastest_that_fits_is_picked():
+    estimates = {"a": _estimate(3.0, 10), "b": _estimate(1.0, 100), "c": _estimate(2.0, 20)}
+    assert rank(estimates, None, what="x").picked == "b"
+    choice = rank(estimates, 50, what="strategy")
+    assert (choice.picked, choice.runner_up, choice.over_budget) == ("c", "a", ("b",))
+    assert "strategy c: est. 2000.0 ms" in choice.describe() and "over the 50 B budget: b" in choice.describe()
+    assert rank(estimates, 5, what="x").picked == "a"  # none fits: the smallest peak
+    with pytest.raises(ValueError, match="No candidate"):
+        rank({}, None, what="strategy")
+
+
+def test_a_marked_loss_lets_the_cost_model_pick_the_compile_path():
+    data = batches("mlp", 1, batch_size=32)
+    strategy = px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2))
+    state = px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=strategy, loss_fn=MARKED)
+    step = px.make_train_step(MARKED, strategy)
+    assert step.mode() == "auto" and "picks jit or shard_map" in step.describe()
+    state, _ = step(state, data[0])
+    assert step.mode() in ("jit", "shard_map") and set(step.choice.estimates) == {"jit", "shard_map"}
+    assert step.choice.picked == min(step.choice.estimates, key=lambda m: step.choice.estimates[m].seconds)
+    assert step.describe().startswith(f"compile path {step.mode()}: est. ") and "runner-up" in step.describe()
+    plain = px.make_train_step(classifier_loss, strategy)
+    assert plain.mode() == "jit" and "mark it px.per_example_loss" in plain.describe()
+
+
+def test_a_memory_budget_drops_the_plans_that_do_not_fit():
+    data = batches("mlp", 1, batch_size=32)
+    with pytest.raises(ValueError, match=r"no candidate fits the memory budget of 1 B per device on 4 devices "
+                                         r"\(DataParallel\(data=4\): its state alone is 75.1 KiB.*Raise memory_budget"):
+        resolve(MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED, devices=jax.devices()[:4],
+                options=px.StepOptions(memory_budget=1))
+    dp = px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=px.DataParallel(4), loss_fn=MARKED,
+                       mesh=px.DataParallel(4).make_mesh(jax.devices()[:4]))
+    state_bytes = px.inspect.state_bytes_per_device(dp)
+    found = resolve(MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED, devices=jax.devices()[:4],
+                    options=px.StepOptions(memory_budget=state_bytes - 1))
+    assert "DataParallel(data=4)" in found.skipped and "over the budget" in found.skipped["DataParallel(data=4)"]
+    assert not found.strategy.describe(found.mesh).startswith("DataParallel(data=4)")
+    with pytest.raises(ValueError, match="memory_budget='lots'"):
+        px.StepOptions(memory_budget="lots")
+
+
+@pytest.mark.parametrize("strategy", candidates(8, fsdp=px.FSDP(min_weight_size=0)), ids=lambda s: s.describe())
+def test_every_plan_the_search_can_choose_trains_like_one_device(strategy):
+    """Each mesh ``strategy="auto"`` considers, on both compile paths (SGD on one, Adam on the other)."""
+    data = batches("mlp", 3, batch_size=32)
+    paths = ["jit", "shard_map"] if strategy.data_axes else ["jit"]
+    for path, optimizer in zip(paths, [optax.sgd(0.1), optax.adam(1e-2)]):
+        report = px.testing.assert_equivalent(MLP(), optimizer, MARKED, data, strategy, compile=path)
+        assert report.mode == path
+
+
+def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(caplog):
+    data = batches("mlp", 3, batch_size=32)
+    with caplog.at_level("INFO", logger="parallax"):
+        found = resolve(MLP(), optax.adam(1e-2), data[0], "auto", loss_fn=MARKED)
+    assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
+    assert len(found.choice.estimates) + len(found.skipped) == len(candidates(8))
+    assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
+    for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+        report = px.testing.assert_equivalent(MLP(), optimizer, MARKED, data, "auto")
+        assert report.passed
+    state = px.init_state(MLP(), optax.adam(1e-2), data[0], strategy="auto", loss_fn=MARKED)
+    assert dict(jax.tree.leaves(state.params)[0].sharding.mesh.shape) == dict(found.mesh.shape)
+    step = px.make_train_step(MARKED, "auto")
+    assert step.mode() == "auto" and step.strategy is None
+    step(state, data[0])
+    assert step.strategy.describe() == from_mesh(found.mesh).describe()
+
+
+def test_fsdp_split_auto_picks_a_split_and_trains_like_one_device():
+    data = batches("lm", 3, batch_size=16)
+    strategy = px.FSDP(min_weight_size=0, split="auto")
+    found = resolve(TinyLM(), optax.adam(1e-2), data[0], strategy, loss_fn=lm_loss)
+    assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
+    picked = found.strategy.parts[0].split
+    assert found.choice.picked == f"split={picked}, jit"
+    state = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=strategy, loss_fn=lm_loss)
+    same = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=px.FSDP(min_weight_size=0, split=picked),
+                         loss_fn=lm_loss)
+    specs = lambda s: jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, s.params))  # noqa: E731
+    assert specs(state) == specs(same)
+    for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+        assert px.testing.assert_equivalent(TinyLM(), optimizer, lm_loss, data, strategy).passed
+    assert [s.parts[0].split for s in split_candidates(strategy)] == ["largest", "output", "input"]
+
+
+def test_trainer_with_strategy_auto(capsys):
+    data = batches("mlp", 1, batch_size=64)[0]
+    trainer = px.Trainer(MLP(), optax.adam(1e-2), MARKED, strategy="auto", max_steps=3, batch_size=32,
+                         progress=True, log_every=10)
+    assert trainer.mesh is None and trainer.search is None
+    result = trainer.fit(data)
+    assert trainer.search is not None and trainer.strategy is trainer.search.strategy
+    assert f"strategy: {trainer.search.describe()}" in capsys.readouterr().out
+    chosen = px.Trainer(MLP(), optax.adam(1e-2), MARKED, strategy=trainer.strategy, max_steps=3, batch_size=32,
+                        progress=False).fit(data)
+    assert [h["loss"] for h in result.history.train] == [h["loss"] for h in chosen.history.train]
+
+
+def test_auto_needs_a_loss_and_its_own_mesh():
+    data = batches("mlp", 1, batch_size=32)
+    with pytest.raises(ValueError, match="pass loss_fn="):
+        px.init_state(MLP(), optax.adam(1e-3), data[0], strategy="auto")
+    with pytest.raises(ValueError, match="picks the mesh shape itself"):
+        px.init_state(MLP(), optax.adam(1e-3), data[0], strategy="auto", loss_fn=MARKED,
+                      mesh=px.FSDP().make_mesh())
+    with pytest.raises(ValueError, match="or 'auto', got 'fastest'"):
+        px.make_train_step(MARKED, "fastest")
+    with pytest.raises(ValueError, match="FSDP\\(split='middle'\\).*'auto'"):
+        px.FSDP(split="middle")
+    odd = Mesh(np.array(jax.devices()), ("batch",))
+    with pytest.raises(ValueError, match="include \\['batch'\\]; pass the strategy the state was built with"):
+        from_mesh(odd)
