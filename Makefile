@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 STAMP := $(VENV)/.installed
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: setup setup-latest test test-latest test-fast demo bench clean
+.PHONY: setup setup-latest test test-latest test-fast demo bench bench-peers clean
 
 # `parallax` was this distribution's name before 0.2 (now `parallax-flax`): a stale install of it, or
 # the parallax.egg-info its setuptools build left here, would be a second provider of `parallax`.
@@ -54,5 +54,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
+PEERS ?= .bench-peers
+# google-parallax also installs a top-level `parallax`: kept outside the venv, loaded by benchmarks/peers.py only.
+bench-peers: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet --upgrade --no-deps --target $(PEERS)/google_parallax 'google-parallax==0.0.2'
+	$(PY) -m pip install --quiet --upgrade --no-deps --target $(PEERS)/deps 'jaxtyping>=0.2' 'wadler-lindig>=0.1.3'
+	KERAS_BACKEND=jax $(PY) -m benchmarks.peers
+
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) $(PEERS) build dist *.egg-info .pytest_cache

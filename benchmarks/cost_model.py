@@ -30,7 +30,7 @@ import time
 
 from benchmarks import side_runner_args, time_interleaved, write_results
 
-ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", rounds=5) if __name__ == "__main__" else None
+ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", rounds=7) if __name__ == "__main__" else None
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parallax as px  # noqa: E402
 from benchmarks.models import build, make_batch  # noqa: E402
-from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, round_ratios  # noqa: E402
+from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, default_path, round_ratios  # noqa: E402
 from parallax.inspect import state_bytes_per_device  # noqa: E402
 from parallax.sharding.auto import candidates, split_candidates  # noqa: E402
 from parallax.step import cost  # noqa: E402
@@ -64,7 +64,7 @@ def bench(kind: str, rounds: int, scale: float) -> dict:
     tx = optax.adam(1e-3)
     batch = make_batch(kind, BATCH[kind], scale)
     devices = jax.devices()
-    speeds = cost.calibrate(devices)
+    speeds = cost.calibrate(devices, refresh=True)  # measured now, under the load the timings will see
     pool = candidates(len(devices), fsdp=px.FSDP(min_weight_size=MIN_WEIGHT_SIZE))
     configs, rows, skipped, meshes = {}, {}, {}, {}
     for base in pool:
@@ -91,10 +91,9 @@ def bench(kind: str, rounds: int, scale: float) -> dict:
                                "state_bytes": state_bytes_per_device(state)}
         # What the defaults run on this mesh: compile="auto", split "largest".
         if base.describe(mesh) + ", jit" in configs:
-            defaults = {"as written": px.make_train_step(loss_fn, base).mode()}
-            step = px.make_train_step(marked, base)
-            defaults["marked"] = (step.choose(px.init_state(model, tx, batch, strategy=base, loss_fn=marked, mesh=mesh),
-                                              placed).picked if len(step.modes()) > 1 else step.mode())
+            fresh = px.init_state(model, tx, batch, strategy=base, loss_fn=marked, mesh=mesh)
+            defaults = {"as written": default_path(loss_fn, base, fresh, placed),
+                        "marked": default_path(marked, base, fresh, placed)}
             rows[base.describe(mesh) + ", jit"]["defaults"] = defaults
     time_interleaved(list(configs.values()), rounds)
 

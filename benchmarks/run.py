@@ -168,8 +168,8 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
         configs.extend(ours + [base])
         # What compile="auto" picks: for a loss as written (exact for any loss), and for one
         # marked px.per_example_loss (may run per data shard).
-        defaults = {"default": px.make_train_step(loss_fn, strategy).mode(),
-                    "default_per_example": px.make_train_step(px.per_example_loss(loss_fn), strategy).mode()}
+        defaults = {"default": default_path(loss_fn, strategy, state, placed),
+                    "default_per_example": default_path(px.per_example_loss(loss_fn), strategy, state, placed)}
         rows.append({"model": kind, "strategy": name, "describe": strategy.describe(), "ours": ours, "base": base,
                      "defaults": defaults,
                      "state": state, "specs": specs, "sizes": strategy.axis_sizes(mesh), "batch": batch})
@@ -207,6 +207,13 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
                for name, mode in row["defaults"].items()},
         })
     return results
+
+
+def default_path(loss_fn, strategy, state, batch) -> str:
+    """The compile path ``compile="auto"`` takes for this loss, state and batch (the cost model's
+    pick where the step has a choice; compiled ahead of time, nothing runs)."""
+    step = px.make_train_step(loss_fn, strategy)
+    return step.choose(state, batch).picked if len(step.modes()) > 1 else step.mode()
 
 
 def round_ratios(config: Config, reference: Config) -> dict[str, float]:
