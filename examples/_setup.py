@@ -30,15 +30,18 @@ from absl import flags  # noqa: E402
 
 import parallax as px  # noqa: E402
 
-flags.DEFINE_string("strategy", None, "dp, fsdp, tp, or a combination joined by '+', e.g. dp+fsdp or fsdp+tp")
+flags.DEFINE_string("strategy", None, "dp, fsdp, tp, a combination joined by '+' (dp+fsdp, fsdp+tp), or auto")
 flags.DEFINE_integer("devices", None, "simulate this many CPU devices")
 
 
-def strategy_from_name(name: str, tp_rules=None, min_weight_size: int = 2**10) -> px.Strategy:
+def strategy_from_name(name: str, tp_rules=None, min_weight_size: int = 2**10) -> px.Strategy | str:
     """``"dp+fsdp+tp"`` → ``combine(DataParallel(2), FSDP(2), TensorParallel(-1))``-like.
 
-    The first axes get 2 devices each and the last takes the devices left over.
+    The first axes get 2 devices each and the last takes the devices left over. ``"auto"``
+    lets the Trainer pick the mesh by the cost model at the first batch.
     """
+    if name == "auto":
+        return "auto"
     makers = {
         "dp": lambda size: px.DataParallel(size),
         "fsdp": lambda size: px.FSDP(size, min_weight_size=min_weight_size),
@@ -47,11 +50,13 @@ def strategy_from_name(name: str, tp_rules=None, min_weight_size: int = 2**10) -
     names = name.split("+")
     unknown = [n for n in names if n not in makers]
     if unknown or not names:
-        raise ValueError(f"--strategy={name!r}: use dp, fsdp, tp or a '+' combination such as dp+fsdp.")
+        raise ValueError(f"--strategy={name!r}: use dp, fsdp, tp, a '+' combination such as dp+fsdp, or auto.")
     parts = [makers[n](2 if i < len(names) - 1 else -1) for i, n in enumerate(names)]
     return parts[0] if len(parts) == 1 else px.combine(*parts)
 
 
-def describe_run(strategy: px.Strategy) -> str:
+def describe_run(strategy: px.Strategy | str) -> str:
     devices = jax.devices()
+    if strategy == "auto":
+        return f"strategy='auto' (picked at the first batch) on {len(devices)} {devices[0].platform.upper()} device(s)"
     return f"{strategy.describe(strategy.make_mesh(devices))} on {len(devices)} {devices[0].platform.upper()} device(s)"

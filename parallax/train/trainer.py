@@ -124,7 +124,7 @@ class Trainer:
                                   rng=self.config.seed, rng_streams=self.config.step.rng_streams)
             self._use(self.search.strategy, self.search.mesh)
             if self.config.progress:
-                print(f"strategy: {self.search.describe()}")
+                print(self.search.describe())
         if self.plan is None:
             self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
                                    rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
