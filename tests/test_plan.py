@@ -30,7 +30,7 @@ per_example_lm_loss = px.per_example_loss(lm_loss)
 CASES = {  # model, loss, batch kind, strategies
     "mlp": (MLP, classifier_loss, "mlp", ["dp", "fsdp", "tp", "fsdp+tp2"]),
     "cnn": (CNN, classifier_loss, "cnn", ["dp2+fsdp"]),
-    "lm": (TinyLM, per_example_lm_loss, "lm", ["dp", "fsdp+tp2"]),  # a per-example loss: auto takes shard_map
+    "lm": (TinyLM, per_example_lm_loss, "lm", ["dp", "fsdp+tp2"]),  # a per-example loss: the cost model picks
 }
 
 
@@ -82,8 +82,8 @@ def test_plan_equals_the_built_state_and_the_step_that_runs(reports, name):
         assert row["collectives"] == {k: {"count": s.count, "bytes": s.bytes} for k, s in traffic.items()}
         assert row["compiled"] == memory_bytes(compiled)
         assert row["strategy"] == small(strategy).describe(mesh)
-    if name == "lm":  # a per-example loss: compile="auto" takes shard_map for DP and FSDP×TP (the MLP: jit)
-        assert [row["compile"] for row in reports[name].rows] == ["shard_map", "shard_map"]
+    if name == "mlp":  # a loss as written: jit, the path exact for any loss
+        assert [row["compile"] for row in reports[name].rows] == ["jit"] * len(reports[name].rows)
 
 
 def test_fsdp_plans_less_state_per_device_and_the_budgets_say_what_fits(reports):

@@ -145,7 +145,15 @@ class Step:
     def _choose(self, state: TrainState, batch: Any) -> tuple[Choice, dict]:
         mesh, specs = state_specs_of(state)
         functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
-        compiled = {mode: fn.lower(state, batch).compile() for mode, fn in functions.items()}
+        compiled, failed = {}, None
+        for mode, fn in functions.items():
+            try:
+                compiled[mode] = fn.lower(state, batch).compile()
+            except (ValueError, TypeError, NotImplementedError) as err:  # one path may not support this model
+                log.info("Compile path %s does not apply here (%s); not a candidate.", mode, str(err).splitlines()[0])
+                failed = failed or err
+        if not compiled:
+            raise failed
         budget = None if self.options.memory_budget is None else parse_bytes(self.options.memory_budget)
         return choose(compiled, list(mesh.devices.flat), budget), functions
 
