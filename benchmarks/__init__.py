@@ -59,3 +59,16 @@ def write_results(out: str, name: str, meta: dict, results: list, text: str) -> 
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
+
+
+def report(args: argparse.Namespace, name: str, results: list, markdown, **meta) -> None:
+    """The run's meta (devices, platform, JAX version, rounds, then ``meta``), its table
+    (``markdown(results, meta)``) printed, and unless ``--smoke``, ``out/name.{json,md}``."""
+    import jax
+
+    meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
+            "rounds": args.rounds, **meta}
+    text = markdown(results, meta)
+    print(text)
+    if not args.smoke:
+        write_results(args.out, name, meta, results, text)

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from benchmarks import side_runner_args, time_interleaved, write_results
+from benchmarks import report, side_runner_args, time_interleaved
 
 ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", rounds=7) if __name__ == "__main__" else None
 
@@ -67,13 +67,10 @@ def bench(kind: str, rounds: int, scale: float) -> dict:
     speeds = cost.calibrate(devices, refresh=True)  # measured now, under the load the timings will see
     pool = candidates(len(devices), fsdp=px.FSDP(min_weight_size=MIN_WEIGHT_SIZE))
     configs, rows, skipped, meshes = {}, {}, {}, {}
-    for base in pool:
+    every_split = candidates(len(devices), fsdp=px.FSDP(min_weight_size=MIN_WEIGHT_SIZE, split="auto"))
+    for base, searched in zip(pool, every_split):  # the same meshes in the same order
         mesh = base.make_mesh(devices)
-        auto_split = [p for p in base.parts if isinstance(p, px.FSDP)]
-        variants = split_candidates(base.__class__(**{**vars(base), "split": "auto"}) if isinstance(base, px.FSDP)
-                                    else px.combine(*[px.FSDP(p.size, p.axis, p.min_weight_size, "auto")
-                                                      if isinstance(p, px.FSDP) else p for p in base.parts])
-                                    ) if auto_split else [base]
+        variants = split_candidates(searched)  # each split on meshes with an FSDP axis; the others as they are
         placed = px.data.to_global(batch, jax.sharding.NamedSharding(mesh, base.batch_spec()))
         for strategy in variants:
             modes = ["jit", "shard_map"] if strategy.data_axes else ["jit"]
@@ -174,12 +171,7 @@ def main(args: argparse.Namespace) -> None:
     for kind in args.models.split(","):
         results.append(bench(kind, args.rounds, args.scale))
         print(f"{kind}: rank correlation {results[-1]['spearman']:.2f}", flush=True)
-    meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
-            "rounds": args.rounds}
-    text = markdown(results, meta)
-    print(text)
-    if not args.smoke:
-        write_results(args.out, "cost_model", meta, results, text)
+    report(args, "cost_model", results, markdown)
 
 
 if __name__ == "__main__":

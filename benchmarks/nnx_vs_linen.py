@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from benchmarks import side_runner_args, time_interleaved, write_results
+from benchmarks import report, side_runner_args, time_interleaved
 
 ARGS = side_runner_args(__doc__, models="mlp,lm", strategies="dp,fsdp,fsdp+tp") \
     if __name__ == "__main__" else None
@@ -174,12 +174,7 @@ def main(args: argparse.Namespace) -> None:
     for kind in args.models.split(","):
         results.extend(bench(kind, args.strategies.split(","), args.rounds, args.scale))
         print(f"{kind}: done", flush=True)
-    meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
-            "flax": flax.__version__, "rounds": args.rounds}
-    text = markdown(results, meta)
-    print(text)
-    if not args.smoke:
-        write_results(args.out, "nnx_vs_linen", meta, results, text)
+    report(args, "nnx_vs_linen", results, markdown, flax=flax.__version__)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ import sys
 import time
 import traceback
 
-from benchmarks import side_runner_args, time_interleaved, write_results
+from benchmarks import report, side_runner_args, time_interleaved
 
 ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", peers="keras,google", strategies="dp,fsdp,tp,dp+tp") \
     if __name__ == "__main__" else None
@@ -547,13 +547,8 @@ def main(args: argparse.Namespace) -> None:
         results.extend(rows)
         failed.extend(broken)
         print(f"{kind}: done", flush=True)
-    meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
-            "rounds": args.rounds, "peers": versions, "batch": BATCH, "failed": failed,
-            "threshold": MIN_WEIGHT_SIZE, "parallax": git_state()}
-    text = markdown(results, meta)
-    print(text)
-    if not args.smoke:
-        write_results(args.out, "peers", meta, results, text)
+    report(args, "peers", results, markdown, peers=versions, batch=BATCH, failed=failed, threshold=MIN_WEIGHT_SIZE,
+           parallax=git_state())
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from benchmarks import side_runner_args, time_interleaved, write_results
+from benchmarks import report, side_runner_args, time_interleaved
 
 ARGS = side_runner_args(__doc__, models="mlp,lm,cnn", strategies="tp,fsdp+tp") \
     if __name__ == "__main__" else None
@@ -116,12 +116,7 @@ def main(args: argparse.Namespace) -> None:
     for kind in args.models.split(","):
         results.extend(bench(kind, args.strategies.split(","), args.rounds, args.scale))
         print(f"{kind}: done", flush=True)
-    meta = {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "jax": jax.__version__,
-            "rounds": args.rounds}
-    text = markdown(results, meta)
-    print(text)
-    if not args.smoke:
-        write_results(args.out, "tp_layout", meta, results, text)
+    report(args, "tp_layout", results, markdown)
 
 
 if __name__ == "__main__":

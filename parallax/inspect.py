@@ -25,6 +25,7 @@ _DTYPE_BYTES = {
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
 }
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_MOVE = re.compile(r"= (\w+)\[([\d,]*)\]\{([\d,]*)[^}]*\} (copy|transpose)\(")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
 
@@ -96,6 +97,30 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
         "temporaries": int(analysis.temp_size_in_bytes),
         "aliased": int(analysis.alias_size_in_bytes),
     }
+
+
+def peak_bytes(memory: dict[str, int]) -> int:
+    """Arguments + outputs - donated + temporaries, from :func:`memory_bytes`: what one device holds at most."""
+    return memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+
+
+def layout_bytes(hlo_text: str) -> int:
+    """Bytes of the physical transposes in a compiled program (inside fusions too): a ``copy``
+    into another layout, or a ``transpose`` whose result has the default (row-major) layout.
+
+    ``cost_analysis`` counts a fusion's bytes at its boundary, so a transpose fused into an
+    elementwise op costs nothing there; on real memory it is a strided pass over the array.
+    A ``transpose`` into a non-default layout is a relabelling (a bitcast) and is not counted.
+    """
+    total = 0
+    for dtype, dims, layout, op in _MOVE.findall(hlo_text):
+        shape = [int(d) for d in dims.split(",") if d]
+        if len(shape) < 2 or dtype not in _DTYPE_BYTES:
+            continue
+        default = ",".join(str(d) for d in reversed(range(len(shape))))
+        if op == "copy" or layout == default:
+            total += _shape_sizes(f"{dtype}[{dims}]")[0]
+    return total
 
 
 def state_bytes_per_device(state: Any) -> int:

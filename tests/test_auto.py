@@ -60,12 +60,12 @@ def test_estimate_reads_flops_bytes_transposes_and_collectives(speeds):
     assert cheap.moved == 0 and cheap.collectives == 0
     assert moving.moved == sum(s.bytes for s in px.inspect.collective_bytes(gathered.as_text()).values()) > 0
     assert moving.collectives > 0 and moving.seconds > cheap.seconds
-    assert moving.peak == cost.peak_bytes(gathered) > 0
+    assert moving.peak == px.inspect.peak_bytes(px.inspect.memory_bytes(gathered)) > 0
     # A physical transpose is counted; a transpose into a relabelled layout (a bitcast) is not.
     text = ("%t = f32[64,32]{1,0} transpose(f32[32,64]{1,0} %a), dimensions={1,0}\n"
             "%b = f32[64,32]{0,1} transpose(f32[32,64]{1,0} %a), dimensions={1,0}\n"
             "%c = bf16[64,32]{1,0} copy(bf16[64,32]{0,1} %b)\n")
-    assert cost.layout_bytes(text) == 64 * 32 * 4 + 64 * 32 * 2
+    assert px.inspect.layout_bytes(text) == 64 * 32 * 4 + 64 * 32 * 2
 
 
 def _estimate(seconds, peak):

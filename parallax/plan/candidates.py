@@ -72,7 +72,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
                "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
                "other": totals["other"]["per_device"], "total": totals["total"]["per_device"]},
         compiled=memory,
-        peak=memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"],
+        peak=inspect.peak_bytes(memory),
         collectives={kind: {"count": stat.count, "bytes": stat.bytes} for kind, stat in traffic.items()},
         collective_bytes=sum(stat.bytes for stat in traffic.values()),
         params=totals["params"]["count"],

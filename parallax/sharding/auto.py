@@ -31,6 +31,10 @@ def check_strategy(strategy: object) -> None:
     raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()) or 'auto', got {strategy!r}.")
 
 
+def _joined(parts: list[Strategy]) -> Strategy:
+    return parts[0] if len(parts) == 1 else combine(*parts)
+
+
 def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: FSDP = FSDP(),
                tensor: TensorParallel = TensorParallel()) -> list[Strategy]:
     """Every DP × FSDP × TP mesh whose sizes multiply to ``device_count`` (an axis of size 1 is
@@ -54,21 +58,16 @@ def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: 
     for shape in sorted(shapes, key=lambda s: (sum(x > 1 for x in s), [-x for x in s])):
         parts = [dataclasses.replace(template, size=size) for size, template in zip(shape, (data, fsdp, tensor))
                  if size > 1]
-        found.append(parts[0] if len(parts) == 1 else combine(*parts))
+        found.append(_joined(parts))
     return found
 
 
 def split_candidates(strategy: Strategy) -> list[Strategy]:
     """``strategy`` with each FSDP part's ``split="auto"`` replaced by each concrete split."""
-    concrete = [s for s in FSDP_SPLITS if s != AUTO]
-    parts = strategy.parts
-    if not any(isinstance(p, FSDP) and p.split == AUTO for p in parts):
+    if not is_auto(strategy):
         return [strategy]
-    out = []
-    for split in concrete:
-        chosen = [dataclasses.replace(p, split=split) if isinstance(p, FSDP) and p.split == AUTO else p for p in parts]
-        out.append(chosen[0] if len(chosen) == 1 else combine(*chosen))
-    return out
+    return [_joined([dataclasses.replace(p, split=split) if isinstance(p, FSDP) and p.split == AUTO else p
+                     for p in strategy.parts]) for split in FSDP_SPLITS if split != AUTO]
 
 
 def from_mesh(mesh: Mesh) -> Strategy:
@@ -78,5 +77,4 @@ def from_mesh(mesh: Mesh) -> Strategy:
     if unknown:
         raise ValueError(f"strategy='auto' reads the strategy from the state's mesh, but its axes {list(mesh.axis_names)} "
                          f"include {unknown}; pass the strategy the state was built with.")
-    parts = [kinds[name](int(mesh.shape[name])) for name in mesh.axis_names]
-    return parts[0] if len(parts) == 1 else combine(*parts)
+    return _joined([kinds[name](int(mesh.shape[name])) for name in mesh.axis_names])

@@ -28,13 +28,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallax._units import parse_bytes
 from parallax.models import LossFn
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.step import metrics as metric_lib
-from parallax.step.choice import Choice, choose
+from parallax.step.choice import Choice, choose, memory_budget
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
 from parallax.step.jit import jit_gradients
 from parallax.step.options import StepOptions
@@ -78,19 +77,24 @@ class Step:
     def modes(self) -> tuple[str, ...]:
         """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
         model picks between them at the first call (see :meth:`mode`)."""
+        return self._paths()[0]
+
+    def _paths(self) -> tuple[tuple[str, ...], str]:
+        """The compile paths this step may take, and why: one decision for :meth:`modes` and :meth:`describe`."""
         if self.strategy is None:
             raise ValueError("strategy='auto': the step learns its strategy from the state at the first call.")
         if self.replicated_batch or not self.strategy.data_axes:
-            return ("jit",)
-        if self.options.batch_stats == "local":
-            return ("shard_map",)  # per-shard statistics only exist where shards are explicit
+            return ("jit",), "no data axis to split the batch over"
+        if self.options.batch_stats == "local":  # per-shard statistics only exist where shards are explicit
+            return ("shard_map",), "batch_stats='local' needs explicit shards"
         if self.options.compile != "auto":
-            return (self.options.compile,)
-        if not is_per_example_loss(self.loss_fn):
-            return ("jit",)  # per-shard losses averaged would change a batch-level loss
-        if not self.train:  # an eval step is not worth a second compile: the path measured faster in benchmarks/
-            return ("jit",) if self.strategy.fsdp_axes and not self.strategy.model_axes else ("shard_map",)
-        return ("jit", "shard_map")
+            return (self.options.compile,), "compile= as given"
+        if not is_per_example_loss(self.loss_fn):  # per-shard losses averaged would change a batch-level loss
+            return ("jit",), "the loss sees the global batch (mark it px.per_example_loss to let the cost model choose)"
+        if not self.train:  # an eval step is not worth a second compile
+            return (("jit",) if self.strategy.fsdp_axes and not self.strategy.model_axes else ("shard_map",),
+                    "eval steps take the path measured faster in benchmarks/")
+        return ("jit", "shard_map"), "the cost model picks jit or shard_map at the first call"
 
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call
@@ -122,20 +126,8 @@ class Step:
             return self.choice.describe()
         if self.strategy is None:
             return "strategy auto: read from the state's mesh at the first call, then the compile path"
-        modes = self.modes()
-        if len(modes) > 1:
-            return "compile path auto: the cost model picks jit or shard_map at the first call"
-        if self.replicated_batch or not self.strategy.data_axes:
-            why = "no data axis to split the batch over"
-        elif self.options.batch_stats == "local":
-            why = "batch_stats='local' needs explicit shards"
-        elif self.options.compile != "auto":
-            why = "compile= as given"
-        elif not is_per_example_loss(self.loss_fn):
-            why = "the loss sees the global batch (mark it px.per_example_loss to let the cost model choose)"
-        else:
-            why = "eval steps take the path measured faster in benchmarks/"
-        return f"compile path {modes[0]}: {why}"
+        modes, why = self._paths()
+        return f"compile path {modes[0] if len(modes) == 1 else 'auto'}: {why}"
 
     def choose(self, state: TrainState, batch: Any) -> Choice:
         """Compiles every path of :meth:`modes` for this state and batch (real or abstract
@@ -154,8 +146,8 @@ class Step:
                 failed = failed or err
         if not compiled:
             raise failed
-        budget = None if self.options.memory_budget is None else parse_bytes(self.options.memory_budget)
-        return choose(compiled, list(mesh.devices.flat), budget), functions
+        devices = list(mesh.devices.flat)
+        return choose(compiled, devices, memory_budget(self.options.memory_budget, devices)), functions
 
     def __call__(self, state: TrainState, batch: Any):
         return self._jitted(state, batch)(state, batch)

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from parallax._units import format_bytes
+from parallax._units import format_bytes, parse_bytes
 from parallax.step.cost import Estimate, calibrate, estimate
 
 
@@ -66,15 +66,20 @@ def device_budget(devices: Sequence[jax.Device]) -> int | None:
     return int(limit) if limit else None
 
 
+def memory_budget(given: int | str | None, devices: Sequence[jax.Device]) -> int | None:
+    """The budget in bytes per device: ``given`` (``"16GB"`` or an int), else the device's own memory."""
+    return parse_bytes(given) if given is not None else device_budget(devices)
+
+
 def choose(compiled: Mapping[str, Any], devices: Sequence[jax.Device], budget: int | None = None, *,
            what: str = "compile path") -> Choice:
-    """The fastest of ``compiled`` (label -> ``jax.stages.Compiled``) on ``devices`` that fits ``budget``.
+    """The fastest of ``compiled`` (label -> ``jax.stages.Compiled``) on ``devices`` that fits ``budget``
+    (bytes per device, see :func:`memory_budget`; ``None``: no limit).
 
-    ``budget`` defaults to the device's own memory where known. When none fits, the one with
-    the smallest peak is taken (and the choice says every candidate was over).
+    When none fits, the one with the smallest peak is taken (and the choice says every
+    candidate was over).
     """
     speeds = calibrate(devices)
-    budget = budget if budget is not None else device_budget(devices)
     estimates = {label: estimate(program, speeds) for label, program in compiled.items()}
     return rank(estimates, budget, what=what)
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import platform
-import re
 import tempfile
 import time
 from typing import Any, Sequence
@@ -46,28 +44,6 @@ from parallax._compat import shard_map
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _VERSION = 3  # of the cached calibration's fields
-_ITEM_BYTES = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-               "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-_MOVE = re.compile(r"= (\w+)\[([\d,]*)\]\{([\d,]*)[^}]*\} (copy|transpose)\(")
-
-
-def layout_bytes(hlo_text: str) -> int:
-    """Bytes of the physical transposes in a compiled program (inside fusions too): a ``copy``
-    into another layout, or a ``transpose`` whose result has the default (row-major) layout.
-
-    ``cost_analysis`` counts a fusion's bytes at its boundary, so a transpose fused into an
-    elementwise op costs nothing there; on real memory it is a strided pass over the array.
-    A ``transpose`` into a non-default layout is a relabelling (a bitcast) and is not counted.
-    """
-    total = 0
-    for dtype, dims, layout, op in _MOVE.findall(hlo_text):
-        shape = [int(d) for d in dims.split(",") if d]
-        if len(shape) < 2 or dtype not in _ITEM_BYTES:
-            continue
-        default = ",".join(str(d) for d in reversed(range(len(shape))))
-        if op == "copy" or layout == default:
-            total += math.prod(shape) * _ITEM_BYTES[dtype]
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +54,7 @@ class DeviceSpeeds:
         key: what the calibration is for (machine, device kind and count, JAX version).
         seconds_per_flop: of a float32 matmul.
         seconds_per_byte: of memory traffic (an elementwise op).
-        seconds_per_layout_byte: of a physical transpose (:func:`layout_bytes`).
+        seconds_per_layout_byte: of a physical transpose (:func:`parallax.inspect.layout_bytes`).
         collectives: kind -> ``(seconds per op, seconds per byte)``, bytes as
             :func:`parallax.inspect.collective_bytes` counts them.
         overhead: seconds of launching one program.
@@ -105,7 +81,7 @@ class Estimate:
         collectives: seconds of collectives.
         flops: FLOPs per device (``cost_analysis``).
         bytes_accessed: bytes per device (``cost_analysis``).
-        transposed: bytes of physical transposes per device (:func:`layout_bytes`).
+        transposed: bytes of physical transposes per device (:func:`parallax.inspect.layout_bytes`).
         moved: collective bytes per device, all kinds.
         peak: arguments + outputs - donated + temporaries (``memory_analysis``).
     """
@@ -134,17 +110,11 @@ def _costs(compiled: Any) -> tuple[float, float]:
     return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
 
 
-def peak_bytes(compiled: Any) -> int:
-    """Arguments + outputs - donated + temporaries of a compiled program, per device."""
-    memory = inspect.memory_bytes(compiled)
-    return memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-
-
 def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
     """The predicted step time of ``compiled`` (a ``jax.stages.Compiled``) on ``speeds``' devices."""
     flops, accessed = _costs(compiled)
     text = compiled.as_text()
-    transposed = layout_bytes(text)
+    transposed = inspect.layout_bytes(text)
     traffic = inspect.collective_bytes(text)
     collective_s = 0.0
     for kind, stat in traffic.items():
@@ -154,7 +124,8 @@ def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
     memory = accessed * speeds.seconds_per_byte + transposed * speeds.seconds_per_layout_byte
     return Estimate(seconds=speeds.overhead + compute + memory + collective_s, compute=compute, memory=memory,
                     collectives=collective_s, flops=flops, bytes_accessed=accessed, transposed=transposed,
-                    moved=sum(stat.bytes for stat in traffic.values()), peak=peak_bytes(compiled))
+                    moved=sum(stat.bytes for stat in traffic.values()),
+                    peak=inspect.peak_bytes(inspect.memory_bytes(compiled)))
 
 
 # --- calibration -------------------------------------------------------------------------
@@ -250,7 +221,7 @@ def _measure(devices: Sequence[jax.Device]) -> DeviceSpeeds:
     for fn, values, shardings in programs:
         placed = [jax.device_put(v, s) for v, s in zip(values, shardings)]
         elapsed, compiled = _timed(fn, *placed)
-        features.append([*_costs(compiled), layout_bytes(compiled.as_text()), 1.0])
+        features.append([*_costs(compiled), inspect.layout_bytes(compiled.as_text()), 1.0])
         seconds.append(elapsed)
     seconds_per_flop, seconds_per_byte, per_layout_byte, overhead = _nonnegative_fit(np.array(features),
                                                                                       np.array(seconds))

@@ -23,13 +23,13 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from parallax._units import format_bytes, parse_bytes
+from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.sharding.auto import AUTO, candidates, is_auto, split_candidates
 from parallax.sharding.parts import FSDP
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import Step
-from parallax.step.choice import Choice, device_budget, rank
+from parallax.step.choice import Choice, memory_budget, rank
 from parallax.step.options import StepOptions
 from parallax.step.plan import plan_state
 from parallax.step.summary import summarize
@@ -104,7 +104,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     start = time.perf_counter()
     options = StepOptions.create(options)
     devices = list(mesh.devices.flat) if mesh is not None else list(devices if devices is not None else jax.devices())
-    budget = parse_bytes(options.memory_budget) if options.memory_budget is not None else device_budget(devices)
+    budget = memory_budget(options.memory_budget, devices)
     splitting = strategy != AUTO
     pool = split_candidates(strategy) if splitting else list(among or candidates(len(devices)))
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
