@@ -1,0 +1,138 @@
+"""Reading from a loss's trace whether it is a mean of per-example terms.
+
+A loss as written must see the global batch (the ``jit`` path) unless computing it per data
+shard and averaging the shards gives the same number. That holds when the loss is
+``α · Σ_i f(example_i) + c``, with ``α`` one over the batch size times a constant (a mean),
+``f`` reading one example at a time and ``c`` not reading the batch. It fails for a
+masked-token mean (divided by a count over the batch), batch statistics (BatchNorm, an MoE
+load-balancing term), in-batch negatives, dropout (each shard would draw its own mask) and a
+divisor written into the code (``sum / 256``).
+
+:func:`prove_loss` traces the step's loss at the global batch and at one shard's batch and
+interprets both jaxprs over four abstract values (:mod:`.domain`): batch-free, per-example
+(which dim runs over the examples), a batch-wide sum (with its literal scales) and random.
+Two traces make the batch size visible: a mean's divisor scales with it, a written-in one
+does not, and anything else read from the batch size changes the trace. Whatever the rules
+do not know (:mod:`.rules`) is "not proven", and the loss keeps the global batch: the proof
+only ever opens the per-shard path where it is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+
+from parallax.step.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
+from parallax.step.per_example_proof.interpret import interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """Whether a loss traced as a mean of per-example terms, and if not, why.
+
+    Attributes:
+        proven: computing the loss and every metric per data shard and averaging (the
+            ``shard_map`` path) gives the global batch's values, up to float rounding.
+        reason: what the trace showed, for ``Step.describe()``.
+    """
+
+    proven: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.proven
+
+
+def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: Any, shards: int) -> Proof:
+    """Whether ``loss(params, model_state, batch, key) -> (value, (sums, new_model_state))``
+    (the step's loss closure) may run per data shard.
+
+    Args:
+        loss: the closure (:func:`parallax.step.loss.loss_closure`).
+        params, model_state, batch, key: its arguments (arrays or ``jax.ShapeDtypeStruct``),
+            the batch as the loss sees it on the global batch (one microbatch).
+        shards: how many data shards split that batch.
+    """
+    rows = int(jax.tree.leaves(batch)[0].shape[0])
+    if shards < 2 or rows % shards:
+        return Proof(False, f"{rows} examples do not split into {shards} shards")
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype), batch)
+    traces = []
+    for this_batch, size in ((batch, rows), (local, rows // shards)):
+        args = (params, model_state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), this_batch), key)
+        try:
+            closed, shape = jax.make_jaxpr(loss, return_shape=True)(*args)
+        except Exception as err:  # noqa: BLE001 - a loss that does not trace here is only "not proven"
+            return Proof(False, f"it does not trace at one shard's batch ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0][:160]})")
+        inputs = ([Fixed()] * len(jax.tree.leaves(params)) + [Fixed()] * len(jax.tree.leaves(model_state))
+                  + [PerExample(0)] * len(jax.tree.leaves(this_batch)) + [Random()] * len(jax.tree.leaves(key)))
+        signature: list = []
+        try:
+            outputs = interpret(closed, inputs, signature)
+        except NotPerExample as why:
+            return Proof(False, str(why))
+        value, (sums, new_model_state) = jax.tree.unflatten(jax.tree.structure(shape), outputs)
+        traces.append((value, sums, jax.tree.leaves(new_model_state, is_leaf=_is_abstract), signature, size))
+    (value, sums, state, signature, size), (value_l, sums_l, state_l, signature_l, size_l) = traces
+    if signature != signature_l:
+        return Proof(False, "it computes differently at one shard's batch size (it reads the batch size)")
+    try:
+        _mean(value, value_l, size, size_l)
+        for name, (total, count) in sums.items():
+            _sum(total, sums_l[name][0], f"metric {name!r}")
+            if isinstance(count, Fixed) and isinstance(count_l := sums_l[name][1], Fixed):
+                if count.value is None or count_l.value is None or not _close(count.value, shards * count_l.value):
+                    raise NotPerExample(f"metric {name!r}'s count is not the number of examples it averages")
+            else:
+                _sum(count, sums_l[name][1], f"metric {name!r}'s count")
+        for leaf in state + state_l:
+            _random(leaf)
+            if not isinstance(leaf, Fixed):
+                raise NotPerExample("it updates model state (e.g. BatchNorm statistics) from the batch")
+    except NotPerExample as why:
+        return Proof(False, str(why))
+    return Proof(True, "the loss traces as a mean of per-example terms")
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, (Fixed, PerExample, BatchSum, Random))
+
+
+def _random(value: Any) -> None:
+    if isinstance(value, Random):
+        raise NotPerExample("it draws random numbers from the step's key (e.g. dropout): each shard would draw its own")
+
+
+def _sums(whole: Any, shard: Any, what: str) -> tuple[tuple, tuple]:
+    _random(whole)
+    _random(shard)
+    if not isinstance(whole, BatchSum) or not isinstance(shard, BatchSum):
+        raise NotPerExample(f"{what} is {kind_name(whole)}, not a sum or mean over the examples")
+    if len(whole.scales) != len(shard.scales) or None in whole.scales + shard.scales:
+        raise NotPerExample(f"{what} scales a sum over the batch by a value computed in the loss")
+    return whole.scales, shard.scales
+
+
+def _mean(whole: Any, shard: Any, size: int, local_size: int) -> None:
+    """Each shard's value averaged over the shards is the whole's: ``α`` scales as one over the batch."""
+    for a, b in zip(*_sums(whole, shard, "the loss")):
+        if not _close(a * size, b * local_size):
+            raise NotPerExample(f"the loss divides a sum over the examples by {1 / a:g}, which does not scale with "
+                                f"the batch size {size} (a divisor written into the loss?)")
+
+
+def _sum(whole: Any, shard: Any, what: str) -> None:
+    """Each shard's value summed over the shards is the whole's: the same scales, no offset."""
+    for a, b in zip(*_sums(whole, shard, what)):
+        if not _close(a, b):
+            raise NotPerExample(f"{what} does not add up over the shards")
+    if whole.offset:
+        raise NotPerExample(f"{what} adds a term that does not read the batch")
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300)

@@ -1,0 +1,79 @@
+"""The abstract values a loss's jaxpr is interpreted over (see :mod:`parallax.step.per_example_proof`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+class NotPerExample(Exception):
+    """The trace shows (or cannot rule out) that the loss mixes examples."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """Does not read the batch; constant along ``uniform`` dims; every element ``value`` if known."""
+
+    uniform: frozenset = frozenset()
+    value: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExample:
+    """Dim ``dim`` runs over the examples, ``block`` consecutive indices per example; slice ``i``
+    reads only example ``i // block``."""
+
+    dim: int
+    block: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSum:
+    """``Σ_k scales[k] · Σ_i f_k(example_i)`` (a ``None`` scale is unknown), plus a batch-free
+    offset if ``offset``."""
+
+    scales: tuple = (1.0,)
+    offset: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Random:
+    """Reads the step's random key."""
+
+
+Abstract = Any  # one of Fixed, PerExample, BatchSum, Random
+
+
+def fixed_from_array(array: Any) -> Fixed:
+    """A constant the trace captured or a literal it reads."""
+    array = np.asarray(array)
+    flat = array.reshape(-1)
+    if flat.size and flat.size <= 1 << 16 and np.all(flat == flat[0]):
+        return Fixed(frozenset(range(array.ndim)), float(flat[0]))
+    return Fixed(frozenset(), None)
+
+
+def kind_name(value: Abstract) -> str:
+    """How an error names an abstract value."""
+    if isinstance(value, Fixed):
+        return "independent of the batch"
+    if isinstance(value, PerExample):
+        return "per-example values"
+    if isinstance(value, BatchSum):
+        return "a sum over the batch"
+    return "random"
+
+
+def join(a: Abstract, b: Abstract) -> Abstract:
+    """One abstract value for two paths (a loop's carry, a ``cond``'s branches)."""
+    if a == b:
+        return a
+    if isinstance(a, Random) or isinstance(b, Random):
+        return Random()
+    if isinstance(a, Fixed) and isinstance(b, Fixed):
+        return Fixed(a.uniform & b.uniform, a.value if a.value == b.value else None)
+    if isinstance(a, BatchSum) and isinstance(b, BatchSum) and len(a.scales) == len(b.scales):
+        return BatchSum(tuple(x if x == y else None for x, y in zip(a.scales, b.scales)), a.offset or b.offset)
+    raise NotPerExample(f"a loop or branch gives {kind_name(a)} on one path and {kind_name(b)} on another")

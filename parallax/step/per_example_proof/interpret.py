@@ -1,0 +1,210 @@
+"""Interpreting a jaxpr over the abstract values of :mod:`parallax.step.per_example_proof.domain`.
+
+This module walks equations, sub-computations, loops and branches, and handles values that
+do not read the batch and batch-wide sums; :mod:`.rules` has the rule of each primitive on
+per-example values. A primitive no rule knows is fine on values that do not read the batch
+and raises :class:`NotPerExample` on any other: the interpretation proves, never guesses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax.extend import core
+
+from parallax.step.per_example_proof import rules
+from parallax.step.per_example_proof.domain import (
+    BatchSum, Fixed, NotPerExample, PerExample, Random, fixed_from_array, join)
+
+
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_EVALUATE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,
+             "min": np.minimum, "neg": np.negative, "sqrt": np.sqrt, "exp": np.exp, "log": np.log,
+             "abs": np.abs, "pow": np.power, "rsqrt": lambda x: 1 / np.sqrt(x), "square": np.square,
+             "convert_element_type": lambda x: x, "copy": lambda x: x, "copy_p": lambda x: x}
+
+
+def interpret(closed: Any, inputs: Sequence[Any], signature: list) -> list:
+    """The abstract values of a (closed) jaxpr's outputs given its inputs'.
+
+    ``signature`` gets, per equation, its primitive and the literals it reads on values
+    that are not batch-wide sums: two traces of one loss at two batch sizes must agree on it.
+    """
+    jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, core.ClosedJaxpr) else (closed, ())
+    env: dict = {}
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = fixed_from_array(value)
+    for var, value in zip(jaxpr.invars, inputs):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        outs = _visit(eqn, [_read(env, v) for v in eqn.invars], signature)
+        for var, value in zip(eqn.outvars, outs):
+            env[var] = value
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _read(env: dict, var: Any) -> Any:
+    if isinstance(var, core.Literal):
+        return fixed_from_array(np.asarray(var.val))
+    return env[var]
+
+
+def _shape(var: Any) -> tuple:
+    return tuple(var.aval.shape)
+
+
+def _record(eqn: Any, ins: list, signature: list) -> None:
+    """The primitive and the literals it reads, except those scaling a batch-wide sum (a mean's
+    divisor is meant to differ between the two traces; :func:`prove_loss` checks it)."""
+    scaling_a_sum = any(isinstance(a, BatchSum) for a in ins)
+    literals = () if scaling_a_sum else tuple(
+        float(np.asarray(v.val).reshape(-1)[0]) for v in eqn.invars
+        if isinstance(v, core.Literal) and np.size(v.val) == 1)
+    signature.append((eqn.primitive.name, literals))
+
+
+def _visit(eqn: Any, ins: list, signature: list) -> list:
+    name = eqn.primitive.name
+    _record(eqn, ins, signature)
+    n_out = len(eqn.outvars)
+    if any(isinstance(a, Random) for a in ins):
+        return [Random()] * n_out
+    if name in ("scan", "while", "cond"):
+        return _control(eqn, ins, signature)
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:
+        return interpret(sub, ins, signature)
+    if all(isinstance(a, Fixed) for a in ins):
+        return _fixed(eqn, ins)
+    if any(isinstance(a, BatchSum) for a in ins):
+        return [_batch_sum(eqn, ins)] * n_out
+    per = rules.per_example(eqn, ins)
+    return per if isinstance(per, list) else [per] * n_out
+
+
+def _sub_jaxpr(eqn: Any):
+    for key in _CALLS:
+        sub = eqn.params.get(key)
+        jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
+        if isinstance(jaxpr, core.Jaxpr) and len(jaxpr.invars) == len(eqn.invars):
+            return sub
+    return None
+
+
+def _fixed(eqn: Any, ins: list) -> list:
+    """Every input batch-free: the outputs are too; keep which dims are uniform and known values."""
+    name, params = eqn.primitive.name, eqn.params
+    out_shape = _shape(eqn.outvars[0]) if eqn.outvars else ()
+    rank = len(out_shape)
+    if name == "iota":
+        return [Fixed(frozenset(range(rank)) - {params["dimension"]})]
+    if name == "broadcast_in_dim":
+        (operand,), dims = ins[:1], params["broadcast_dimensions"]
+        in_shape = _shape(eqn.invars[0])
+        uniform = {d for d in range(rank) if d not in dims}
+        uniform |= {dims[i] for i in range(len(dims)) if i in operand.uniform or in_shape[i] == 1}
+        return [Fixed(frozenset(uniform), operand.value)]
+    if name in rules.ELEMENTWISE and eqn.outvars:
+        uniform = frozenset(range(rank))
+        for var, a in zip(eqn.invars, ins):
+            if len(_shape(var)) == rank:  # a size-1 dim broadcasts: constant along it
+                uniform &= a.uniform | {d for d in range(rank) if _shape(var)[d] == 1 < out_shape[d]}
+        value = None
+        if name in _EVALUATE and all(a.value is not None for a in ins):
+            with np.errstate(all="ignore"):
+                value = float(np.asarray(_EVALUATE[name](*[np.float64(a.value) for a in ins])))
+        elif name == "integer_pow" and ins[0].value is not None:
+            value = float(ins[0].value) ** params["y"]
+        return [Fixed(uniform, value)] * len(eqn.outvars)
+    if name == "reduce_sum" and ins[0].value is not None:
+        size = int(np.prod([_shape(eqn.invars[0])[a] for a in params["axes"]]))
+        return [Fixed(frozenset(range(rank)), ins[0].value * size)]
+    if name in ("reduce_max", "reduce_min") and ins[0].value is not None:
+        return [Fixed(frozenset(range(rank)), ins[0].value)]
+    return [Fixed() for _ in eqn.outvars]
+
+
+def _batch_sum(eqn: Any, ins: list) -> BatchSum:
+    """Linear maps of a batch-wide sum stay one; anything else mixes examples."""
+    name = eqn.primitive.name
+    if any(isinstance(a, PerExample) for a in ins):
+        raise NotPerExample(f"it feeds a batch-wide sum back into per-example values ({name})")
+    sums = [a for a in ins if isinstance(a, BatchSum)]
+    fixed = [a for a in ins if isinstance(a, Fixed)]
+    if name in ("reduce_sum", "transpose", "reshape", "squeeze", "expand_dims") or name in rules.IDENTITY:
+        return sums[0]
+    if name == "broadcast_in_dim":
+        if int(np.prod(_shape(eqn.outvars[0]))) != int(np.prod(_shape(eqn.invars[0]))):
+            raise NotPerExample("it broadcasts a batch-wide sum")
+        return sums[0]
+    if name in ("add", "add_any", "sub"):
+        second = -1.0 if name == "sub" else 1.0
+        scales, offset = [], False
+        for index, a in enumerate(ins):
+            sign = second if index else 1.0
+            if isinstance(a, BatchSum):
+                scales += [None if s is None else sign * s for s in a.scales]
+                offset |= a.offset
+            else:
+                offset = True
+        return BatchSum(tuple(scales), offset)
+    if name == "neg":
+        return BatchSum(tuple(None if s is None else -s for s in sums[0].scales), sums[0].offset)
+    if name in ("mul", "div") and len(sums) == 1 and len(fixed) == 1:
+        if name == "div" and isinstance(ins[1], BatchSum):
+            raise NotPerExample("it divides by a batch-wide sum (a count over the batch)")
+        factor = fixed[0].value
+        if factor is None:
+            scales = tuple(None for _ in sums[0].scales)
+        else:
+            factor = factor if name == "mul" else 1.0 / factor
+            scales = tuple(None if s is None else s * factor for s in sums[0].scales)
+        return BatchSum(scales, sums[0].offset)
+    if name in ("mul", "div"):
+        raise NotPerExample(f"it {'multiplies' if name == 'mul' else 'divides'} batch-wide sums together "
+                            "(a ratio or product of sums over the batch)")
+    raise NotPerExample(f"it applies {name} to a batch-wide sum")
+
+
+
+
+def _control(eqn: Any, ins: list, signature: list) -> list:
+    """``scan``/``while``: the carry iterated to a fixed point; ``cond``: its branches joined."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "cond":
+        if not isinstance(ins[0], Fixed):
+            raise NotPerExample("it branches on a value computed from the batch")
+        outs = None
+        for branch in params["branches"]:
+            found = interpret(branch, ins[1:], signature)
+            outs = found if outs is None else [join(a, b) for a, b in zip(outs, found)]
+        return outs
+    if name == "scan":
+        consts, n_carry = params["num_consts"], params["num_carry"]
+        fixed_in, carry, xs = ins[:consts], ins[consts:consts + n_carry], ins[consts + n_carry:]
+        body = params["jaxpr"]
+        sliced = [rules.unstacked(x) for x in xs]
+        for _ in range(4):
+            outs = interpret(body, fixed_in + carry + sliced, [])
+            joined = [join(a, b) for a, b in zip(carry, outs[:n_carry])]
+            if joined == carry:
+                interpret(body, fixed_in + carry + sliced, signature)
+                return carry + [rules.stacked(y) for y in outs[n_carry:]]
+            carry = joined
+        raise NotPerExample("a scan's carry does not settle")
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    cond_consts, body_consts = ins[:params["cond_nconsts"]], ins[params["cond_nconsts"]:][:params["body_nconsts"]]
+    carry = ins[params["cond_nconsts"] + params["body_nconsts"]:]
+    for _ in range(4):
+        joined = [join(a, b) for a, b in zip(carry, interpret(body, body_consts + carry, []))]
+        if joined == carry:
+            break
+        carry = joined
+    else:
+        raise NotPerExample("a while loop's carry does not settle")
+    (predicate,) = interpret(cond, cond_consts + carry, signature)
+    if not isinstance(predicate, Fixed):
+        raise NotPerExample("a while loop's condition reads the batch")
+    interpret(body, body_consts + carry, signature)
+    return carry
