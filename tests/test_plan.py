@@ -54,7 +54,7 @@ def reports():
     out = {}
     for name, (cls, loss, kind, strategies) in CASES.items():
         out[name] = px.plan(cls(), optax.adamw(1e-3), batches(kind, 1, 16)[0], loss_fn=loss,
-                            strategies=[small(s) for s in strategies], devices=8, memory_budget=["1MB", "40KB"])
+                            strategies=[small(s) for s in strategies], devices=8, memory_budget=["1MB", "64KB"])
     return out
 
 
@@ -82,7 +82,9 @@ def test_plan_equals_the_built_state_and_the_step_that_runs(reports, name):
         assert row["collectives"] == {k: {"count": s.count, "bytes": s.bytes} for k, s in traffic.items()}
         assert row["compiled"] == memory_bytes(compiled)
         assert row["strategy"] == small(strategy).describe(mesh)
-    if name == "mlp":  # a loss as written: jit, the path exact for any loss
+        if strategy != "tp":  # a data axis and a mean of per-example terms (marked, or read from the trace)
+            assert name == "cnn" or set(step.choice.estimates) == {"jit", "shard_map"}, (name, strategy)
+    if name == "cnn":  # BatchNorm's statistics read the whole batch: the trace proves nothing, so jit
         assert [row["compile"] for row in reports[name].rows] == ["jit"] * len(reports[name].rows)
 
 
@@ -91,16 +93,16 @@ def test_fsdp_plans_less_state_per_device_and_the_budgets_say_what_fits(reports)
     kernels, biases = 24 * 64 + 64 * 64 + 64 * 10, 64 + 64 + 10  # biases of <= 64 elements stay whole
     assert dp["state"]["params"] == 4 * (kernels + biases) and fsdp["state"]["params"] == 4 * (kernels // 8 + biases)
     assert [reports["mlp"].fits(row, 0) for row in reports["mlp"].rows] == [True] * 4
-    assert reports["mlp"].fits(fsdp, 1) != reports["mlp"].fits(dp, 1)  # 40KB: the plan tells them apart
+    assert reports["mlp"].fits(fsdp, 1) != reports["mlp"].fits(dp, 1)  # 64KB: the plan tells them apart
     text = str(reports["mlp"])
-    assert re.search(r"^8 +FSDP\(fsdp=8\) +jit +", text, re.M) and "fits 40KB" in text
+    assert re.search(r"^8 +FSDP\(fsdp=8\) +(jit|shard_map) +", text, re.M) and "fits 64KB" in text
     assert "note: Per device." in text
 
 
 def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
     here = reports["mlp"]
     there = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
-                    strategies=[small(s) for s in CASES["mlp"][3]], devices=8, memory_budget=["1MB", "40KB"],
+                    strategies=[small(s) for s in CASES["mlp"][3]], devices=8, memory_budget=["1MB", "64KB"],
                     isolate=True)
     assert there.rows == here.rows
 

@@ -8,9 +8,10 @@ Two ways to compile, driven by the same spec tree and the same loss closure
 * ``"jit"`` (:mod:`parallax.step.jit`): the same loss under ``jax.jit`` with shardings;
   the compiler (GSPMD) inserts every collective. Always used for pure tensor parallelism.
 
-``compile="auto"`` is exact for any loss: ``jit`` unless the loss is marked
-:func:`parallax.per_example_loss`, then whichever path the cost model prices faster for
-this model, strategy and batch (see ``Step.mode``).
+``compile="auto"`` is exact for any loss: ``jit`` unless the loss is a mean of per-example
+terms (marked :func:`parallax.per_example_loss`, or read so from its trace by
+:mod:`parallax.step.per_example_proof`), then whichever path the cost model prices faster
+for this model, strategy and batch (see ``Step.mode``).
 
 The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
 so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
@@ -28,16 +29,18 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallax.models import LossFn
+from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.step import metrics as metric_lib
 from parallax.step.choice import Choice, choose, memory_budget
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
-from parallax.step.jit import jit_gradients
+from parallax.step.jit import jit_gradients, jit_run
+from parallax.step.loss import loss_closure
 from parallax.step.options import StepOptions
 from parallax.step.per_example import is_per_example_loss
+from parallax.step.per_example_proof import Proof, prove_loss
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.state import TrainState
 
@@ -55,6 +58,8 @@ class Step:
         train: a train step (update) or an eval step (metric sums).
         replicated_batch: an eval step that takes a batch of any size, whole on every device.
         choice: the cost model's pick of the compile path (``None`` while there is none).
+        proof: for a loss as written, whether its trace showed a mean of per-example terms
+            (``None`` until the first call reads it).
         auto_strategy: built with ``strategy="auto"``.
     """
 
@@ -72,6 +77,7 @@ class Step:
         self._cache: dict = {}  # one jitted function per state layout
         self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
         self.choice: Choice | None = None  # the cost model's pick of the compile path, once made
+        self.proof: Proof | None = None  # read from the loss's trace at the first call
         self.auto_strategy = strategy == AUTO
 
     def modes(self) -> tuple[str, ...]:
@@ -89,12 +95,20 @@ class Step:
             return ("shard_map",), "batch_stats='local' needs explicit shards"
         if self.options.compile != "auto":
             return (self.options.compile,), "compile= as given"
-        if not is_per_example_loss(self.loss_fn):  # per-shard losses averaged would change a batch-level loss
-            return ("jit",), "the loss sees the global batch (mark it px.per_example_loss to let the cost model choose)"
+        marked = is_per_example_loss(self.loss_fn)
+        if not marked and not self.train:
+            return ("jit",), "the loss sees the global batch"
+        if not marked and self.proof is None:
+            return ("jit", "shard_map"), ("jit, or the cost model's pick if the loss's trace shows a mean of "
+                                          "per-example terms (read at the first call)")
+        if not marked and not self.proof:  # per-shard losses averaged would change a batch-level loss
+            return ("jit",), (f"the loss sees the global batch: {self.proof.reason} (if it is a mean of "
+                              "per-example terms, mark it px.per_example_loss to let the cost model choose)")
         if not self.train:  # an eval step is not worth a second compile
             return (("jit",) if self.strategy.fsdp_axes and not self.strategy.model_axes else ("shard_map",),
                     "eval steps take the path measured faster in benchmarks/")
-        return ("jit", "shard_map"), "the cost model picks jit or shard_map at the first call"
+        why = "marked px.per_example_loss" if marked else self.proof.reason
+        return ("jit", "shard_map"), f"{why}: the cost model picks jit or shard_map at the first call"
 
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call
@@ -120,10 +134,13 @@ class Step:
 
         Example:
             >>> px.make_train_step(loss_fn, px.FSDP()).describe()
-            'compile path jit: the loss sees the global batch (mark it px.per_example_loss to let the cost model choose)'
+            "compile path auto: jit, or the cost model's pick if the loss's trace shows a mean of per-example terms (read at the first call)"
+            >>> px.make_eval_step(loss_fn, px.FSDP()).describe()
+            'compile path jit: the loss sees the global batch'
         """
         if self.choice is not None:
-            return self.choice.describe()
+            basis = "marked px.per_example_loss" if is_per_example_loss(self.loss_fn) else self.proof.reason
+            return f"{self.choice.describe()}; both paths exact: {basis}"
         if self.strategy is None:
             return "strategy auto: read from the state's mesh at the first call, then the compile path"
         modes, why = self._paths()
@@ -136,6 +153,7 @@ class Step:
 
     def _choose(self, state: TrainState, batch: Any) -> tuple[Choice, dict]:
         mesh, specs = state_specs_of(state)
+        self._prove(state, batch, mesh)
         functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
         compiled, failed = {}, None
         for mode, fn in functions.items():
@@ -176,6 +194,7 @@ class Step:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
+            self._prove(state, batch, mesh)
             if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
                 self.choice, functions = self._choose(state, batch)
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
@@ -184,6 +203,18 @@ class Step:
                 self._cache[key] = self._function(self.mode(), mesh, specs)
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
+
+    def _prove(self, state: TrainState, batch: Any, mesh: Mesh) -> None:
+        """Reads once, from the loss's trace, whether a loss as written may run per data shard."""
+        if self.proof is not None or len(self._paths()[0]) == 1 or is_per_example_loss(self.loss_fn):
+            return
+        adapter = adapter_for(state.model)
+        loss = loss_closure(adapter, self.loss_fn, self.options.rng_streams, jit_run(self.options, mesh, self.train))
+        rows = leading_dims(batch)[0][1] // self.options.grad_accum  # one microbatch, as the loss sees it
+        microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+        self.proof = prove_loss(loss, state.params, state.model_state, microbatch, state.rng,
+                                self.strategy.data_shards(mesh))
+        log.info("Loss as written: %s", self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
 
     def _function(self, mode: str, mesh: Mesh, specs: TrainState):
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)

@@ -14,13 +14,18 @@ from parallax.step.loss import loss_closure
 from parallax.step.options import StepOptions
 
 
+def jit_run(options: StepOptions, mesh: Mesh, train: bool) -> ModelRun:
+    """How the model runs on the global batch: BatchNorm over all of it, the model's own constraints kept."""
+    return ModelRun(train=train, batch_stats_axes=None, remat=options.remat, constraint_axes=tuple(mesh.axis_names),
+                    compute_dtype=options.policy.compute_dtype)
+
+
 def jit_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOptions, mesh: Mesh, train: bool) -> Callable:
     """``gradients(state, batch, key)``: ``(grads, sums, model_state)`` in training, ``sums`` in evaluation.
 
     GSPMD places the collectives; BatchNorm sees the global batch, as on one device.
     """
-    run = ModelRun(train=train, batch_stats_axes=None, remat=options.remat, constraint_axes=tuple(mesh.axis_names),
-                   compute_dtype=options.policy.compute_dtype)
+    run = jit_run(options, mesh, train)
     microbatch_sharding = NamedSharding(mesh, PartitionSpec(None, *strategy.batch_spec()))
 
     def gradients(state, batch, key):

@@ -56,17 +56,19 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
             the batch as the loss sees it on the global batch (one microbatch).
         shards: how many data shards split that batch.
     """
+    params, model_state, batch, key = jax.tree.map(_abstract, (params, model_state, batch, key))
     rows = int(jax.tree.leaves(batch)[0].shape[0])
     if shards < 2 or rows % shards:
         return Proof(False, f"{rows} examples do not split into {shards} shards")
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype), batch)
     traces = []
     for this_batch, size in ((batch, rows), (local, rows // shards)):
-        args = (params, model_state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), this_batch), key)
+        args = (params, model_state, this_batch, key)
         try:
             closed, shape = jax.make_jaxpr(loss, return_shape=True)(*args)
         except Exception as err:  # noqa: BLE001 - a loss that does not trace here is only "not proven"
-            return Proof(False, f"it does not trace at one shard's batch ({type(err).__name__}: "
+            where = "the global batch" if size == rows else "one shard's batch"
+            return Proof(False, f"it does not trace at {where} ({type(err).__name__}: "
                                 f"{str(err).splitlines()[0][:160]})")
         inputs = ([Fixed()] * len(jax.tree.leaves(params)) + [Fixed()] * len(jax.tree.leaves(model_state))
                   + [PerExample(0)] * len(jax.tree.leaves(this_batch)) + [Random()] * len(jax.tree.leaves(key)))
@@ -75,27 +77,33 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
             outputs = interpret(closed, inputs, signature)
         except NotPerExample as why:
             return Proof(False, str(why))
+        except Exception as err:  # noqa: BLE001 - a rule that trips on an unusual equation proves nothing
+            return Proof(False, f"the proof could not read its trace ({type(err).__name__}: {err})")
         value, (sums, new_model_state) = jax.tree.unflatten(jax.tree.structure(shape), outputs)
         traces.append((value, sums, jax.tree.leaves(new_model_state, is_leaf=_is_abstract), signature, size))
     (value, sums, state, signature, size), (value_l, sums_l, state_l, signature_l, size_l) = traces
-    if signature != signature_l:
-        return Proof(False, "it computes differently at one shard's batch size (it reads the batch size)")
     try:
         _mean(value, value_l, size, size_l)
         for name, (total, count) in sums.items():
-            _sum(total, sums_l[name][0], f"metric {name!r}")
+            _sum(total, sums_l[name][0], f"metric {name!r}", shards)
             if isinstance(count, Fixed) and isinstance(count_l := sums_l[name][1], Fixed):
                 if count.value is None or count_l.value is None or not _close(count.value, shards * count_l.value):
                     raise NotPerExample(f"metric {name!r}'s count is not the number of examples it averages")
             else:
-                _sum(count, sums_l[name][1], f"metric {name!r}'s count")
+                _sum(count, sums_l[name][1], f"metric {name!r}'s count", shards)
         for leaf in state + state_l:
             _random(leaf)
             if not isinstance(leaf, Fixed):
                 raise NotPerExample("it updates model state (e.g. BatchNorm statistics) from the batch")
     except NotPerExample as why:
         return Proof(False, str(why))
+    if signature != signature_l:
+        return Proof(False, "it computes differently at one shard's batch size (it reads the batch size)")
     return Proof(True, "the loss traces as a mean of per-example terms")
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype)
 
 
 def _is_abstract(x: Any) -> bool:
@@ -107,31 +115,39 @@ def _random(value: Any) -> None:
         raise NotPerExample("it draws random numbers from the step's key (e.g. dropout): each shard would draw its own")
 
 
-def _sums(whole: Any, shard: Any, what: str) -> tuple[tuple, tuple]:
+def _factors(whole: Any, shard: Any, what: str) -> list[tuple[float, float]]:
+    """The paired literal factors (of the sums over examples, then of the batch-free offsets)."""
     _random(whole)
     _random(shard)
     if not isinstance(whole, BatchSum) or not isinstance(shard, BatchSum):
         raise NotPerExample(f"{what} is {kind_name(whole)}, not a sum or mean over the examples")
-    if len(whole.scales) != len(shard.scales) or None in whole.scales + shard.scales:
+    factors = whole.scales + whole.offsets + shard.scales + shard.offsets
+    if len(whole.scales) != len(shard.scales) or len(whole.offsets) != len(shard.offsets) or None in factors:
         raise NotPerExample(f"{what} scales a sum over the batch by a value computed in the loss")
-    return whole.scales, shard.scales
+    return list(zip(whole.scales, shard.scales)) + list(zip(whole.offsets, shard.offsets))
 
 
 def _mean(whole: Any, shard: Any, size: int, local_size: int) -> None:
-    """Each shard's value averaged over the shards is the whole's: ``α`` scales as one over the batch."""
-    for a, b in zip(*_sums(whole, shard, "the loss")):
-        if not _close(a * size, b * local_size):
+    """Each shard's value averaged over the shards is the whole's: a sum's factor scales as one
+    over the batch size; a batch-free term stays as it is."""
+    sums = len(whole.scales) if isinstance(whole, BatchSum) else 0
+    for index, (a, b) in enumerate(_factors(whole, shard, "the loss")):
+        if index < sums and not _close(a * size, b * local_size):
             raise NotPerExample(f"the loss divides a sum over the examples by {1 / a:g}, which does not scale with "
                                 f"the batch size {size} (a divisor written into the loss?)")
+        if index >= sums and not _close(a, b):
+            raise NotPerExample("the loss scales a term that does not read the batch by the batch size")
 
 
-def _sum(whole: Any, shard: Any, what: str) -> None:
-    """Each shard's value summed over the shards is the whole's: the same scales, no offset."""
-    for a, b in zip(*_sums(whole, shard, what)):
-        if not _close(a, b):
+def _sum(whole: Any, shard: Any, what: str, shards: int) -> None:
+    """Each shard's value summed over the shards is the whole's: a sum's factor stays as it is;
+    a batch-free term must scale with the batch size (a mean times its count)."""
+    sums = len(whole.scales) if isinstance(whole, BatchSum) else 0
+    for index, (a, b) in enumerate(_factors(whole, shard, what)):
+        if index < sums and not _close(a, b):
             raise NotPerExample(f"{what} does not add up over the shards")
-    if whole.offset:
-        raise NotPerExample(f"{what} adds a term that does not read the batch")
+        if index >= sums and not _close(a, shards * b):
+            raise NotPerExample(f"{what} adds a term that does not read the batch")
 
 
 def _close(a: float, b: float) -> bool:

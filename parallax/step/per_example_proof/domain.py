@@ -31,11 +31,11 @@ class PerExample:
 
 @dataclasses.dataclass(frozen=True)
 class BatchSum:
-    """``Σ_k scales[k] · Σ_i f_k(example_i)`` (a ``None`` scale is unknown), plus a batch-free
-    offset if ``offset``."""
+    """``Σ_k scales[k] · Σ_i f_k(example_i) + Σ_j offsets[j] · c_j``, each ``c_j`` a value that
+    does not read the batch; a ``None`` factor is not a known number."""
 
     scales: tuple = (1.0,)
-    offset: bool = False
+    offsets: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +47,15 @@ Abstract = Any  # one of Fixed, PerExample, BatchSum, Random
 
 
 def fixed_from_array(array: Any) -> Fixed:
-    """A constant the trace captured or a literal it reads."""
+    """A constant the trace captured or a literal it reads: which dims it is constant along
+    (``np.broadcast_to(np.arange(T), (B, T))`` is, along the batch), and its one value if it has one."""
     array = np.asarray(array)
+    if array.size == 0 or array.size > 1 << 20:
+        return Fixed()
+    uniform = frozenset(d for d in range(array.ndim) if np.array_equal(array, np.take(array, [0], axis=d).repeat(
+        array.shape[d], axis=d)))
     flat = array.reshape(-1)
-    if flat.size and flat.size <= 1 << 16 and np.all(flat == flat[0]):
-        return Fixed(frozenset(range(array.ndim)), float(flat[0]))
-    return Fixed(frozenset(), None)
+    return Fixed(uniform, float(flat[0]) if len(uniform) == array.ndim and np.isreal(flat[0]) else None)
 
 
 def kind_name(value: Abstract) -> str:
@@ -74,6 +77,8 @@ def join(a: Abstract, b: Abstract) -> Abstract:
         return Random()
     if isinstance(a, Fixed) and isinstance(b, Fixed):
         return Fixed(a.uniform & b.uniform, a.value if a.value == b.value else None)
-    if isinstance(a, BatchSum) and isinstance(b, BatchSum) and len(a.scales) == len(b.scales):
-        return BatchSum(tuple(x if x == y else None for x, y in zip(a.scales, b.scales)), a.offset or b.offset)
+    if (isinstance(a, BatchSum) and isinstance(b, BatchSum) and len(a.scales) == len(b.scales)
+            and len(a.offsets) == len(b.offsets)):
+        return BatchSum(*(tuple(x if x == y else None for x, y in zip(p, q))
+                          for p, q in ((a.scales, b.scales), (a.offsets, b.offsets))))
     raise NotPerExample(f"a loop or branch gives {kind_name(a)} on one path and {kind_name(b)} on another")

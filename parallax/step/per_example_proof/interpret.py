@@ -66,10 +66,10 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
 
 def _visit(eqn: Any, ins: list, signature: list) -> list:
     name = eqn.primitive.name
-    _record(eqn, ins, signature)
     n_out = len(eqn.outvars)
-    if any(isinstance(a, Random) for a in ins):
+    if any(isinstance(a, Random) for a in ins):  # no signature: a random value that reaches an output is refused
         return [Random()] * n_out
+    _record(eqn, ins, signature)
     if name in ("scan", "while", "cond"):
         return _control(eqn, ins, signature)
     sub = _sub_jaxpr(eqn)
@@ -122,7 +122,25 @@ def _fixed(eqn: Any, ins: list) -> list:
         return [Fixed(frozenset(range(rank)), ins[0].value * size)]
     if name in ("reduce_max", "reduce_min") and ins[0].value is not None:
         return [Fixed(frozenset(range(rank)), ins[0].value)]
-    return [Fixed() for _ in eqn.outvars]
+    return [Fixed(frozenset(dims)) for dims in _uniform_through(eqn, ins)]
+
+
+def _uniform_through(eqn: Any, ins: list) -> list[set]:
+    """Which output dims stay constant: where the per-example rules send an input's constant dim
+    (a dim that keeps each slice to itself keeps a constant slice constant)."""
+    found: list[set] = [set() for _ in eqn.outvars]
+    for index, a in enumerate(ins):
+        for dim in a.uniform:
+            trial = list(ins)
+            trial[index] = PerExample(dim)
+            try:
+                outs = rules.per_example(eqn, trial)
+            except (NotPerExample, KeyError, ValueError, IndexError, TypeError):
+                continue
+            for out, value in zip(found, outs if isinstance(outs, list) else [outs] * len(found)):
+                if isinstance(value, PerExample) and value.block == 1:
+                    out.add(value.dim)
+    return found
 
 
 def _batch_sum(eqn: Any, ins: list) -> BatchSum:
@@ -139,32 +157,28 @@ def _batch_sum(eqn: Any, ins: list) -> BatchSum:
             raise NotPerExample("it broadcasts a batch-wide sum")
         return sums[0]
     if name in ("add", "add_any", "sub"):
-        second = -1.0 if name == "sub" else 1.0
-        scales, offset = [], False
+        scales, offsets = [], []
         for index, a in enumerate(ins):
-            sign = second if index else 1.0
+            sign = -1.0 if name == "sub" and index else 1.0
             if isinstance(a, BatchSum):
-                scales += [None if s is None else sign * s for s in a.scales]
-                offset |= a.offset
+                scales += _scaled(a.scales, sign)
+                offsets += _scaled(a.offsets, sign)
             else:
-                offset = True
-        return BatchSum(tuple(scales), offset)
+                offsets.append(sign)  # a term that does not read the batch
+        return BatchSum(tuple(scales), tuple(offsets))
     if name == "neg":
-        return BatchSum(tuple(None if s is None else -s for s in sums[0].scales), sums[0].offset)
+        return BatchSum(_scaled(sums[0].scales, -1.0), _scaled(sums[0].offsets, -1.0))
     if name in ("mul", "div") and len(sums) == 1 and len(fixed) == 1:
         if name == "div" and isinstance(ins[1], BatchSum):
             raise NotPerExample("it divides by a batch-wide sum (a count over the batch)")
         factor = fixed[0].value
-        if factor is None:
-            scales = tuple(None for _ in sums[0].scales)
-        else:
-            factor = factor if name == "mul" else 1.0 / factor
-            scales = tuple(None if s is None else s * factor for s in sums[0].scales)
-        return BatchSum(scales, sums[0].offset)
+        if factor is not None and name == "div":
+            factor = 1.0 / factor
+        return BatchSum(_scaled(sums[0].scales, factor), _scaled(sums[0].offsets, factor))
     if name in ("mul", "div"):
         raise NotPerExample(f"it {'multiplies' if name == 'mul' else 'divides'} batch-wide sums together "
                             "(a ratio or product of sums over the batch)")
-    raise NotPerExample(f"it applies {name} to a batch-wide sum")
+    raise NotPerExample(f"it applies {name} to a batch-wide sum (batch statistics, e.g. BatchNorm's)")
 
 
 
@@ -208,3 +222,8 @@ def _control(eqn: Any, ins: list, signature: list) -> list:
         raise NotPerExample("a while loop's condition reads the batch")
     interpret(body, body_consts + carry, signature)
     return carry
+
+
+def _scaled(factors: tuple, by: float | None) -> tuple:
+    """Literal factors times ``by``; unknown (``None``) where either is."""
+    return tuple(None if f is None or by is None else f * by for f in factors)

@@ -85,6 +85,8 @@ def per_example(eqn: Any, ins: list):
     """The output of a primitive with per-example inputs (the others batch-free); one value for
     every output, or a list."""
     name, params = eqn.primitive.name, eqn.params
+    if name == "dot_general":
+        return _dot(eqn, ins)
     per = _the(ins)
     if name in ELEMENTWISE or name == "concatenate" and params["dimension"] != per.dim:
         _aligned(eqn, ins, per)
@@ -117,8 +119,6 @@ def per_example(eqn: Any, ins: list):
             raise NotPerExample("it updates part of the example dim")
         _aligned(eqn, ins[:2], per)
         return per
-    if name == "dot_general":
-        return _dot(eqn, ins)
     if name == "conv_general_dilated":
         return _conv(eqn, ins, per)
     if name == "gather":

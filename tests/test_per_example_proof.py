@@ -1,0 +1,186 @@
+"""Reading from a loss's trace whether it is a mean of per-example terms.
+
+Every case is checked twice: by the proof (``parallax.step.per_example_proof``) and by
+numbers, independently of it: the loss and its metric sums computed on the global batch,
+against each shard's loss averaged over the shards and each shard's sums added up. A proven
+case must agree to float32 rounding; a rejected case that changes meaning per shard must be
+shown to differ, so the table cannot pass by rejecting everything or proving everything.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import parallax as px
+from parallax.models import ModelRun, adapter_for
+from parallax.step.loss import loss_closure
+from parallax.step.per_example_proof import prove_loss
+from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
+from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, run_plain, run_steps, with_params
+
+SHARDS = 4
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, carry, _):
+        return nn.relu(nn.Dense(16)(carry)), None
+
+
+class ScannedMLP(nn.Module):
+    """Two layers under ``nn.scan``, as in models that scan over their blocks."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(16)(x)
+        x, _ = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()(x, None)
+        return nn.Dense(10)(x)
+
+
+class Dropout(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        return nn.Dense(10)(nn.Dropout(0.5, deterministic=not train)(nn.Dense(16)(x)))
+
+
+def ce(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+
+# name -> (model, loss_fn, batch kind, proven?, reason substring when not)
+PROVEN = {
+    "mean cross-entropy": (MLP, classifier_loss, "x"),
+    "LM token mean": (TinyLM, lm_loss, "tokens"),
+    "flattened tokens": (TinyLM, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        m(b["x"]).reshape(-1, 64), b["y"].reshape(-1)).mean(), "tokens"),
+    "sum / batch size read from the batch": (MLP, lambda m, b: ce(m, b).sum() / b["x"].shape[0], "x"),
+    "mean plus L2 on params": (MLP, lambda m, b: ce(m, b).mean() + 1e-2 * sum(
+        jnp.sum(w ** 2) for w in jax.tree.leaves(m.variables["params"])), "x"),
+    "weighted per-example metrics": (MLP, lambda m, b: (ce(m, b).mean(), {
+        "per_example": ce(m, b), "pair": ((ce(m, b) * b["w"]).sum(), b["w"].sum()),
+        "accuracy": (m(b["x"]).argmax(-1) == b["y"]).mean()}), "x"),
+    "mean over tokens, then over examples": (TinyLM, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        m(b["x"]), b["y"]).mean(-1).mean(), "tokens"),
+    "scan over layers": (ScannedMLP, classifier_loss, "x"),
+}
+REJECTED = {
+    "masked-token mean": (TinyLM, lambda m, b: (optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"])
+                                                * b["mask"]).sum() / b["mask"].sum(), "tokens",
+                          "divides batch-wide sums", True),
+    "in-batch negatives": (MLP, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        m(b["x"]) @ m(b["x"]).T, jnp.arange(b["x"].shape[0])).mean(), "x", "every example with every other", True),
+    "BatchNorm": (CNN, classifier_loss, "image", "batch-wide sum", True),
+    "dropout": (Dropout, classifier_loss, "x", "random numbers", False),
+    "divisor written in": (MLP, lambda m, b: ce(m, b).sum() / 32.0, "x", "does not scale with the batch size", True),
+    "sum, no mean": (MLP, lambda m, b: ce(m, b).sum(), "x", "does not scale with the batch size", True),
+    "weights over the batch position": (MLP, lambda m, b: (ce(m, b) * jnp.arange(b["x"].shape[0])).mean(), "x",
+                                        "different slice", True),
+    "hardest example": (MLP, lambda m, b: ce(m, b).max(), "x", "reduce_max over the examples", True),
+    "batch-centred": (MLP, lambda m, b: ((ce(m, b) - ce(m, b).mean()) ** 2).mean(), "x",
+                      "back into per-example values", True),
+    "mean of a square of means": (MLP, lambda m, b: ce(m, b).mean() ** 2, "x", "to a batch-wide sum", True),
+    "metric scaled by the batch size": (MLP, lambda m, b: (ce(m, b).mean(), {"total": (ce(m, b).sum(), 1.0)}),
+                                        "x", "count is not the number", True),
+    "first example's loss": (MLP, lambda m, b: ce(m, b)[0], "x", "part of the example dim", True),
+}
+
+
+def make_batch(kind: str, rows: int = 16, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    if kind == "tokens":
+        return {"x": rng.integers(0, 64, (rows, 8)).astype(np.int32), "y": rng.integers(0, 64, (rows, 8)).astype(np.int32),
+                "mask": (rng.random((rows, 8)) < rng.uniform(0.1, 0.7, (rows, 1))).astype(np.float32)}
+    if kind == "image":
+        return {"x": rng.normal(size=(rows, 8, 8, 3)).astype(np.float32), "y": rng.integers(0, 10, rows)}
+    return {"x": rng.normal(size=(rows, 12)).astype(np.float32), "y": rng.integers(0, 10, rows).astype(np.int32),
+            "w": rng.random(rows).astype(np.float32)}
+
+
+def closure_and_args(model_cls, loss_fn, kind: str):
+    model, batch = model_cls(), make_batch(kind)
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, batch["x"], train=False)
+    params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    loss = loss_closure(adapter_for(model), loss_fn, ("dropout",), ModelRun(train=True))
+    return loss, (params, model_state, batch, jax.random.key(2))
+
+
+def per_shard_difference(loss, args) -> float:
+    """How far each shard's loss averaged (and its sums added) is from the global batch's: by numbers."""
+    params, model_state, batch, key = args
+    value, (sums, _) = jax.jit(loss)(*args)
+    shards = [jax.jit(loss)(params, model_state, jax.tree.map(lambda x, i=i: np.split(x, SHARDS)[i], batch), key)
+              for i in range(SHARDS)]
+    diffs = [abs(float(value) - np.mean([float(v) for v, _ in shards]))]
+    for name, (total, count) in sums.items():
+        diffs.append(abs(float(total) - sum(float(s[1][0][name][0]) for s in shards)))
+        diffs.append(abs(float(count) - sum(float(s[1][0][name][1]) for s in shards)))
+    return max(diffs)
+
+
+@pytest.mark.parametrize("name", list(PROVEN))
+def test_a_mean_of_per_example_terms_is_proven_and_averages_over_shards(name):
+    model_cls, loss_fn, kind = PROVEN[name]
+    loss, args = closure_and_args(model_cls, loss_fn, kind)
+    proof = prove_loss(loss, *args, SHARDS)
+    assert proof, proof.reason
+    assert per_shard_difference(loss, args) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(REJECTED))
+def test_a_loss_that_is_not_a_mean_of_per_example_terms_is_not_proven(name):
+    model_cls, loss_fn, kind, reason, differs = REJECTED[name]
+    loss, args = closure_and_args(model_cls, loss_fn, kind)
+    proof = prove_loss(loss, *args, SHARDS)
+    assert not proof and reason in proof.reason, proof.reason
+    if differs:  # by numbers: the shards really do not average to the whole
+        assert per_shard_difference(loss, args) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def lm_data():
+    return [make_batch("tokens", 16, seed) for seed in range(4)]
+
+
+@pytest.mark.parametrize("strategy_name, opt_name", [("dp", "sgd"), ("fsdp", "adamw")])
+def test_an_unmarked_mean_loss_gets_the_cost_models_choice_and_trains_like_one_device(strategy_name, opt_name, lm_data):
+    strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=2**8)}[strategy_name]
+    single = px.DataParallel(1)
+    start = px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=single, rng=0, loss_fn=lm_loss,
+                          mesh=single.make_mesh(jax.devices()[:1]))
+    reference = run_plain(TinyLM(), OPTIMIZERS[opt_name](), lm_loss, start, lm_data)
+    def on_mesh():
+        return with_params(px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=strategy, rng=0,
+                                         loss_fn=lm_loss), jax.device_get(start.params))
+
+    state = on_mesh()  # donated by the step
+    step = px.make_train_step(lm_loss, strategy)
+    assert step.mode() == "auto"  # read at the first call
+    state, losses = run_steps(step, state, lm_data)
+    assert step.proof and set(step.choice.estimates) == {"jit", "shard_map"}
+    assert step.mode() == step.choice.picked and "mean of per-example terms" in step.describe()
+    loss_diff = float(np.abs(losses - reference.losses).max())
+    params_diff = max_diff(jax.device_get(state.params), reference.params)
+    floor = lambda: drift_floor(TinyLM(), OPTIMIZERS[opt_name](), lm_loss, on_mesh(), lm_data, strategy,  # noqa: E731
+                                reference)
+    print(f"{strategy_name}/{opt_name} on {step.mode()}: loss diff {loss_diff:.2e}, params diff {params_diff:.2e}")
+    assert loss_diff <= bound(loss_diff, lambda: floor().losses)
+    assert params_diff <= bound(params_diff, lambda: floor().params)
+
+
+def test_a_loss_the_trace_does_not_prove_keeps_the_global_batch_and_says_why():
+    def masked(model, batch):
+        per_token = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+        return (per_token * batch["mask"]).sum() / batch["mask"].sum()
+
+    strategy = px.DataParallel()
+    batch = make_batch("tokens")
+    state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, rng=0, loss_fn=masked)
+    step = px.make_train_step(masked, strategy)
+    run_steps(step, state, [batch])
+    assert step.mode() == "jit" and step.choice is None and not step.proof
+    assert "divides batch-wide sums" in step.describe() and "px.per_example_loss" in step.describe()
