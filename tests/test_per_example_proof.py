@@ -86,6 +86,10 @@ REJECTED = {
     "mean of a square of means": (MLP, lambda m, b: ce(m, b).mean() ** 2, "x", "to a batch-wide sum", True),
     "metric scaled by the batch size": (MLP, lambda m, b: (ce(m, b).mean(), {"total": (ce(m, b).sum(), 1.0)}),
                                         "x", "count is not the number", True),
+    "scaled by a count of the batch": (MLP, lambda m, b: (ce(m, b) * jnp.ones(b["x"].shape[0]).sum()).mean(), "x",
+                                       "computes differently at one shard's batch size", True),
+    "per-example weights as long as the batch": (MLP, lambda m, b: (ce(m, b)[:, None] * jnp.arange(
+        b["x"].shape[0])[None, :]).sum(1).mean(), "x", "computes differently at one shard's batch size", True),
     "first example's loss": (MLP, lambda m, b: ce(m, b)[0], "x", "part of the example dim", True),
 }
 

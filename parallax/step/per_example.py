@@ -1,16 +1,18 @@
 """Saying that a loss is a mean of per-example terms, so each data shard may compute its own.
 
 parallax's default is exact for any loss: ``compile="auto"`` runs the loss on the global
-batch (``jit`` with shardings) unless the loss is marked with :func:`per_example_loss`. A loss
+batch (``jit`` with shardings) unless the loss is a mean of per-example terms, which it reads
+from the loss's trace (:mod:`parallax.step.per_example_proof`) or from this mark. A loss
 normalised by a batch-wide count (masked LM: ``sum(token_losses) / num_masked``), one that
 reads batch-wide statistics (an MoE load-balancing term) or one that compares examples with
 each other (in-batch negatives, CLIP/SimCLR) is *not* a mean of per-example terms: computed
 per shard and averaged it is a different objective, silently.
 
-A marked loss may take the explicit ``shard_map`` path (each device runs the loss on its
-slice; losses and metrics are averaged over the shards), which the benchmarks measured faster
-for data parallelism. Marking a loss that is not per-example trains a different objective,
-exactly as ``compile="shard_map"`` does: that is the documented per-shard semantics.
+Mark a loss only where the trace cannot prove what you know, e.g. a model with dropout
+whose per-shard masks you accept. A marked loss may take the explicit ``shard_map`` path
+(each device runs the loss on its slice; losses and metrics are averaged over the shards).
+Marking a loss that is not per-example trains a different objective, exactly as
+``compile="shard_map"`` does: that is the documented per-shard semantics.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def per_example_loss(fn: Callable[..., Any]) -> PerExampleLoss:
     """Marks ``fn`` as a mean of per-example terms (every metric too): shards may compute it alone.
 
     Use it as a decorator. Then ``compile="auto"`` may run the loss per data shard (the
-    ``shard_map`` path) where that is faster; without the mark the loss always sees the whole
+    ``shard_map`` path) where that is faster. Without the mark the same holds where the
+    loss's trace proves it a mean of per-example terms; otherwise the loss sees the whole
     global batch, which is exact for any loss.
 
     Example:

@@ -19,6 +19,9 @@ from parallax.step.per_example_proof.domain import (
 
 
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Primitives whose result grows with the size of a dim they run over (a constant summed B times is B).
+_SUMMING = {"reduce_sum", "reduce_prod", "dot_general", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+            "reduce_window", "conv_general_dilated", "argmax", "argmin", "reduce_and", "reduce_or", "reduce_xor"}
 _EVALUATE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,
              "min": np.minimum, "neg": np.negative, "sqrt": np.sqrt, "exp": np.exp, "log": np.log,
              "abs": np.abs, "pow": np.power, "rsqrt": lambda x: 1 / np.sqrt(x), "square": np.square,
@@ -55,13 +58,23 @@ def _shape(var: Any) -> tuple:
 
 
 def _record(eqn: Any, ins: list, signature: list) -> None:
-    """The primitive and the literals it reads, except those scaling a batch-wide sum (a mean's
-    divisor is meant to differ between the two traces; :func:`prove_loss` checks it)."""
-    scaling_a_sum = any(isinstance(a, BatchSum) for a in ins)
-    literals = () if scaling_a_sum else tuple(
-        float(np.asarray(v.val).reshape(-1)[0]) for v in eqn.invars
-        if isinstance(v, core.Literal) and np.size(v.val) == 1)
-    signature.append((eqn.primitive.name, literals))
+    """What must not change between the traces at two batch sizes: the primitive, the literals
+    it reads and its operands' shapes, except the example dim of per-example values and the
+    dims a batch-free value is constant along (unless the primitive sums over them). An
+    equation on a batch-wide sum records only its primitive: a mean's divisor is meant to
+    differ, and :func:`parallax.step.per_example_proof.prove_loss` checks its scale."""
+    name = eqn.primitive.name
+    if any(isinstance(a, BatchSum) for a in ins):
+        signature.append((name,))
+        return
+    literals = tuple(float(np.asarray(v.val).reshape(-1)[0]) for v in eqn.invars
+                     if isinstance(v, core.Literal) and np.size(v.val) == 1)
+    summing = name in _SUMMING
+    shapes = []
+    for var, a in zip(eqn.invars, ins):
+        masked = {a.dim} if isinstance(a, PerExample) else set() if summing else set(a.uniform)
+        shapes.append(tuple(None if d in masked else size for d, size in enumerate(_shape(var))))
+    signature.append((name, literals, tuple(shapes)))
 
 
 def _visit(eqn: Any, ins: list, signature: list) -> list:
