@@ -24,6 +24,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from parallax.step.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
 from parallax.step.per_example_proof.interpret import interpret
@@ -103,7 +104,9 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype)
+    dtype = x.dtype  # a host batch may hold int64/float64: what jax would make of it
+    return jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.dtypes.canonicalize_dtype(dtype)
+                                if isinstance(dtype, np.dtype) else dtype)
 
 
 def _is_abstract(x: Any) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 from jax.extend import core
 
+from parallax._compat import scan_counts
 from parallax.step.per_example_proof import rules
 from parallax.step.per_example_proof.domain import (
     BatchSum, Fixed, NotPerExample, PerExample, Random, fixed_from_array, join)
@@ -208,7 +209,7 @@ def _control(eqn: Any, ins: list, signature: list) -> list:
             outs = found if outs is None else [join(a, b) for a, b in zip(outs, found)]
         return outs
     if name == "scan":
-        consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, n_carry = scan_counts(params)
         fixed_in, carry, xs = ins[:consts], ins[consts:consts + n_carry], ins[consts + n_carry:]
         body = params["jaxpr"]
         sliced = [rules.unstacked(x) for x in xs]
