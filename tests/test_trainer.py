@@ -81,6 +81,9 @@ def data(n=96, seed=0, nan_at=None):
 def make_trainer(strategy=None, **options):
     options.setdefault("progress", False)
     options.setdefault("batch_size", 16)
+    # The loop, checkpoints and signals are under test here, not the compile path: one compile
+    # per step, not two (the cost model's choice is tested in test_auto.py, test_per_example_proof.py).
+    options.setdefault("compile", "jit")
     return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=strategy or px.FSDP(min_weight_size=0),
                       **options)
 

@@ -92,7 +92,7 @@ def per_example(eqn: Any, ins: list):
         _aligned(eqn, ins, per)
         return per
     if name in ("reduce_sum", *_REDUCE_OTHER) or name in _ALONG_AXIS or name in _WINDOWED:
-        return _along(eqn, ins[0], per)
+        return _along(eqn, ins, per)
     if name == "broadcast_in_dim":
         dims = params["broadcast_dimensions"]
         if _shape(eqn.invars[0])[per.dim] != params["shape"][dims[per.dim]]:
@@ -128,20 +128,22 @@ def per_example(eqn: Any, ins: list):
     raise NotPerExample(f"it applies {name}, which the proof does not know, to per-example values")
 
 
-def _along(eqn: Any, operand: Any, per: PerExample) -> PerExample:
+def _along(eqn: Any, ins: list, per: PerExample) -> Any:
     """Reductions, cumulative ops, sorts and windows: fine unless they run along the example dim."""
     name, params = eqn.primitive.name, eqn.params
-    if not isinstance(operand, PerExample):
+    if not isinstance(ins[0], PerExample):
         raise NotPerExample(f"{name} reads per-example values in a way the proof does not know")
     if name in _WINDOWED:
         d = per.dim
+        dilations = (params.get("base_dilation") or (1,) * (d + 1), params.get("window_dilation") or (1,) * (d + 1))
         if (params["window_dimensions"][d] != 1 or params["window_strides"][d] != 1
-                or tuple(params["padding"][d]) != (0, 0)):
+                or tuple(params["padding"][d]) != (0, 0) or dilations[0][d] != 1 or dilations[1][d] != 1):
             raise NotPerExample(f"{name} has a window across examples")
         return per
     if name in _ALONG_AXIS:
         if params[_ALONG_AXIS[name]] == per.dim:
             raise NotPerExample(f"it takes {name} along the examples")
+        _aligned(eqn, ins, per)  # a sort's other operands travel with each example's keys
         return per
     axes = params["axes"]
     if per.dim in axes:
