@@ -115,9 +115,10 @@ class Step:
         decides it).
 
         ``compile="auto"`` is exact for any loss: it compiles with ``jit`` (the loss sees the
-        global batch) unless the loss is marked :func:`parallax.per_example_loss`. For a marked
-        loss both paths are exact, and the train step compiles both ahead of time at its first
-        call and keeps the faster by the cost model (:mod:`parallax.step.cost`: FLOPs, bytes
+        global batch) unless the loss is a mean of per-example terms, marked
+        :func:`parallax.per_example_loss` or read so from its trace at the first call
+        (:attr:`proof`). Then both paths are exact, and the train step compiles both ahead of
+        time at its first call and keeps the faster by the cost model (:mod:`parallax.step.cost`: FLOPs, bytes
         and collectives of each compiled program, priced with speeds measured on the devices),
         among those whose peak memory fits ``memory_budget``. :attr:`choice` holds the
         estimates; :meth:`describe` says what was picked and why.
