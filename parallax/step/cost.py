@@ -208,8 +208,11 @@ def _measure(devices: Sequence[jax.Device]) -> DeviceSpeeds:
 
     # Compute and memory: matmuls, elementwise ops and a transpose of a few sizes on every
     # device at once, fitted to flops x a + bytes x b + c.
+    # Beyond 8 devices every size shrinks with the device count: an all-gather's output grows
+    # with it on every device (64 simulated devices would otherwise hold GBs).
+    shrink = max(1, n // 8)
     programs = []
-    for size in (2**18, 2**21):
+    for size in (2**18 // shrink, 2**21 // shrink):
         programs.append((jax.jit(lambda v: v * 1.5 + 0.5), (jnp.ones((n * size,), jnp.float32),), (rows,)))
     for m, k in ((128, 512), (512, 1024)):
         programs.append((jax.jit(lambda a, b: a @ b), (jnp.ones((n * m, k), jnp.float32), jnp.ones((k, k), jnp.float32)),
@@ -236,7 +239,7 @@ def _measure(devices: Sequence[jax.Device]) -> DeviceSpeeds:
     }
     for kind, op in ops.items():
         points = []
-        for elements in (256, 2**17):  # per device: 1 KiB and 512 KiB
+        for elements in (256, max(2**17 // shrink, 2**10)):  # per device: 1 KiB and 512 KiB (up to 8 devices)
             mapped = jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"),
                                        manual_axes={"d"}))
             data = jax.device_put(jnp.ones((n * elements,), jnp.float32), rows)
