@@ -15,6 +15,7 @@ from jax.extend import core
 
 from parallax._compat import scan_counts
 from parallax.step.per_example_proof import rules
+from parallax.step.per_example_proof.rules import shape as _shape
 from parallax.step.per_example_proof.domain import (
     BatchSum, Fixed, NotPerExample, PerExample, Random, fixed_from_array, join)
 
@@ -52,10 +53,6 @@ def _read(env: dict, var: Any) -> Any:
     if isinstance(var, core.Literal):
         return fixed_from_array(np.asarray(var.val))
     return env[var]
-
-
-def _shape(var: Any) -> tuple:
-    return tuple(var.aval.shape)
 
 
 def _record(eqn: Any, ins: list, signature: list) -> None:

@@ -25,8 +25,12 @@ _ALONG_AXIS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": 
 _WINDOWED = {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"}
 
 
-def _shape(var: Any) -> tuple:
+def shape(var: Any) -> tuple:
+    """A jaxpr value's shape."""
     return tuple(var.aval.shape)
+
+
+_shape = shape
 
 
 def _the(ins: list) -> PerExample:
