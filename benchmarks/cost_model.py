@@ -88,9 +88,10 @@ def bench(kind: str, rounds: int, scale: float) -> dict:
                                "state_bytes": state_bytes_per_device(state)}
         # What the defaults run on this mesh: compile="auto", split "largest".
         if base.describe(mesh) + ", jit" in configs:
-            fresh = px.init_state(model, tx, batch, strategy=base, loss_fn=marked, mesh=mesh)
-            defaults = {"as written": default_path(loss_fn, base, fresh, placed),
-                        "marked": default_path(marked, base, fresh, placed)}
+            by_path = {mode: configs[label] for mode in ("jit", "shard_map")
+                       if (label := f"{base.describe(mesh)}, {mode}") in configs}
+            defaults = {"as written": default_path(loss_fn, base, by_path),
+                        "marked": default_path(marked, base, by_path)}
             rows[base.describe(mesh) + ", jit"]["defaults"] = defaults
     time_interleaved(list(configs.values()), rounds)
 

@@ -49,9 +49,9 @@ def bench(kind: str, splits: list[str], rounds: int, scale: float) -> list[dict]
             configs[f"{split}/{mode}"] = Config(f"{split}/{mode}", px.make_train_step(loss_fn, strategy, compile=mode),
                                                 state, placed)
     # What FSDP() with compile="auto" runs for the loss as written (split "largest").
-    largest = configs.get("largest/jit")
-    default_label = (f"largest/{default_path(loss_fn, px.FSDP(min_weight_size=MIN_WEIGHT_SIZE), largest.state, largest.batch)}"
-                     if largest is not None else next(iter(configs)))
+    by_path = {mode: configs[f"largest/{mode}"] for mode in ("jit", "shard_map") if f"largest/{mode}" in configs}
+    default_label = (f"largest/{default_path(loss_fn, px.FSDP(min_weight_size=MIN_WEIGHT_SIZE), by_path)}"
+                     if by_path else next(iter(configs)))
     order = list(configs.values())
     time_interleaved(order, rounds)
     default = configs[default_label]

@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import parallax as px  # noqa: E402
 from benchmarks import handwritten, time_interleaved  # noqa: E402
 from benchmarks.models import build, make_batch  # noqa: E402
+from parallax.step.choice import choose, memory_budget  # noqa: E402
 from parallax.inspect import collective_bytes, memory_bytes, state_bytes_per_device  # noqa: E402
 
 MIN_WEIGHT_SIZE = 2**14
@@ -168,8 +169,9 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
         configs.extend(ours + [base])
         # What compile="auto" picks: for a loss as written (exact for any loss), and for one
         # marked px.per_example_loss (may run per data shard).
-        defaults = {"default": default_path(loss_fn, strategy, state, placed),
-                    "default_per_example": default_path(px.per_example_loss(loss_fn), strategy, state, placed)}
+        by_path = {c.label.split("/")[1]: c for c in ours}
+        defaults = {"default": default_path(loss_fn, strategy, by_path),
+                    "default_per_example": default_path(px.per_example_loss(loss_fn), strategy, by_path)}
         rows.append({"model": kind, "strategy": name, "describe": strategy.describe(), "ours": ours, "base": base,
                      "defaults": defaults,
                      "state": state, "specs": specs, "sizes": strategy.axis_sizes(mesh), "batch": batch})
@@ -209,11 +211,20 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
     return results
 
 
-def default_path(loss_fn, strategy, state, batch) -> str:
-    """The compile path ``compile="auto"`` takes for this loss, state and batch (the cost model's
-    pick where the step has a choice; compiled ahead of time, nothing runs)."""
+def default_path(loss_fn, strategy, compiled: dict[str, Config]) -> str:
+    """The compile path ``compile="auto"`` takes for this loss: the step reads the loss's proof
+    (a trace; nothing compiles), then the cost model prices the benchmark's own compiled
+    programs of each path (``compiled``: path -> :class:`Config` on the same state and batch),
+    as the step would price its own; a path missing from ``compiled`` did not compile)."""
+    config = next(iter(compiled.values()))
     step = px.make_train_step(loss_fn, strategy)
-    return step.choose(state, batch).picked if len(step.modes()) > 1 else step.mode()
+    step.prove(config.state, config.batch)
+    modes = step.modes()
+    if len(modes) == 1:
+        return modes[0]
+    devices = list(px.step.state_specs_of(config.state)[0].devices.flat)
+    programs = {mode: compiled[mode].compiled for mode in modes if mode in compiled}  # a path may not compile
+    return choose(programs, devices, memory_budget(None, devices)).picked
 
 
 def round_ratios(config: Config, reference: Config) -> dict[str, float]:

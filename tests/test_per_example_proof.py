@@ -185,6 +185,8 @@ def test_a_loss_the_trace_does_not_prove_keeps_the_global_batch_and_says_why():
     batch = make_batch("tokens")
     state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, rng=0, loss_fn=masked)
     step = px.make_train_step(masked, strategy)
+    assert step.modes() == ("jit", "shard_map")  # until the trace is read
+    assert not step.prove(state, batch) and step.modes() == ("jit",)  # read without compiling
     run_steps(step, state, [batch])
     assert step.mode() == "jit" and step.choice is None and not step.proof
     assert "divides batch-wide sums" in step.describe() and "px.per_example_loss" in step.describe()

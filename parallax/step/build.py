@@ -150,11 +150,11 @@ class Step:
     def choose(self, state: TrainState, batch: Any) -> Choice:
         """Compiles every path of :meth:`modes` for this state and batch (real or abstract
         arrays; nothing runs) and prices each with the cost model."""
+        self.prove(state, batch)
         return self._choose(state, batch)[0]
 
     def _choose(self, state: TrainState, batch: Any) -> tuple[Choice, dict]:
         mesh, specs = state_specs_of(state)
-        self._prove(state, batch, mesh)
         functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
         compiled, failed = {}, None
         for mode, fn in functions.items():
@@ -195,7 +195,7 @@ class Step:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
-            self._prove(state, batch, mesh)
+            self.prove(state, batch)
             if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
                 self.choice, functions = self._choose(state, batch)
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
@@ -205,10 +205,19 @@ class Step:
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
 
-    def _prove(self, state: TrainState, batch: Any, mesh: Mesh) -> None:
-        """Reads once, from the loss's trace, whether a loss as written may run per data shard."""
+    def prove(self, state: TrainState, batch: Any) -> Proof | None:
+        """Reads once, from the loss's trace (nothing compiles or runs), whether a loss as written
+        may run per data shard; afterwards :meth:`modes` is final for this state and batch.
+
+        Returns:
+            :attr:`proof`: ``None`` where the step has one path whatever the loss (or the loss
+            is marked :func:`parallax.per_example_loss`).
+        """
+        mesh = state_specs_of(state)[0]
+        if self.auto_strategy:
+            self.strategy = from_mesh(mesh)
         if self.proof is not None or len(self._paths()[0]) == 1 or is_per_example_loss(self.loss_fn):
-            return
+            return self.proof
         adapter = adapter_for(state.model)
         loss = loss_closure(adapter, self.loss_fn, self.options.rng_streams, jit_run(self.options, mesh, self.train))
         rows = leading_dims(batch)[0][1] // self.options.grad_accum  # one microbatch, as the loss sees it
@@ -216,6 +225,7 @@ class Step:
         self.proof = prove_loss(loss, state.params, state.model_state, microbatch, state.rng,
                                 self.strategy.data_shards(mesh))
         log.info("Loss as written: %s", self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
+        return self.proof
 
     def _function(self, mode: str, mesh: Mesh, specs: TrainState):
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
