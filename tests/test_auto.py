@@ -7,6 +7,7 @@ model's own rules (fastest that fits the budget), not against timers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from parallax.sharding.auto import candidates, from_mesh, split_candidates
-from parallax.step import cost
+from parallax.step import cost, timing
 from parallax.step.choice import rank
 from parallax.step.search import resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
@@ -132,9 +133,8 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
     assert len(found.choice.estimates) + len(found.skipped) == len(candidates(8))
     assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
-    for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):  # the strategy search; paths are checked above
-        report = px.testing.assert_equivalent(MLP(), optimizer, MARKED, data, "auto", compile="jit")
-        assert report.passed
+    # The search through px.testing; every plan it can pick is checked with SGD and Adam above.
+    assert px.testing.assert_equivalent(MLP(), optax.adam(1e-2), MARKED, data, "auto", compile="jit").passed
     state = px.init_state(MLP(), optax.adam(1e-2), data[0], strategy="auto", loss_fn=MARKED)
     assert dict(jax.tree.leaves(state.params)[0].sharding.mesh.shape) == dict(found.mesh.shape)
     step = px.make_train_step(MARKED, "auto")
@@ -156,9 +156,63 @@ def test_fsdp_split_auto_picks_a_split_and_trains_like_one_device():
                          loss_fn=lm_loss)
     specs = lambda s: jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, s.params))  # noqa: E731
     assert specs(state) == specs(same)
-    for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
-        assert px.testing.assert_equivalent(TinyLM(), optimizer, lm_loss, data, strategy, compile="jit").passed
+    # The split search through px.testing; each split is checked with SGD and AdamW in test_fsdp.py.
+    assert px.testing.assert_equivalent(TinyLM(), optax.adam(1e-2), lm_loss, data, strategy, compile="jit").passed
     assert [s.parts[0].split for s in split_candidates(strategy)] == ["largest", "output", "input"]
+
+
+def test_the_closest_estimates_are_the_ones_worth_timing():
+    estimates = {"a": _estimate(1.0, 10), "b": _estimate(1.2, 10), "c": _estimate(1.1, 100), "d": _estimate(2.0, 10)}
+    choice = rank(estimates, 50, what="strategy")
+    assert timing.closest(choice, 3) == ["a", "b"]  # c is over the budget, d is 2x the best estimate
+    assert timing.closest(choice, 1) == [] and timing.closest(rank(estimates, 50, what="x"), 0) == []
+    assert timing.closest(rank({"a": _estimate(1.0, 10), "d": _estimate(2.0, 10)}, None, what="x"), 3) == []
+
+
+class _Program:
+    def __init__(self, text):
+        self.text = text
+
+    def as_text(self):
+        return self.text
+
+
+@pytest.mark.parametrize("budget, order", [(None, "abab"), (150, "aabb")])
+def test_timing_runs_round_by_round_when_the_states_fit_together_and_caches_the_times(budget, order, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path))
+    ran = []
+
+    def step_of(name):
+        return lambda state, batch: (ran.append(name) or state + batch, {"loss": state})
+
+    candidates = {name: timing.Timed(step_of(name), _Program(name), lambda: jnp.zeros(4), jnp.ones(4), 50, 100)
+                  for name in "ab"}
+    times = timing.measure(candidates, budget, "this machine", rounds=1)
+    assert "".join(ran) == order and set(times) == {"a", "b"} and min(times.values()) > 0  # one warm-up step each
+    assert timing.measure(candidates, budget, "this machine", rounds=1) == times and len(ran) == 4  # from the cache
+    changed = {**candidates, "b": dataclasses.replace(candidates["b"], program=_Program("b, compiled otherwise"))}
+    timing.measure(changed, budget, "this machine", rounds=1)
+    assert len(ran) == 8  # another program is timed again
+
+
+def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "WINDOW", float("inf"))  # every candidate is a close call
+    data = batches("mlp", 1, batch_size=32)
+    pool = [px.DataParallel(4), px.FSDP(4, min_weight_size=0), px.TensorParallel(4)]
+    search = lambda **options: resolve(MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED,  # noqa: E731
+                                       devices=jax.devices()[:4], among=pool, options=px.StepOptions(**options))
+    found = search()
+    assert set(found.timed) == set(found.choice.estimates) and len(found.timed) == 3
+    assert found.choice.picked == min(found.timed, key=found.timed.get)
+    assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
+    assert "timed the closest on the devices: " in found.describe()
+    assert search().timed == found.timed  # cached per machine and program: the same pick, nothing run
+    untimed = search(timed_candidates=0)
+    assert untimed.timed == {} and untimed.choice.picked == next(iter(untimed.choice.estimates))
+    with pytest.raises(ValueError, match="timed_candidates=-1; use an integer >= 0"):
+        px.StepOptions(timed_candidates=-1)
 
 
 def test_trainer_with_strategy_auto(capsys):

@@ -150,10 +150,18 @@ class Step:
     def choose(self, state: TrainState, batch: Any) -> Choice:
         """Compiles every path of :meth:`modes` for this state and batch (real or abstract
         arrays; nothing runs) and prices each with the cost model."""
-        self.prove(state, batch)
-        return self._choose(state, batch)[0]
+        return self.compile_paths(state, batch)[0]
 
-    def _choose(self, state: TrainState, batch: Any) -> tuple[Choice, dict]:
+    def compile_paths(self, state: TrainState, batch: Any) -> tuple[Choice, dict[str, Any], dict[str, Any]]:
+        """Reads the loss's proof (:meth:`prove`), then compiles every path of :meth:`modes`
+        ahead of time and prices each (nothing runs).
+
+        Returns:
+            The cost model's :class:`~parallax.step.choice.Choice`; per path that compiled,
+            its jitted step (a call with arrays laid out like ``state`` and ``batch`` reuses
+            the program) and its ``jax.stages.Compiled`` program.
+        """
+        self.prove(state, batch)
         mesh, specs = state_specs_of(state)
         functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
         compiled, failed = {}, None
@@ -166,7 +174,8 @@ class Step:
         if not compiled:
             raise failed
         devices = list(mesh.devices.flat)
-        return choose(compiled, devices, memory_budget(self.options.memory_budget, devices)), functions
+        choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices))
+        return choice, {mode: functions[mode] for mode in compiled}, compiled
 
     def __call__(self, state: TrainState, batch: Any):
         return self._jitted(state, batch)(state, batch)
@@ -197,7 +206,7 @@ class Step:
         if key not in self._cache:
             self.prove(state, batch)
             if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
-                self.choice, functions = self._choose(state, batch)
+                self.choice, functions, _ = self.compile_paths(state, batch)
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
                 self._cache[key] = functions[self.choice.picked]
             else:

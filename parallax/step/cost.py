@@ -26,11 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import pathlib
 import platform
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -39,11 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallax import inspect
+from parallax import _cache, inspect
 from parallax._compat import shard_map
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _VERSION = 3  # of the cached calibration's fields
+CACHE_FILE = "device_speeds.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,38 +126,18 @@ def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
 
 
 # --- calibration -------------------------------------------------------------------------
-def _key(devices: Sequence[jax.Device]) -> str:
+def device_key(devices: Sequence[jax.Device]) -> str:
+    """What a measurement on ``devices`` holds for: the machine, device kind and count, JAX version."""
     first = devices[0]
     return "|".join([platform.node(), first.platform, getattr(first, "device_kind", "?"), str(len(devices)),
                      f"jax {jax.__version__}", f"v{_VERSION}"])
 
 
-def _cache_path() -> pathlib.Path:
-    root = os.environ.get("PARALLAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "parallax")
-    return pathlib.Path(root) / "device_speeds.json"
-
-
-def _read_cache(path: pathlib.Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # no cache yet, or one a crash left half-written: measure again
-
-
-def _write_cache(path: pathlib.Path, key: str, speeds: DeviceSpeeds) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cached = _read_cache(path)
-        cached[key] = {"seconds_per_flop": speeds.seconds_per_flop, "seconds_per_byte": speeds.seconds_per_byte,
-                       "seconds_per_layout_byte": speeds.seconds_per_layout_byte,
-                       "overhead": speeds.overhead,
-                       "collectives": {k: list(v) for k, v in speeds.collectives.items()},
-                       "calibration_seconds": speeds.calibration_seconds}
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(cached, f, indent=1)
-        os.replace(f.name, path)  # atomic: parallel processes never read half a file
-    except OSError:
-        pass  # a read-only home: the speeds are still used, only not kept
+def _stored(speeds: DeviceSpeeds) -> dict:
+    return {"seconds_per_flop": speeds.seconds_per_flop, "seconds_per_byte": speeds.seconds_per_byte,
+            "seconds_per_layout_byte": speeds.seconds_per_layout_byte, "overhead": speeds.overhead,
+            "collectives": {k: list(v) for k, v in speeds.collectives.items()},
+            "calibration_seconds": speeds.calibration_seconds}
 
 
 def _timed(fn: Any, *args: Any, repeats: int = 5) -> tuple[float, Any]:
@@ -247,7 +224,7 @@ def _measure(devices: Sequence[jax.Device]) -> DeviceSpeeds:
             moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
             points.append((float(moved), seconds))
         collectives[kind] = _two_point(*points)
-    return DeviceSpeeds(_key(devices), float(seconds_per_flop), float(seconds_per_byte), float(per_layout_byte),
+    return DeviceSpeeds(device_key(devices), float(seconds_per_flop), float(seconds_per_byte), float(per_layout_byte),
                         collectives,
                         overhead=float(overhead), calibration_seconds=time.perf_counter() - start)
 
@@ -259,11 +236,11 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = Fa
     and cached. ``refresh=True`` measures again.
     """
     devices = list(devices if devices is not None else jax.devices())
-    key, path = _key(devices), _cache_path()
-    found = None if refresh else _read_cache(path).get(key)
+    key = device_key(devices)
+    found = None if refresh else _cache.read(CACHE_FILE).get(key)
     if found:
         return DeviceSpeeds(key, found["seconds_per_flop"], found["seconds_per_byte"], found["seconds_per_layout_byte"],
                             {k: tuple(v) for k, v in found["collectives"].items()}, found["overhead"])
     speeds = _measure(devices)
-    _write_cache(path, key, speeds)
+    _cache.store(CACHE_FILE, key, _stored(speeds))
     return speeds

@@ -44,9 +44,10 @@ def init_state(
         example_batch: a batch as the loss function receives it (any batch size; only
             shapes and dtypes matter beyond the feature dims).
         strategy: the parallelism strategy, or ``"auto"``: every DP/FSDP/TP mesh of the
-            devices is planned and its train step compiled (nothing runs), and the fastest
-            by the cost model that fits the memory budget is built; one log line says what was
-            chosen and why (:func:`parallax.step.search.resolve`). ``FSDP(split="auto")``
+            devices is planned and its train step compiled, and the fastest by the cost
+            model that fits the memory budget is built (where the best estimates are close,
+            the closest few are first timed for a few steps: ``StepOptions.timed_candidates``);
+            one log line says what was chosen and why (:func:`parallax.step.search.resolve`). ``FSDP(split="auto")``
             picks each weight's split dim the same way. Both need ``loss_fn``.
         rng: a seed or a PRNG key.
         loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,

@@ -39,6 +39,11 @@ class StepOptions:
         memory_budget: bytes per device (``"16GB"`` or an int) a compiled step may peak
             at when the cost model picks among candidates (``compile="auto"``); the
             device's own memory where the backend reports it, by default.
+        timed_candidates: for ``strategy="auto"`` and ``FSDP(split="auto")``: how many of
+            the candidates the cost model estimates within 25% of its best are then run
+            for a few steps on the devices (a freshly built state and the example batch),
+            the measured fastest kept (:mod:`parallax.step.timing`; cached per machine).
+            ``0`` keeps the cost model's pick and runs nothing.
 
     Example:
         >>> StepOptions(grad_accum=2, precision="bf16").grad_accum
@@ -58,6 +63,7 @@ class StepOptions:
     donate: bool = True
     skip_nonfinite: bool = False
     memory_budget: int | str | None = None
+    timed_candidates: int = 3
 
     def __post_init__(self):
         for name in ("rng_streams", "remat"):
@@ -69,6 +75,9 @@ class StepOptions:
             raise ValueError(f"compile={self.compile!r}; use one of {COMPILE_MODES}.")
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum={self.grad_accum!r}; use an integer >= 1.")
+        if isinstance(self.timed_candidates, bool) or not isinstance(self.timed_candidates, int) \
+                or self.timed_candidates < 0:
+            raise ValueError(f"timed_candidates={self.timed_candidates!r}; use an integer >= 0 (0: no timing).")
         if self.batch_stats not in BATCH_STATS_MODES:
             raise ValueError(f"batch_stats={self.batch_stats!r}; use one of {BATCH_STATS_MODES}.")
         if self.batch_stats == "local" and self.compile == "jit":

@@ -5,7 +5,9 @@ compiled ahead of time on abstract arrays placed on the candidate's mesh, then p
 cost model (:mod:`parallax.step.cost`). Candidates whose state alone exceeds the memory
 budget are dropped before anything compiles; those whose compiled peak exceeds it after.
 A candidate that does not apply (the batch does not divide, a tensor layout cannot be
-derived) is skipped with its reason.
+derived) is skipped with its reason. Where the best estimates lie close together, the
+closest few are then run for a few steps and the measured fastest is kept
+(:mod:`parallax.step.timing`, ``StepOptions.timed_candidates``).
 
 Example:
     >>> found = resolve(model, optax.adam(1e-3), batch, "auto", loss_fn=loss_fn, devices=jax.devices()[:4])
@@ -21,6 +23,7 @@ import time
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from parallax._units import format_bytes
@@ -30,9 +33,11 @@ from parallax.sharding.parts import FSDP
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import Step
 from parallax.step.choice import Choice, memory_budget, rank
+from parallax.step.cost import device_key
 from parallax.step.options import StepOptions
 from parallax.step.plan import plan_state
 from parallax.step.summary import summarize
+from parallax.step.timing import Timed, closest, measure
 
 log = logging.getLogger("parallax")
 
@@ -47,7 +52,9 @@ class Resolved:
         choice: the cost model's :class:`~parallax.step.choice.Choice` (``None`` when nothing
             was searched).
         skipped: candidates that do not apply, with the reason.
-        seconds: what the search took (planning and compiling every candidate).
+        seconds: what the search took (planning and compiling every candidate, and timing).
+        timed: the candidates run on the devices to settle a close call, by label: their
+            median step time in seconds (empty when none was run).
     """
 
     strategy: Strategy
@@ -55,13 +62,17 @@ class Resolved:
     choice: Choice | None = None
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    timed: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         """One line: what was chosen, its estimate, the runner-up, and what the search cost."""
         if self.choice is None:
             return f"{self.strategy.describe(self.mesh)} (as given)"
-        text = (f"{self.choice.describe()}; {len(self.choice.estimates)} candidates compiled in "
-                f"{self.seconds:.1f} s")
+        text = self.choice.describe()
+        if self.timed:
+            text += "; timed the closest on the devices: " + ", ".join(
+                f"{label} {1e3 * seconds:.1f} ms" for label, seconds in sorted(self.timed.items(), key=lambda x: x[1]))
+        text += f"; {len(self.choice.estimates)} candidates compiled in {self.seconds:.1f} s"
         return text + (f", {len(self.skipped)} skipped" if self.skipped else "")
 
 
@@ -108,7 +119,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     splitting = strategy != AUTO
     pool = split_candidates(strategy) if splitting else list(among or candidates(len(devices)))
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
-    estimates, found, skipped = {}, {}, {}
+    estimates, found, skipped, runnable = {}, {}, {}, {}
     for candidate in pool:
         label = candidate.describe()
         try:
@@ -122,14 +133,17 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
             step = Step(loss_fn, planned.strategy, options, train=True)
-            batch = abstract_batch(example_batch, NamedSharding(candidate_mesh, planned.strategy.batch_spec()))
-            step_choice = step.choose(planned.abstract_arrays(), batch)
+            placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
+            step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
+                                                                  abstract_batch(example_batch, placement))
         except (ValueError, TypeError) as err:  # does not apply: sizes, the batch, a layout
             skipped[label] = str(err).splitlines()[0]
             continue
         label = f"{label}, {step_choice.picked}"
         estimates[label] = step_choice.estimates[step_choice.picked]
         found[label] = (planned.strategy, candidate_mesh)
+        runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
+                           state_bytes)
     if not estimates:
         reasons = "; ".join(f"{label}: {why}" for label, why in skipped.items())
         if budget is not None and all("over the budget" in why for why in skipped.values()):
@@ -138,7 +152,30 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                              "devices, or shrink the model or optimizer state.")
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP split" if splitting else "strategy")
+    timed = _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
+    if timed:
+        choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
     picked, picked_mesh = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start)
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed)
     log.info("%s", resolved.describe())
     return resolved
+
+
+def _time_closest(choice: Choice, runnable: dict[str, tuple], example_batch: Any, budget: int | None, limit: int,
+                  devices: Sequence[jax.Device]) -> dict[str, float]:
+    """The closest candidates' measured step times (:mod:`parallax.step.timing`), or nothing
+    where there is no close call, no concrete example batch, or more than one process."""
+    labels = closest(choice, limit)
+    leaves = jax.tree.leaves(example_batch)
+    if not labels or jax.process_count() > 1 or not all(isinstance(x, (np.ndarray, jax.Array)) for x in leaves):
+        return {}
+    timed = {}
+    for label in labels:
+        step, program, build, placement, state_bytes = runnable[label]
+        timed[label] = Timed(step, program, build, jax.device_put(example_batch, placement), state_bytes,
+                             choice.estimates[label].peak)
+    try:
+        return measure(timed, budget, device_key(devices))
+    except jax.errors.JaxRuntimeError as err:  # e.g. out of memory: the cost model's pick stands
+        log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", str(err).splitlines()[0])
+        return {}

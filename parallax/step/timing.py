@@ -1,0 +1,118 @@
+"""Timing the cost model's closest candidates on the devices before committing to one.
+
+The cost model ranks compiled candidates from their programs alone. Where its best estimates
+lie close together, the ranking is within the model's error, so ``strategy="auto"`` and
+``FSDP(split="auto")`` run the closest few (:func:`closest`) for a handful of steps on a
+freshly built state and the example batch, round by round, and keep the measured fastest
+(:func:`measure`). The programs are the ones the search compiled: timing adds no compile.
+The times are cached per machine with the programs' fingerprints (``$PARALLAX_CACHE_DIR``),
+so searching the same model again picks the same candidate without running anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+
+from parallax import _cache
+from parallax.step.choice import Choice
+
+WINDOW = 1.25  # candidates estimated within 25% of the best are close enough to time
+ROUNDS = 5  # timed steps per candidate, after one untimed warm-up step
+CACHE_FILE = "timed_candidates.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """One candidate to run: its compiled train step, how to build its state, and its batch.
+
+    Attributes:
+        step: ``step(state, batch) -> (state, metrics)``, compiled ahead of time.
+        program: its ``jax.stages.Compiled`` program (fingerprinted for the cache).
+        build: builds the candidate's sharded train state.
+        batch: the example batch, placed as the candidate's step expects it.
+        state_bytes: the state's bytes per device.
+        peak: the compiled step's estimated peak bytes per device.
+    """
+
+    step: Callable[[Any, Any], Any]
+    program: Any
+    build: Callable[[], Any]
+    batch: Any
+    state_bytes: int
+    peak: int
+
+
+def closest(choice: Choice, limit: int) -> list[str]:
+    """The candidates that fit the budget and are estimated within :data:`WINDOW` of the pick,
+    fastest first, at most ``limit``: where the cost model's ranking is worth checking."""
+    if limit < 2 or choice.picked in choice.over_budget:
+        return []
+    best = choice.estimates[choice.picked].seconds
+    near = [label for label, est in choice.estimates.items()
+            if label not in choice.over_budget and est.seconds <= WINDOW * best]
+    return near[:limit] if len(near) > 1 else []
+
+
+def measure(candidates: Mapping[str, Timed], budget: int | None, devices_key: str,
+            rounds: int = ROUNDS) -> dict[str, float]:
+    """Each candidate's median step time in seconds, from the cache when these programs were
+    timed on this machine (``devices_key``, see :func:`parallax.step.cost.device_key`) before.
+
+    The candidates run round by round (one step each per round) when their states fit the
+    budget together, so that a burst of load on a shared machine falls on all of them; else
+    one after the other, each state freed before the next is built.
+    """
+    fingerprint = hashlib.sha256()
+    for label, candidate in candidates.items():
+        fingerprint.update(f"{label}\n{program_text(candidate.program)}\n".encode())
+    key = f"{devices_key}|{rounds}|{fingerprint.hexdigest()}"
+    cached = _cache.read(CACHE_FILE).get(key)
+    if isinstance(cached, dict) and set(cached) == set(candidates):
+        return {label: float(cached[label]) for label in candidates}
+    times: dict[str, list[float]] = {label: [] for label in candidates}
+    together = budget is None or (sum(c.state_bytes for c in candidates.values())
+                                  + max(c.peak for c in candidates.values()) <= budget)
+    if together:
+        states = {label: _warm(c) for label, c in candidates.items()}
+        for _ in range(rounds):
+            for label, candidate in candidates.items():
+                states[label] = _timed(candidate, states[label], times[label])
+        del states
+    else:
+        for label, candidate in candidates.items():
+            state = _warm(candidate)
+            for _ in range(rounds):
+                state = _timed(candidate, state, times[label])
+            del state
+    medians = {label: statistics.median(seconds) for label, seconds in times.items()}
+    _cache.store(CACHE_FILE, key, medians)
+    return medians
+
+
+def program_text(program: Any) -> str:
+    """A compiled program's HLO without its source metadata: what the devices run, the same
+    however the program was reached (the text's stack frames name every caller)."""
+    lines = [line for line in program.as_text().splitlines()  # not the file, function and stack frame tables
+             if not re.match(r"(\d+ |(FileNames|FunctionNames|FileLocations|StackFrames)$)", line)]
+    return re.sub(r", metadata=\{[^{}]*\}", "", "\n".join(lines))
+
+
+def _warm(candidate: Timed) -> Any:
+    state, metrics = candidate.step(candidate.build(), candidate.batch)
+    jax.block_until_ready((state, metrics))
+    return state
+
+
+def _timed(candidate: Timed, state: Any, times: list[float]) -> Any:
+    start = time.perf_counter()
+    state, metrics = candidate.step(state, candidate.batch)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+    return state
