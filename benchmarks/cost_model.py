@@ -14,8 +14,9 @@ timed in interleaved rounds in one process.
 
 Reported per model: predicted against measured step time for every candidate, the rank
 correlation (Spearman) and the worst relative error; what ``strategy="auto"`` picks (the same
-search ``init_state`` runs, and what it cost) against the measured fastest candidate, with no
-memory budget and with a budget that excludes data parallelism; and for each mesh, what the
+search ``init_state`` runs, timing its close calls included, and what it cost) against the
+measured fastest candidate, and what the cost model alone would have picked, with no memory
+budget and with a budget that excludes data parallelism; and for each mesh, what the
 defaults run (``compile="auto"`` for the loss as written and for the marked loss, split
 ``largest``) against the fastest configuration of that mesh (the same state per device).
 Results go to ``benchmarks/results/cost_model.{json,md}``.
