@@ -29,7 +29,9 @@ Peers (each optional: a peer that is not installed is reported as missing, not f
 - parallax (this checkout) with default arguments: ``px.init_state(model, optax.adam(1e-3),
   batch, strategy=S, loss_fn=loss_fn)`` and ``px.make_train_step(loss_fn, S)`` called as
   ``step(state, batch)``, S as ``benchmarks.run.make_strategy`` builds it, plus ``dp+tp``
-  (``combine(DataParallel(4), TensorParallel(2))``: the peers' 4 × 2 layouts).
+  (``combine(DataParallel(4), TensorParallel(2))``: the peers' 4 × 2 layouts) and, in that
+  group, ``combine(DataParallel(4), FSDP(2))`` (the 4 × 2 mesh with FSDP on its second axis,
+  what google-parallax's FSDP on ``auto_mesh()`` lays out).
 
 Same work everywhere: the same network (Keras written to match ``benchmarks/models.py``), batch
 (``benchmarks.run.BATCH``), float32, Adam (lr 1e-3, eps 1e-8), mean softmax cross-entropy.
@@ -124,10 +126,10 @@ def parallax_strategy(kind: str, rules) -> px.Strategy:
 class Parallax(Runner):
     framework = "parallax"
 
-    def __init__(self, kind: str, model, loss_fn, rules, batch):
+    def __init__(self, kind: str, model, loss_fn, rules, batch, strategy=None, label="default"):
         super().__init__()
-        self.kind, self.label = kind, "default"
-        strategy = parallax_strategy(kind, rules)
+        self.kind, self.label = kind, label
+        strategy = parallax_strategy(kind, rules) if strategy is None else strategy
         self.notes = strategy.describe() if hasattr(strategy, "describe") else ""
         mesh = strategy.make_mesh()
         self.state = px.init_state(model, optax.adam(LR, eps=EPS), batch, strategy=strategy, loss_fn=loss_fn,
@@ -457,6 +459,10 @@ def bench(kind: str, kinds: list[str], peers: dict, rounds: int, scale: float) -
 
     for name in kinds:
         attempt(f"parallax {name}", Parallax, name, model, loss_fn, rules, batch)
+    if "dp+tp" in kinds:  # the 4 x 2 mesh with FSDP on the second axis: google-parallax's FSDP on auto_mesh
+        hybrid = px.combine(px.DataParallel(4), px.FSDP(-1, min_weight_size=MIN_WEIGHT_SIZE))
+        attempt("parallax DP(4) × FSDP(2)", Parallax, "dp+tp", model, loss_fn, rules, batch, hybrid,
+                "DataParallel(4) × FSDP(2), default arguments")
     if peers.get("keras"):
         for label, (strategy_kind, _, _) in KERAS_LAYOUTS.items():
             if strategy_kind in kinds:
@@ -467,7 +473,7 @@ def bench(kind: str, kinds: list[str], peers: dict, rounds: int, scale: float) -
             if strategy_kind in kinds:
                 attempt(f"google-parallax {label}", Google, peers["google"], label, kind, scale, batch)
     time_interleaved(runners, rounds)
-    reference = {r.kind: r for r in runners if r.framework == "parallax"}
+    reference = {r.kind: r for r in runners if r.framework == "parallax" and r.label == "default"}
     results = []
     for runner in runners:
         ref = reference.get(runner.kind)
