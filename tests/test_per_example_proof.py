@@ -135,6 +135,36 @@ def test_a_mean_of_per_example_terms_is_proven_and_averages_over_shards(name):
     assert per_shard_difference(loss, args) < 1e-5
 
 
+def test_batchnorm_statistics_synced_over_the_data_shards_are_proven_and_average_over_shards():
+    """The shard_map path runs BatchNorm with the data axes (its statistics are the whole batch's):
+    the proof reads the psum of each shard's mean as batch-free. By numbers: the shards, each
+    normalised by the psum'd statistics (vmap over an axis named like the data axis), average
+    to the global batch's loss, and their new running statistics are the global batch's."""
+    model, batch = CNN(), make_batch("image")
+    variables = model.init({"params": jax.random.key(0)}, batch["x"], train=False)
+    params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    key = jax.random.key(2)
+    synced = loss_closure(adapter_for(model), classifier_loss, ("dropout",), ModelRun(train=True, batch_stats_axes=("data",)))
+    proof = prove_loss(synced, params, model_state, batch, key, SHARDS, [("data", SHARDS)])
+    assert proof, proof.reason
+    whole = loss_closure(adapter_for(model), classifier_loss, ("dropout",), ModelRun(train=True))
+    value, (_, state) = jax.jit(whole)(params, model_state, batch, key)
+    split = jax.tree.map(lambda x: np.stack(np.split(x, SHARDS)), batch)
+    values, (_, states) = jax.vmap(synced, in_axes=(None, None, 0, None), axis_name="data")(params, model_state, split, key)
+    assert abs(float(value) - float(values.mean())) < 1e-5
+    assert max_diff(jax.tree.map(lambda x: x[0], states), state) < 1e-5
+    # A psum of a sum (not a mean), or of per-example values, is not the whole batch's.
+    def summed(model, batch):
+        return jax.lax.psum(ce(model, batch).sum(), "data") / batch["x"].shape[0]
+
+    def gathered(model, batch):
+        return jax.lax.psum(ce(model, batch), "data").mean()
+
+    for loss_fn in (summed, gathered):
+        closure, args = closure_and_args(MLP, loss_fn, "x")
+        assert not prove_loss(closure, *args, SHARDS, [("data", SHARDS)])
+
+
 @pytest.mark.parametrize("name", list(REJECTED))
 def test_a_loss_that_is_not_a_mean_of_per_example_terms_is_not_proven(name):
     model_cls, loss_fn, kind, reason, differs = REJECTED[name]

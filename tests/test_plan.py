@@ -82,10 +82,10 @@ def test_plan_equals_the_built_state_and_the_step_that_runs(reports, name):
         assert row["collectives"] == {k: {"count": s.count, "bytes": s.bytes} for k, s in traffic.items()}
         assert row["compiled"] == memory_bytes(compiled)
         assert row["strategy"] == small(strategy).describe(mesh)
-        if strategy != "tp":  # a data axis and a mean of per-example terms (marked, or read from the trace)
-            assert name == "cnn" or set(step.choice.estimates) == {"jit", "shard_map"}, (name, strategy)
-    if name == "cnn":  # BatchNorm's statistics read the whole batch: the trace proves nothing, so jit
-        assert [row["compile"] for row in reports[name].rows] == ["jit"] * len(reports[name].rows)
+        # A data axis and a mean of per-example terms (marked, or read from the trace; the CNN's
+        # BatchNorm statistics are summed over the data shards on the shard_map path): two paths.
+        if strategy != "tp":
+            assert set(step.choice.estimates) == {"jit", "shard_map"}, (name, strategy)
 
 
 def test_fsdp_plans_less_state_per_device_and_the_budgets_say_what_fits(reports):

@@ -21,6 +21,7 @@ whole gradient, not one shard.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -228,11 +229,15 @@ class Step:
         if self.proof is not None or len(self._paths()[0]) == 1 or is_per_example_loss(self.loss_fn):
             return self.proof
         adapter = adapter_for(state.model)
-        loss = loss_closure(adapter, self.loss_fn, self.options.rng_streams, jit_run(self.options, mesh, self.train))
+        # The model as the shard_map path runs it: BatchNorm's statistics summed over the data
+        # shards (batch_stats="global"), which the proof reads as the whole batch's.
+        data_axes = tuple(self.strategy.data_axes)
+        run = dataclasses.replace(jit_run(self.options, mesh, self.train), batch_stats_axes=data_axes)
+        loss = loss_closure(adapter, self.loss_fn, self.options.rng_streams, run)
         rows = leading_dims(batch)[0][1] // self.options.grad_accum  # one microbatch, as the loss sees it
         microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
         self.proof = prove_loss(loss, state.params, state.model_state, microbatch, state.rng,
-                                self.strategy.data_shards(mesh))
+                                self.strategy.data_shards(mesh), [(axis, mesh.shape[axis]) for axis in data_axes])
         log.info("Loss as written: %s", self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
         return self.proof
 

@@ -4,9 +4,11 @@ A loss as written must see the global batch (the ``jit`` path) unless computing 
 shard and averaging the shards gives the same number. That holds when the loss is
 ``α · Σ_i f(example_i) + c``, with ``α`` one over the batch size times a constant (a mean),
 ``f`` reading one example at a time and ``c`` not reading the batch. It fails for a
-masked-token mean (divided by a count over the batch), batch statistics (BatchNorm, an MoE
-load-balancing term), in-batch negatives, dropout (each shard would draw its own mask) and a
-divisor written into the code (``sum / 256``).
+masked-token mean (divided by a count over the batch), batch statistics the shards do not
+share (an MoE load-balancing term), in-batch negatives, dropout (each shard would draw its own
+mask) and a divisor written into the code (``sum / 256``). BatchNorm's statistics are traced
+as the ``shard_map`` path computes them, summed over the data shards (``psum``): a sum of each
+shard's mean holds the whole batch's mean on every shard, so it is batch-free from there.
 
 :func:`prove_loss` traces the step's loss at the global batch and at one shard's batch and
 interprets both jaxprs over four abstract values (:mod:`.domain`): batch-free, per-example
@@ -21,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from parallax.step.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
-from parallax.step.per_example_proof.interpret import interpret
+from parallax.step.per_example_proof.interpret import SYNCED, interpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,8 @@ class Proof:
         return self.proven
 
 
-def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: Any, shards: int) -> Proof:
+def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: Any, shards: int,
+               data_axes: Sequence[tuple[str, int]] = ()) -> Proof:
     """Whether ``loss(params, model_state, batch, key) -> (value, (sums, new_model_state))``
     (the step's loss closure) may run per data shard.
 
@@ -56,6 +59,10 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
         params, model_state, batch, key: its arguments (arrays or ``jax.ShapeDtypeStruct``),
             the batch as the loss sees it on the global batch (one microbatch).
         shards: how many data shards split that batch.
+        data_axes: ``(name, size)`` of the data axes the closure may ``psum`` over (BatchNorm's
+            statistics on the ``shard_map`` path). A ``psum`` of a mean over the examples holds
+            the whole batch's mean on every shard, so it counts as batch-free; of anything else
+            it is refused.
     """
     params, model_state, batch, key = jax.tree.map(_abstract, (params, model_state, batch, key))
     rows = int(jax.tree.leaves(batch)[0].shape[0])
@@ -66,7 +73,7 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
     for this_batch, size in ((batch, rows), (local, rows // shards)):
         args = (params, model_state, this_batch, key)
         try:
-            closed, shape = jax.make_jaxpr(loss, return_shape=True)(*args)
+            closed, shape = jax.make_jaxpr(loss, axis_env=list(data_axes), return_shape=True)(*args)
         except Exception as err:  # noqa: BLE001 - a loss that does not trace here is only "not proven"
             where = "the global batch" if size == rows else "one shard's batch"
             return Proof(False, f"it does not trace at {where} ({type(err).__name__}: "
@@ -98,9 +105,29 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
                 raise NotPerExample("it updates model state (e.g. BatchNorm statistics) from the batch")
     except NotPerExample as why:
         return Proof(False, str(why))
+    try:
+        signature, signature_l = _synced_means(signature, size), _synced_means(signature_l, size_l)
+    except NotPerExample as why:
+        return Proof(False, str(why))
     if signature != signature_l:
         return Proof(False, "it computes differently at one shard's batch size (it reads the batch size)")
     return Proof(True, "the loss traces as a mean of per-example terms")
+
+
+def _synced_means(signature: list, size: int) -> list:
+    """The signature with each sum synced over the data shards replaced by its factors times
+    the batch size: equal in both traces exactly when it is a mean (the shards' means summed
+    are the whole batch's, as every shard holds it in the global trace)."""
+    out = []
+    for entry in signature:
+        if entry[0] != SYNCED:
+            out.append(entry)
+            continue
+        _, scales, offsets = entry
+        if None in scales + offsets:
+            raise NotPerExample("it sums over the data shards a value scaled by one computed in the loss")
+        out.append((SYNCED, tuple(round(a * size, 9) for a in scales), tuple(round(c, 9) for c in offsets)))
+    return out
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:

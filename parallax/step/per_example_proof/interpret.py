@@ -55,6 +55,9 @@ def _read(env: dict, var: Any) -> Any:
     return env[var]
 
 
+SYNCED = "psum of a batch-wide sum"  # the signature entry of statistics summed over the data shards
+
+
 def _record(eqn: Any, ins: list, signature: list) -> None:
     """What must not change between the traces at two batch sizes: the primitive, the literals
     it reads and its operands' shapes, except the example dim of per-example values and the
@@ -62,6 +65,9 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
     equation on a batch-wide sum records only its primitive: a mean's divisor is meant to
     differ, and :func:`parallax.step.per_example_proof.prove_loss` checks its scale."""
     name = eqn.primitive.name
+    if name == "psum" and all(isinstance(a, BatchSum) for a in ins):  # prove_loss checks each is a mean
+        signature.extend((SYNCED, a.scales, a.offsets) for a in ins)
+        return
     if any(isinstance(a, BatchSum) for a in ins):
         signature.append((name,))
         return
@@ -88,6 +94,10 @@ def _visit(eqn: Any, ins: list, signature: list) -> list:
         return interpret(sub, ins, signature)
     if all(isinstance(a, Fixed) for a in ins):
         return _fixed(eqn, ins)
+    if name == "psum" and all(isinstance(a, BatchSum) for a in ins):
+        # Statistics summed over the data shards (BatchNorm's on the shard_map path): each shard
+        # then holds the whole batch's value, as the global trace does: batch-free from here.
+        return [Fixed()] * n_out
     if any(isinstance(a, BatchSum) for a in ins):
         return [_batch_sum(eqn, ins)] * n_out
     per = rules.per_example(eqn, ins)
@@ -167,6 +177,9 @@ def _batch_sum(eqn: Any, ins: list) -> BatchSum:
         if int(np.prod(_shape(eqn.outvars[0]))) != int(np.prod(_shape(eqn.invars[0]))):
             raise NotPerExample("it broadcasts a batch-wide sum")
         return sums[0]
+    if name in ("stack", "concatenate") and len(sums) == len(ins):  # several sums side by side (only summed or
+        return BatchSum(tuple(x for a in sums for x in a.scales),   # synced from here: see psum)
+                        tuple(x for a in sums for x in a.offsets))
     if name in ("add", "add_any", "sub"):
         scales, offsets = [], []
         for index, a in enumerate(ins):
