@@ -58,6 +58,11 @@ def _read(env: dict, var: Any) -> Any:
 SYNCED = "psum of a batch-wide sum"  # the signature entry of statistics summed over the data shards
 
 
+def _synced(name: str, ins: list) -> bool:
+    """Batch-wide sums summed over the data shards (BatchNorm's statistics on the shard_map path)."""
+    return name == "psum" and all(isinstance(a, BatchSum) for a in ins)
+
+
 def _record(eqn: Any, ins: list, signature: list) -> None:
     """What must not change between the traces at two batch sizes: the primitive, the literals
     it reads and its operands' shapes, except the example dim of per-example values and the
@@ -65,7 +70,7 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
     equation on a batch-wide sum records only its primitive: a mean's divisor is meant to
     differ, and :func:`parallax.step.per_example_proof.prove_loss` checks its scale."""
     name = eqn.primitive.name
-    if name == "psum" and all(isinstance(a, BatchSum) for a in ins):  # prove_loss checks each is a mean
+    if _synced(name, ins):  # prove_loss checks each is a mean
         signature.extend((SYNCED, a.scales, a.offsets) for a in ins)
         return
     if any(isinstance(a, BatchSum) for a in ins):
@@ -94,9 +99,8 @@ def _visit(eqn: Any, ins: list, signature: list) -> list:
         return interpret(sub, ins, signature)
     if all(isinstance(a, Fixed) for a in ins):
         return _fixed(eqn, ins)
-    if name == "psum" and all(isinstance(a, BatchSum) for a in ins):
-        # Statistics summed over the data shards (BatchNorm's on the shard_map path): each shard
-        # then holds the whole batch's value, as the global trace does: batch-free from here.
+    if _synced(name, ins):  # each shard then holds the whole batch's value, as the global trace
+        # does: batch-free from here.
         return [Fixed()] * n_out
     if any(isinstance(a, BatchSum) for a in ins):
         return [_batch_sum(eqn, ins)] * n_out
