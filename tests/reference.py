@@ -1,8 +1,11 @@
 """A plain single-device training loop: the reference every strategy must match.
 
 Also what every equivalence test shares: the strategy and optimizer grid, the largest
-difference between two trees, and the bound: 1e-5, or twice what plain ``jit`` already drifts
-when the same values are merely placed on the strategy's mesh (the compiler's own floor).
+difference between two trees, and the bound: 1e-5; past it, twice what plain ``jit`` already
+drifts when the same values are merely placed on the strategy's mesh (the compiler's own
+floor), and for each param element also twice what the optimizer amplifies of the gradients'
+rounding (``px.testing.rounding``: Adam turns a rounding change of a near-zero gradient into a
+param change of up to its learning rate, which a loss or optimizer state never shows).
 """
 
 from __future__ import annotations
@@ -62,38 +65,53 @@ def bound(diff: float, floor) -> float:
     return TOL if diff <= TOL else max(TOL, 2 * floor())
 
 
+def _loss(model, loss_fn, model_state, batch):
+    def loss(params):
+        out, updates = model.apply(
+            {"params": params, **model_state}, batch, method=lambda m, b: loss_fn(m, b), mutable=list(model_state)
+        )
+        return (out[0] if isinstance(out, tuple) else out), updates
+
+    return loss
+
+
 def plain_step(model, tx, loss_fn):
-    """value_and_grad + optax, nothing else: what a user writes for one device."""
+    """value_and_grad + optax, nothing else: what a user writes for one device (it also returns the gradient)."""
 
     def step(params, model_state, opt_state, batch):
-        def loss(p):
-            out, updates = model.apply(
-                {"params": p, **model_state}, batch, method=lambda m, b: loss_fn(m, b), mutable=list(model_state)
-            )
-            return (out[0] if isinstance(out, tuple) else out), updates
-
-        (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        (value, updates), grads = jax.value_and_grad(_loss(model, loss_fn, model_state, batch), has_aux=True)(params)
         upd, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, upd), {**model_state, **updates}, opt_state, value
+        return optax.apply_updates(params, upd), {**model_state, **updates}, opt_state, value, grads
 
     return jax.jit(step)
 
 
+def plain_grads(model, loss_fn):
+    """The gradient alone, jitted: ``grads(params, model_state, batch)``."""
+    return jax.jit(lambda params, model_state, batch: jax.grad(_loss(model, loss_fn, model_state, batch),
+                                                               has_aux=True)(params)[0])
+
+
 class PlainRun(NamedTuple):
-    """What :func:`run_plain` returns: the loss trajectory and the final values (on the host)."""
+    """What :func:`run_plain` returns: the loss trajectory and the final values (on the host), and
+    each step's inputs (params, model state) and gradient."""
 
     losses: np.ndarray
     params: Any
     model_state: Any
     opt_state: Any
+    inputs: list = []
+    grads: list = []
 
 
 class Drift(NamedTuple):
-    """How far one run is from another: losses (max over steps) and final params and optimizer state."""
+    """How far one run is from another: losses (max over steps), final params beyond ``allowance``
+    (per element, twice the optimizer's amplification of gradient rounding) and optimizer state."""
 
     losses: float
     params: float
     opt_state: float
+    allowance: Any = None
 
 
 def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None) -> PlainRun:
@@ -107,13 +125,15 @@ def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None) -> 
     if place is not None:
         params, model_state, opt_state = place(params, "params"), place(model_state, "rep"), place(opt_state, "opt")
     step = plain_step(model, tx, loss_fn)
-    losses = []
+    losses, inputs, grads = [], [], []
     for batch in batches:
         if place is not None:
             batch = place(batch, "batch")
-        params, model_state, opt_state, value = step(params, model_state, opt_state, batch)
+        inputs.append((params, model_state))
+        params, model_state, opt_state, value, grad = step(params, model_state, opt_state, batch)
         losses.append(float(value))
-    return PlainRun(np.array(losses), *jax.device_get((params, model_state, opt_state)))
+        grads.append(grad)
+    return PlainRun(np.array(losses), *jax.device_get((params, model_state, opt_state)), inputs, jax.device_get(grads))
 
 
 def mesh_placer(state: px.TrainState, strategy: px.Strategy):
@@ -135,7 +155,35 @@ def mesh_placer(state: px.TrainState, strategy: px.Strategy):
 
 
 def drift_floor(model, tx, loss_fn, start: px.TrainState, batches, strategy: px.Strategy, ref: PlainRun) -> Drift:
-    """How far plain jit drifts from the one-device run ``ref`` with ``start``'s values on the mesh."""
-    run = run_plain(model, tx, loss_fn, start, batches, place=mesh_placer(start, strategy))
-    return Drift(float(np.abs(run.losses - ref.losses).max()), max_diff(run.params, ref.params),
-                 max_diff(run.opt_state, ref.opt_state))
+    """How far plain jit drifts from the one-device run ``ref`` with ``start``'s values on the mesh.
+
+    The params' drift is what is left beyond each element's rounding allowance: the gradient of
+    every step of ``ref``, computed again at ``ref``'s own inputs placed on the mesh (another
+    reduction order), gives the step's rounding level, and the optimizer rerun on ``ref``'s
+    gradients turns it into each param's sensitivity (``px.testing.optimizer_rounding``).
+    """
+    place = mesh_placer(start, strategy)
+    grads = plain_grads(model, loss_fn)
+    rounding = [px.testing.gradient_rounding(grad, jax.device_get(grads(place(params, "params"), place(state, "rep"),
+                                                                          place(batch, "batch"))))
+                for (params, state), batch, grad in zip(ref.inputs, batches, ref.grads, strict=True)]
+    initial = jax.device_get(ref.inputs[0][0])
+    sensitivity = px.testing.optimizer_rounding(tx, initial, tx.init(initial), ref.grads, rounding)
+    allowance = jax.tree.map(lambda s: px.testing.ROUNDING_MARGIN * s, sensitivity)
+    run = run_plain(model, tx, loss_fn, start, batches, place=place)
+    beyond = max(px.testing.excess(run.params, ref.params, allowance).values(), default=0.0)
+    return Drift(float(np.abs(run.losses - ref.losses).max()), beyond, max_diff(run.opt_state, ref.opt_state),
+                 allowance)
+
+
+def params_bound(params, ref: PlainRun, floor) -> tuple[float, float]:
+    """The final ``params``' difference from ``ref`` and its bound.
+
+    Within ``TOL``: the plain difference and ``TOL``. Past it: the largest difference beyond each
+    element's rounding allowance, and ``max(TOL, 2 * floor().params)`` (``floor`` computed only then).
+    """
+    diff = max_diff(params, ref.params)
+    if diff <= TOL:
+        return diff, TOL
+    drift = floor()
+    return max(px.testing.excess(params, ref.params, drift.allowance).values(), default=0.0), max(TOL, 2 * drift.params)

@@ -1,7 +1,9 @@
 """Every strategy matches one device, step by step, with SGD and AdamW (8 fake devices).
 
 Compared: the loss trajectory, the final params, the final optimizer state (Adam's moments and step
-count; SGD's state has no arrays, so its tree structure) and BatchNorm statistics.
+count; SGD's state has no arrays, so its tree structure) and BatchNorm statistics, each to 1e-5 or,
+past it, to the bounds of ``tests/reference.py`` (the compiler's own drift; for params also what the
+optimizer amplifies of gradient rounding).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import pytest
 
 import parallax as px
 from tests.models import MODELS, batches
-from tests.reference import OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, run_plain, run_steps, with_params
+from tests.reference import (OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, params_bound, run_plain, run_steps,
+                             with_params)
 
 STEPS = 10
 
@@ -70,15 +73,14 @@ def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name
     assert used == {p.axis for p in strategy.parts if not isinstance(p, px.DataParallel)}, used
     state, losses = run_steps(px.make_train_step(loss_fn, strategy, compile=compile_mode), state, data)
     diff = float(np.abs(losses - ref.losses).max())
-    params_diff = max_diff(jax.device_get(state.params), ref.params)
     # The same optax state tree as one device's (max_diff checks the structure): moments, counts.
     opt_diff = max_diff(jax.device_get(state.opt_state), ref.opt_state)
     floor = functools.partial(_floor, model_name, opt_name, strategy)  # cached; run only past TOL
     tol = bound(diff, lambda: floor().losses)
-    params_tol = bound(params_diff, lambda: floor().params)
+    params_diff, params_tol = params_bound(jax.device_get(state.params), ref, floor)  # beyond rounding allowances
     opt_tol = bound(opt_diff, lambda: floor().opt_state)
     print(f"{strategy_name}/{compile_mode}/{model_name}/{opt_name}: max loss diff {diff:.2e} (bound {tol:.1e}), "
-          f"max final param diff {params_diff:.2e} (bound {params_tol:.1e}), "
+          f"max final param diff {params_diff:.2e} (past 1e-5: beyond rounding allowances; bound {params_tol:.1e}), "
           f"max final opt-state diff {opt_diff:.2e} (bound {opt_tol:.1e})")
     assert diff <= tol, f"{strategy.describe()}: loss trajectory differs by {diff:.3g} > {tol:.3g}"
     assert params_diff <= params_tol, f"{strategy.describe()}: final params differ by {params_diff:.3g} > {params_tol:.3g}"

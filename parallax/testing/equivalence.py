@@ -1,20 +1,6 @@
-"""Prove it on your own model: a sharded run checked against one device, step by step.
+"""assert_equivalent: a sharded run against a plain one-device optax loop, step by step.
 
-:func:`assert_equivalent` trains your model under a strategy and, from the same initial
-state on the same batches, with a plain one-device optax loop that shares nothing with
-parallax's step builders (no ``shard_map``, no collectives, no sharding), then compares the
-loss of every step and the final params, optimizer state and model state. A failure is an
-:class:`NotEquivalentError` whose message says where training went apart: the first step
-whose loss differs, the params (by path) whose values and first-step gradients differ most,
-and which part of the state differs (params, optimizer state, model state such as BatchNorm
-statistics).
-
-The reference follows the semantics the step declares (``step.mode()``): the loss on the
-global batch (``jit``), or, for the ``shard_map`` path, the loss of each data shard with that
-shard's dropout key and BatchNorm over all shards, averaged (run on one device with
-``jax.vmap``). Step ``t`` draws from ``fold_in(state.rng, t)``, as the train state documents.
-
-:func:`fake_devices` gives a CPU process simulated devices for your own test suite.
+The tolerance policy (``tolerance="auto"``) is in :mod:`parallax.testing.rounding`.
 """
 
 from __future__ import annotations
@@ -35,8 +21,9 @@ from parallax.sharding.strategy import Strategy
 from parallax.step.build import make_train_step
 from parallax.step.initialize import init_state
 from parallax.step.state import TrainState, model_rngs
+from parallax.testing.rounding import ROUNDING_MARGIN, excess, gradient_rounding, optimizer_rounding
 
-__all__ = ["EquivalenceReport", "NotEquivalentError", "assert_equivalent", "fake_devices"]
+__all__ = ["EquivalenceReport", "NotEquivalentError", "assert_equivalent"]
 
 FLOAT32_TOLERANCE = 1e-5
 _SHARDS = "shards"  # the vmapped axis standing for the data shards in the reference
@@ -57,6 +44,11 @@ class EquivalenceReport:
         state_diffs: ``{part: {path: max |difference|}}`` of the final state, for the parts
             ``"params"``, ``"optimizer state"`` and ``"model state"``.
         tolerance: the bound every difference was held to, and ``tolerance_basis`` why.
+        param_allowance: ``{path: largest allowance}``, where the params were also allowed
+            what the optimizer amplifies of gradient rounding (``tolerance="auto"``, once a
+            difference passed 1e-5; :mod:`parallax.testing.rounding`); empty otherwise.
+        param_excess: ``{path: largest |difference| - allowance}`` of the params, with
+            ``param_allowance``: what was held to ``tolerance``.
         grad_diffs: on failure, ``{path: (sharded norm, one-device norm, max |difference|)}``
             of the first step's gradient, for the params where it differs most.
     """
@@ -68,6 +60,8 @@ class EquivalenceReport:
     state_diffs: dict[str, dict[str, float]]
     tolerance: float
     tolerance_basis: str
+    param_allowance: dict[str, float] = dataclasses.field(default_factory=dict)
+    param_excess: dict[str, float] = dataclasses.field(default_factory=dict)
     grad_diffs: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -80,9 +74,15 @@ class EquivalenceReport:
         state = [d for part in self.state_diffs.values() for d in part.values()]
         return float(max([*self.loss_diffs, *state], default=0.0))
 
+    def _held(self, part: str) -> dict[str, float]:
+        """What ``part``'s leaves are held to the tolerance with: their difference, or for the
+        params with an allowance, their difference beyond it."""
+        return self.param_excess if part == "params" and self.param_allowance else self.state_diffs[part]
+
     @property
     def passed(self) -> bool:
-        return self.max_diff <= self.tolerance
+        held = [d for part in self.state_diffs for d in self._held(part).values()]
+        return float(max([*self.loss_diffs, *held], default=0.0)) <= self.tolerance
 
     def __str__(self) -> str:
         verdict = "trains like one device" if self.passed else "does NOT train like one device"
@@ -95,46 +95,25 @@ class EquivalenceReport:
                          f"{self.reference_losses[t]:.6g}, difference {self.loss_diffs[t]:.3g})")
         lines.append("  loss difference per step: " + ", ".join(f"{d:.2g}" for d in self.loss_diffs))
         for part, diffs in self.state_diffs.items():
-            worst = sorted(diffs.items(), key=lambda item: -item[1])
-            differing = [(p, d) for p, d in worst if d > self.tolerance]
-            if not differing:
-                lines.append(f"  {part}: equal within tolerance (max {worst[0][1] if worst else 0.0:.2g})")
-                continue
-            shown = ", ".join(f"{p} {d:.3g}" for p, d in differing[:5])
-            more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
-            lines.append(f"  {part} differ: {shown}{more}")
+            held = self._held(part)
+            differing = sorted(((p, d) for p, d in held.items() if d > self.tolerance), key=lambda item: -item[1])
+            if differing:
+                shown = ", ".join(f"{p} {diffs.get(p, d):.3g}" for p, d in differing[:5])
+                more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+                beyond = " (beyond their rounding allowance)" if held is not diffs else ""
+                lines.append(f"  {part} differ{beyond}: {shown}{more}")
+            elif held is not diffs:
+                path, allowed = max(self.param_allowance.items(), key=lambda item: item[1])
+                lines.append(f"  {part}: equal within tolerance plus each param's rounding allowance (largest: "
+                             f"{path} {allowed:.2g}, where they differ by {diffs.get(path, 0.0):.2g})")
+            else:
+                lines.append(f"  {part}: equal within tolerance (max {max(diffs.values(), default=0.0):.2g})")
         grads = {p: row for p, row in self.grad_diffs.items() if row[2] > self.tolerance} or self.grad_diffs
         if grads:
             shown = ", ".join(f"{p} (max difference {d:.3g}; norm {a:.4g} sharded, {b:.4g} one device)"
                               for p, (a, b, d) in grads.items())
             lines.append(f"  first-step gradients that differ most: {shown}")
         return "\n".join(lines)
-
-
-def fake_devices(count: int = 8) -> list[jax.Device]:
-    """Gives this process ``count`` simulated CPU devices, for tests of sharded code on a laptop or CI.
-
-    Call it before anything runs JAX (at the top of ``conftest.py``); it sets
-    ``jax_num_cpu_devices`` and selects the CPU backend. If JAX has already started, it
-    returns the first ``count`` devices when there are enough, and otherwise raises an error
-    saying how to start with more.
-
-    Example:
-        >>> len(fake_devices(8))
-        8
-    """
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        pass  # JAX already started: use what it has
-    devices = jax.devices()
-    if len(devices) < count:
-        raise RuntimeError(
-            f"JAX already started with {len(devices)} device(s); fake_devices({count}) must run before anything "
-            f"uses JAX (at the top of conftest.py), or start the process with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} JAX_PLATFORMS=cpu.")
-    return devices[:count]
 
 
 def assert_equivalent(
@@ -159,10 +138,11 @@ def assert_equivalent(
         batches: the global batches, one per step (host arrays).
         strategy: the strategy to check, or ``"auto"`` (what the search picks on these devices).
         steps: how many of ``batches`` to train on (all by default).
-        tolerance: the largest absolute difference allowed, or ``"auto"``: twice what plain
-            ``jit`` already drifts when the same values are merely placed on the strategy's
-            mesh (the compiler's own floor, measured only when a difference exceeds 1e-5),
-            never less than 1e-5.
+        tolerance: the largest absolute difference allowed, or ``"auto"``: 1e-5; once a
+            difference exceeds that, twice what plain ``jit`` already drifts when the same
+            values are merely placed on the strategy's mesh (the compiler's own floor), and
+            for each param element also twice what its optimizer amplifies of the gradients'
+            rounding (:mod:`parallax.testing.rounding`: near-zero gradients under Adam).
         rng: the seed of both runs.
         mesh: the device mesh; ``strategy.make_mesh()`` by default.
         **step_options: options of the sharded step (``compile``, ``grad_accum``,
@@ -201,14 +181,11 @@ def assert_equivalent(
     data_shards = int(np.prod([mesh_of.shape[a] for a in strategy.data_axes]))
     reference = _Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
                            per_shard=mode == "shard_map")
-    ref_losses, ref_final = reference.run(initial, batches)
-    report = _report(strategy, mode, np.array(losses), ref_losses, final, ref_final, FLOAT32_TOLERANCE,
+    ref = reference.run(initial, batches)
+    report = _report(strategy, mode, np.array(losses), ref.losses, final, ref.final, FLOAT32_TOLERANCE,
                      "float32 rounding")
     if tolerance == "auto" and not report.passed:
-        floor = _floor(reference, initial, batches, state, strategy, mesh_of, ref_losses, ref_final)
-        basis = (f"twice the drift of plain jit with the same values placed on the mesh ({floor:.2g})"
-                 + (f", {options.precision} compute" if options.policy.compute_dtype is not None else ""))
-        report = dataclasses.replace(report, tolerance=max(FLOAT32_TOLERANCE, 2 * floor), tolerance_basis=basis)
+        report = _auto_tolerance(report, reference, ref, initial, batches, final, state, strategy, mesh_of, options)
     elif tolerance != "auto":
         report = dataclasses.replace(report, tolerance=float(tolerance), tolerance_basis="given")
     if not report.passed:
@@ -230,6 +207,7 @@ class _Reference:
         self.dtype = options.policy.compute_dtype
         self.global_stats = options.batch_stats == "global"
         self.step = jax.jit(self._step)
+        self.gradient = jax.jit(lambda params, model_state, batch, key: self.grads(params, model_state, batch, key)[0])
 
     def _loss(self, params, model_state, batch, key, micro=None):
         """The mean loss over the data shards (one shard under ``jit``), and the new model state.
@@ -276,20 +254,33 @@ class _Reference:
     def _step(self, params, model_state, opt_state, batch, key):
         grads, value, model_state = self.grads(params, model_state, batch, key)
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), model_state, opt_state, value
+        return optax.apply_updates(params, updates), model_state, opt_state, value, grads
 
-    def run(self, initial: TrainState, batches, place: Callable | None = None):
+    def run(self, initial: TrainState, batches, place: Callable | None = None) -> _Run:
+        """Trains from ``initial`` on ``batches`` (its inputs placed by ``place(tree, kind)``, if given)."""
         params, model_state, opt_state = initial.params, initial.model_state, initial.opt_state
         if place is not None:
             params, model_state, opt_state = place((params, model_state, opt_state), "state")
-        losses = []
+        losses, inputs, grads = [], [], []
         for t, batch in enumerate(batches):
             batch = batch if place is None else place(batch, "batch")
             key = jax.random.fold_in(initial.rng, t)
-            params, model_state, opt_state, value = self.step(params, model_state, opt_state, batch, key)
+            inputs.append((params, model_state, key))
+            params, model_state, opt_state, value, grad = self.step(params, model_state, opt_state, batch, key)
             losses.append(float(value))
-        return np.array(losses), jax.device_get(initial.replace(params=params, model_state=model_state,
-                                                                opt_state=opt_state))
+            grads.append(grad)
+        final = jax.device_get(initial.replace(params=params, model_state=model_state, opt_state=opt_state))
+        return _Run(np.array(losses), final, inputs, grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One reference run: its losses, final state, and each step's inputs (params, model state, key) and gradient."""
+
+    losses: np.ndarray
+    final: TrainState
+    inputs: list
+    grads: list
 
 
 def _leaf_diffs(a: Any, b: Any) -> dict[str, float]:
@@ -310,17 +301,47 @@ def _report(strategy, mode, losses, ref_losses, final, ref_final, tolerance, bas
     return EquivalenceReport(strategy.describe(), mode, losses, ref_losses, diffs, tolerance, basis)
 
 
-def _floor(reference, initial, batches, state, strategy, mesh, ref_losses, ref_final) -> float:
-    """How far the reference itself drifts when its inputs are placed as the strategy places them."""
+def _auto_tolerance(report, reference, ref: _Run, initial, batches, final, state, strategy, mesh, options):
+    """``report`` held to ``tolerance="auto"``'s bound (:mod:`parallax.testing.rounding`).
+
+    The reference is run once more with its inputs placed as the strategy places them: another
+    reduction order. Its gradients at the reference's own inputs give each step's rounding
+    level, the optimizer rerun on the reference's gradients turns that into each param's
+    allowance, and its drift beyond those allowances (losses, state) is the floor.
+    """
     shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.model_state, state.opt_state))
     batch_sharding = NamedSharding(mesh, strategy.batch_spec())
 
     def place(tree, kind):
         return jax.device_put(tree, shardings if kind == "state" else batch_sharding)
 
-    losses, final = reference.run(initial, batches, place)
-    floor = _report(strategy, "", losses, ref_losses, final, ref_final, 0.0, "")
-    return floor.max_diff
+    rounding = []
+    for (params, model_state, key), batch, grad in zip(ref.inputs, batches, ref.grads, strict=True):
+        placed_params, placed_state, _ = place((params, model_state, initial.opt_state), "state")
+        other = reference.gradient(placed_params, placed_state, place(batch, "batch"), key)
+        rounding.append(gradient_rounding(jax.device_get(grad), jax.device_get(other)))
+    sensitivity = optimizer_rounding(reference.tx, initial.params, initial.opt_state,
+                                     [jax.device_get(g) for g in ref.grads], rounding)
+    allowance = jax.tree.map(lambda s: ROUNDING_MARGIN * s, sensitivity)
+    allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if np.size(a)}
+
+    placed = reference.run(initial, batches, place)
+    drift = dataclasses.replace(_report(strategy, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
+                                param_allowance=allowed,
+                                param_excess=excess(placed.final.params, ref.final.params, allowance))
+    floor = max([*drift.loss_diffs, *(d for part in drift.state_diffs for d in drift._held(part).values())],
+                default=0.0)
+    widest = max(allowed.items(), key=lambda item: item[1], default=("", 0.0))
+    basis = (f"twice the drift of plain jit with the same values placed on the mesh ({floor:.2g})"
+             + (f", {options.precision} compute" if options.policy.compute_dtype is not None else "")
+             + f"; params also twice their optimizer's amplification of gradient rounding (largest: "
+               f"{widest[0]} {widest[1]:.2g})")
+    return dataclasses.replace(report, tolerance=max(FLOAT32_TOLERANCE, 2 * floor), tolerance_basis=basis,
+                               param_allowance=allowed, param_excess=excess(final.params, ref.final.params, allowance))
+
+
+def _by_path(tree) -> dict[str, Any]:
+    return {path_str(path) or "(root)": leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _gradient_diffs(loss_fn, strategy, step_options, initial, batch, reference, layout: TrainState, top: int = 5):
