@@ -21,7 +21,7 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, max_diff, run_plain, run_steps,
+from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, params_bound, run_plain, run_steps,
                              with_params)
 
 STEPS = 6
@@ -146,9 +146,8 @@ def test_batch_level_loss_is_exact_by_default(case, strategy_name, opt_name):
     losses, params, step = train(case, opt_name, strategy)
     assert step.mode() == "jit"  # the loss sees the global batch
     loss_diff = float(np.abs(losses - ref.losses).max())
-    params_diff = max_diff(params, ref.params)
     loss_tol = bound(loss_diff, lambda: floor(case, opt_name, strategy).losses)  # max(1e-5, twice jit's own drift)
-    params_tol = bound(params_diff, lambda: floor(case, opt_name, strategy).params)
+    params_diff, params_tol = params_bound(params, ref, lambda: floor(case, opt_name, strategy))
     print(f"{case}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
     assert loss_diff <= loss_tol, (case, strategy_name, losses, ref.losses)

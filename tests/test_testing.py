@@ -2,21 +2,26 @@
 
 Each planted bug is one a sharded training library can have (gradients summed instead of
 averaged, BatchNorm statistics per shard, one dropout key on every shard, an FSDP shard
-updated with another shard's gradient); the report must say where training went apart.
+updated with another shard's gradient, updates rounded to bfloat16: a bug only the params
+show); the report must say where training went apart. The tolerance's rounding allowance
+(``px.testing.rounding``) is checked against Adam's first step worked out by hand.
 """
 
 from __future__ import annotations
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import parallax as px
 from parallax.sharding import gather as gather_lib
+from parallax.step import build
 from parallax.step import shard_map as shard_map_step
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import STRATEGIES
@@ -122,6 +127,39 @@ def test_catches_an_fsdp_shard_updated_with_another_shards_gradient():
         gather_lib.all_gather_mean_grad.defvjp(gather_lib._gather_fwd, gather_lib._gather_bwd)
     assert re.search(r"params differ: \S*kernel", text)
     assert re.search(r"first-step gradients that differ most: \S*kernel", text)
+
+
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.1), optax.adamw(3e-3, weight_decay=0.1)], ids=["sgd", "adamw"])
+def test_catches_updates_rounded_to_bfloat16_which_only_the_params_show(monkeypatch, optimizer):
+    """A mixed-precision bug: each update rounded to bfloat16 before it is added (about 0.2% of
+    it). Every loss and the optimizer state agree within 1e-5; the final params do not, and under
+    AdamW the rounding allowance (large only where a gradient is near Adam's eps) hides nothing."""
+    def bf16_updates(params, updates):
+        return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
+
+    monkeypatch.setattr(build, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
+    text = caught(MLP(), optimizer, classifier_loss, batches("mlp", 3, 32), STRATEGIES["fsdp"]())
+    assert "first step whose loss differs" not in text and "optimizer state: equal within tolerance" in text, text
+    assert re.search(r"params differ[^:\n]*: [^\n]*kernel", text)
+
+
+def test_rounding_allowance_is_adams_first_step_worked_out_by_hand():
+    """Adam's first step moves a param by ``-lr * g / (|g| + eps)`` (bias-corrected moments are
+    ``g`` and ``g**2``): pushing ``g`` by ``d`` moves it by almost nothing where ``|g| >> eps``,
+    and by up to ``lr`` where ``g`` is near ``eps`` or zero."""
+    lr, eps, d = 1e-3, 1e-8, 2e-9
+    g = np.array([1e-2, -3e-8, 1e-8, 0.0, -5e-9], np.float64)
+    adam = optax.adam(lr, eps=eps)
+    params = np.zeros(g.shape, np.float32)
+    allowance = px.testing.optimizer_rounding(adam, params, adam.init(params), [g.astype(np.float32)],
+                                              [np.float32(d)])
+
+    def first_step(x):
+        return -lr * x / (np.abs(x) + eps)
+
+    expected = np.maximum(np.abs(first_step(g + d) - first_step(g)), np.abs(first_step(g - d) - first_step(g)))
+    np.testing.assert_allclose(allowance, expected, rtol=1e-3, atol=1e-9)
+    assert allowance[0] < 1e-9 and allowance[3] > 1e-4
 
 
 def test_fake_devices_gives_the_devices_it_can_and_says_how_to_get_more(parallax_devices):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import parallax as px
-from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, run_plain, run_steps, with_params
+from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, params_bound, run_plain, run_steps, with_params
 from tests.third_party import MODELS, batches
 
 STEPS = 6
@@ -69,11 +69,10 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
     options = {"compile": "jit"} if "+" in strategy_name else {}
     state, losses = run_steps(px.make_train_step(loss_fn, strategy, **options), start(), data)
     loss_diff = float(np.abs(losses - ref.losses).max())
-    params_diff = max_diff(jax.device_get(state.params), ref.params)
     floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start(), data,
                                                 strategy, ref))
     loss_tol = bound(loss_diff, lambda: floor().losses)
-    params_tol = bound(params_diff, lambda: floor().params)
+    params_diff, params_tol = params_bound(jax.device_get(state.params), ref, floor)
     print(f"{model_name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
           f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
     assert loss_diff <= loss_tol, (losses.tolist(), ref.losses.tolist())

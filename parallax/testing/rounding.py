@@ -12,8 +12,9 @@ and still catches bugs in the other params, so each param gets its own allowance
 
 1. :func:`gradient_rounding` measures the rounding level of each step's gradient: per leaf,
    the largest difference between the one-device gradient and the same gradient computed in
-   another reduction order (the same function, its inputs placed on a mesh), and at least
-   one float32 ulp of the leaf's largest gradient.
+   another reduction order (the same function, its inputs placed on a mesh), at least one
+   float32 ulp of the leaf's largest gradient; none where the gradient is exactly zero in
+   both (a unit no example reached).
 2. :func:`optimizer_rounding` reruns the optimizer alone on the one-device run's recorded
    gradients, each step's gradients pushed up and then down by that step's rounding level,
    and sums over the steps how far each final param moves: the param's sensitivity.
@@ -41,7 +42,7 @@ ROUNDING_MARGIN = 2.0  # measured sensitivities covered 2–7× the largest drif
 
 
 def gradient_rounding(grads: Any, other: Any) -> Any:
-    """Per leaf, the rounding level of a gradient: how far another reduction order moved it.
+    """The rounding level of a gradient: how far another reduction order moved it, per leaf.
 
     Args:
         grads: the one-device gradient (a tree of arrays).
@@ -49,20 +50,22 @@ def gradient_rounding(grads: Any, other: Any) -> Any:
             placed on a mesh), at the same params and batch.
 
     Returns:
-        A tree like ``grads`` of float32 scalars: the largest ``|grads - other|`` in the
-        leaf, and at least one float32 ulp of the leaf's largest ``|grads|``.
+        A tree like ``grads`` of float32 arrays: in each leaf, the largest
+        ``|grads - other|`` of the leaf (at least one float32 ulp of its largest ``|grads|``),
+        except 0 where both gradients are exactly 0 (a unit no example reached: no sum to round).
 
     Example:
-        >>> g = {"w": np.array([1.0, -2.0], np.float32)}
-        >>> float(px.testing.gradient_rounding(g, {"w": g["w"] + np.float32(1e-6)})["w"])  # doctest: +ELLIPSIS
-        1.0...e-06
+        >>> g = {"w": np.array([1.0, -2.0, 0.0], np.float32)}
+        >>> other = {"w": np.array([1.0 + 2**-20, -2.0, 0.0], np.float32)}  # 1.0 one ulp up, in float32
+        >>> px.testing.gradient_rounding(g, other)["w"] * 2**20
+        array([1., 1., 0.], dtype=float32)
     """
     def level(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if not a.size:
-            return np.float32(0.0)
-        ulp = np.finfo(np.float32).eps * np.abs(a).max()
-        return np.float32(max(np.abs(a - b).max(), ulp))
+            return np.zeros(a.shape, np.float32)
+        widest = max(np.abs(a - b).max(), np.finfo(np.float32).eps * np.abs(a).max())
+        return np.where((a == 0) & (b == 0), 0.0, widest).astype(np.float32)
 
     return jax.tree.map(level, grads, other)
 
@@ -81,8 +84,8 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
         optimizer: the optax transformation the runs use.
         params: the initial params; ``opt_state`` the optimizer's initial state for them.
         grads: the gradient of each step of the one-device run.
-        rounding: each step's rounding level, a tree of scalars (or arrays) like the
-            gradients (:func:`gradient_rounding`).
+        rounding: each step's rounding level, a tree like the gradients of arrays (or
+            scalars, for a whole leaf) (:func:`gradient_rounding`).
 
     Returns:
         A tree like ``params`` of host arrays: each element's sensitivity.
