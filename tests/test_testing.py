@@ -140,7 +140,7 @@ def test_catches_updates_rounded_to_bfloat16_which_only_the_params_show(monkeypa
     monkeypatch.setattr(build, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
     text = caught(MLP(), optimizer, classifier_loss, batches("mlp", 3, 32), STRATEGIES["fsdp"]())
     assert "first step whose loss differs" not in text and "optimizer state: equal within tolerance" in text, text
-    assert re.search(r"params differ[^:\n]*: [^\n]*kernel", text)
+    assert re.search(r"params differ: [^\n]*kernel", text)
 
 
 def test_rounding_allowance_is_adams_first_step_worked_out_by_hand():
