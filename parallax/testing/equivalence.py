@@ -180,7 +180,7 @@ def assert_equivalent(
     mode = step.mode()  # known once the step has compiled: the cost model may pick it
     data_shards = int(np.prod([mesh_of.shape[a] for a in strategy.data_axes]))
     reference = Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
-                           per_shard=mode == "shard_map")
+                          per_shard=mode == "shard_map")
     ref = reference.run(initial, batches)
     report = _report(strategy, mode, np.array(losses), ref.losses, final, ref.final, FLOAT32_TOLERANCE,
                      "float32 rounding")
