@@ -160,16 +160,14 @@ def drift_floor(model, tx, loss_fn, start: px.TrainState, batches, strategy: px.
     The params' drift is what is left beyond each element's rounding allowance: the gradient of
     every step of ``ref``, computed again at ``ref``'s own inputs placed on the mesh (another
     reduction order), gives the step's rounding level, and the optimizer rerun on ``ref``'s
-    gradients turns it into each param's sensitivity (``px.testing.optimizer_rounding``).
+    gradients turns it into each param's allowance (``px.testing.rounding_allowance``).
     """
     place = mesh_placer(start, strategy)
     grads = plain_grads(model, loss_fn)
-    rounding = [px.testing.gradient_rounding(grad, jax.device_get(grads(place(params, "params"), place(state, "rep"),
-                                                                          place(batch, "batch"))))
-                for (params, state), batch, grad in zip(ref.inputs, batches, ref.grads, strict=True)]
+    other = [grads(place(params, "params"), place(state, "rep"), place(batch, "batch"))
+             for (params, state), batch in zip(ref.inputs, batches, strict=True)]
     initial = jax.device_get(ref.inputs[0][0])
-    sensitivity = px.testing.optimizer_rounding(tx, initial, tx.init(initial), ref.grads, rounding)
-    allowance = jax.tree.map(lambda s: px.testing.ROUNDING_MARGIN * s, sensitivity)
+    allowance = px.testing.rounding_allowance(tx, initial, tx.init(initial), ref.grads, jax.device_get(other))
     run = run_plain(model, tx, loss_fn, start, batches, place=place)
     beyond = max(px.testing.excess(run.params, ref.params, allowance).values(), default=0.0)
     return Drift(float(np.abs(run.losses - ref.losses).max()), beyond, max_diff(run.opt_state, ref.opt_state),

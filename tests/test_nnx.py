@@ -183,11 +183,9 @@ def floor(name, opt_name, state, strategy):
 
     ref_losses, ref_params, _, _, ref_grads, inputs = reference(name, opt_name)
     other = plain_nnx_run(MODELS[name], OPTIMIZERS[opt_name](), batches(name), place, at=inputs)
-    rounding = [px.testing.gradient_rounding(g, o) for g, o in zip(ref_grads, other, strict=True)]
     initial = jax.device_get(inputs[0][0])
     tx = OPTIMIZERS[opt_name]()
-    allowance = jax.tree.map(lambda s: px.testing.ROUNDING_MARGIN * s,
-                             px.testing.optimizer_rounding(tx, initial, tx.init(initial), ref_grads, rounding))
+    allowance = px.testing.rounding_allowance(tx, initial, tx.init(initial), ref_grads, other)
     losses, params, _, _, _, _ = plain_nnx_run(MODELS[name], OPTIMIZERS[opt_name](), batches(name), place)
     beyond = max(px.testing.excess(params, ref_params, allowance).values(), default=0.0)
     return float(np.abs(losses - ref_losses).max()), beyond, allowance

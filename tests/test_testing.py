@@ -151,15 +151,15 @@ def test_rounding_allowance_is_adams_first_step_worked_out_by_hand():
     g = np.array([1e-2, -3e-8, 1e-8, 0.0, -5e-9], np.float64)
     adam = optax.adam(lr, eps=eps)
     params = np.zeros(g.shape, np.float32)
-    allowance = px.testing.optimizer_rounding(adam, params, adam.init(params), [g.astype(np.float32)],
-                                              [np.float32(d)])
+    sensitivity = px.testing.optimizer_rounding(adam, params, adam.init(params), [g.astype(np.float32)],
+                                                [np.float32(d)])
 
     def first_step(x):
         return -lr * x / (np.abs(x) + eps)
 
     expected = np.maximum(np.abs(first_step(g + d) - first_step(g)), np.abs(first_step(g - d) - first_step(g)))
-    np.testing.assert_allclose(allowance, expected, rtol=1e-3, atol=1e-9)
-    assert allowance[0] < 1e-9 and allowance[3] > 1e-4
+    np.testing.assert_allclose(sensitivity, expected, rtol=1e-3, atol=1e-9)
+    assert sensitivity[0] < 1e-9 and sensitivity[3] > 1e-4
 
 
 def test_fake_devices_gives_the_devices_it_can_and_says_how_to_get_more(parallax_devices):

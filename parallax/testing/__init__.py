@@ -23,7 +23,8 @@ also twice what the optimizer amplifies of the gradients' rounding (:mod:`.round
 
 from parallax.testing.devices import fake_devices
 from parallax.testing.equivalence import EquivalenceReport, NotEquivalentError, assert_equivalent
-from parallax.testing.rounding import ROUNDING_MARGIN, excess, gradient_rounding, optimizer_rounding
+from parallax.testing.rounding import (ROUNDING_MARGIN, excess, gradient_rounding, optimizer_rounding,
+                                      rounding_allowance)
 
 __all__ = ["EquivalenceReport", "NotEquivalentError", "ROUNDING_MARGIN", "assert_equivalent", "excess", "fake_devices",
-           "gradient_rounding", "optimizer_rounding"]
+           "gradient_rounding", "optimizer_rounding", "rounding_allowance"]

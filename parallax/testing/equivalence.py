@@ -9,7 +9,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -22,7 +21,7 @@ from parallax.step.build import make_train_step
 from parallax.step.initialize import init_state
 from parallax.step.state import TrainState
 from parallax.testing.reference import Reference, Run
-from parallax.testing.rounding import ROUNDING_MARGIN, excess, gradient_rounding, optimizer_rounding
+from parallax.testing.rounding import excess, rounding_allowance
 
 __all__ = ["EquivalenceReport", "NotEquivalentError", "assert_equivalent"]
 
@@ -80,9 +79,14 @@ class EquivalenceReport:
         return self.param_excess if part == "params" and self.param_allowance else self.state_diffs[part]
 
     @property
-    def passed(self) -> bool:
+    def max_held(self) -> float:
+        """The largest difference held to the tolerance: losses, state, params beyond their allowance."""
         held = [d for part in self.state_diffs for d in self._held(part).values()]
-        return float(max([*self.loss_diffs, *held], default=0.0)) <= self.tolerance
+        return float(max([*self.loss_diffs, *held], default=0.0))
+
+    @property
+    def passed(self) -> bool:
+        return self.max_held <= self.tolerance
 
     def __str__(self) -> str:
         verdict = "trains like one device" if self.passed else "does NOT train like one device"
@@ -98,14 +102,14 @@ class EquivalenceReport:
             held = self._held(part)
             differing = sorted(((p, d) for p, d in held.items() if d > self.tolerance), key=lambda item: -item[1])
             if differing:
-                shown = ", ".join(f"{p} {diffs.get(p, d):.3g}" for p, d in differing[:5])
+                shown = ", ".join(f"{p} {diffs[p]:.3g}" for p, d in differing[:5])
                 more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
                 beyond = " (beyond each one's rounding allowance)" if held is not diffs else ""
                 lines.append(f"  {part} differ: {shown}{more}{beyond}")
             elif held is not diffs:
                 path, allowed = max(self.param_allowance.items(), key=lambda item: item[1])
                 lines.append(f"  {part}: equal within tolerance plus each param's rounding allowance (largest: "
-                             f"{path} {allowed:.2g}, where they differ by {diffs.get(path, 0.0):.2g})")
+                             f"{path} {allowed:.2g}, where they differ by {diffs[path]:.2g})")
             else:
                 lines.append(f"  {part}: equal within tolerance (max {max(diffs.values(), default=0.0):.2g})")
         grads = {p: row for p, row in self.grad_diffs.items() if row[2] > self.tolerance} or self.grad_diffs
@@ -195,21 +199,10 @@ def assert_equivalent(
     return report
 
 
-def _leaf_diffs(a: Any, b: Any) -> dict[str, float]:
-    """``{path: max |a - b|}`` over the floating leaves (rng keys and counters are not compared)."""
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = jax.tree.leaves(b)
-    diffs = {}
-    for (path, x), y in zip(flat_a, flat_b, strict=True):
-        if jnp.issubdtype(getattr(x, "dtype", np.float64), jnp.floating) and np.size(x):
-            diffs[path_str(path) or "(root)"] = float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
-    return diffs
-
-
 def _report(strategy, mode, losses, ref_losses, final, ref_final, tolerance, basis) -> EquivalenceReport:
-    diffs = {"params": _leaf_diffs(final.params, ref_final.params),
-             "optimizer state": _leaf_diffs(final.opt_state, ref_final.opt_state),
-             "model state": _leaf_diffs(final.model_state, ref_final.model_state)}
+    diffs = {"params": excess(final.params, ref_final.params),
+             "optimizer state": excess(final.opt_state, ref_final.opt_state),
+             "model state": excess(final.model_state, ref_final.model_state)}
     return EquivalenceReport(strategy.describe(), mode, losses, ref_losses, diffs, tolerance, basis)
 
 
@@ -227,22 +220,19 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     def place(tree, kind):
         return jax.device_put(tree, shardings if kind == "state" else batch_sharding)
 
-    rounding = []
-    for (params, model_state, key), batch, grad in zip(ref.inputs, batches, ref.grads, strict=True):
-        placed_params, placed_state, _ = place((params, model_state, initial.opt_state), "state")
-        other = reference.gradient(placed_params, placed_state, place(batch, "batch"), key)
-        rounding.append(gradient_rounding(jax.device_get(grad), jax.device_get(other)))
-    sensitivity = optimizer_rounding(reference.tx, initial.params, initial.opt_state,
-                                     [jax.device_get(g) for g in ref.grads], rounding)
-    allowance = jax.tree.map(lambda s: ROUNDING_MARGIN * s, sensitivity)
-    allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if np.size(a)}
+    grads = jax.device_get(ref.grads)
+    other = [reference.gradient(jax.device_put(params, shardings[0]), jax.device_put(model_state, shardings[1]),
+                                place(batch, "batch"), key)
+             for (params, model_state, key), batch in zip(ref.inputs, batches, strict=True)]
+    allowance = rounding_allowance(reference.tx, initial.params, initial.opt_state, grads, jax.device_get(other))
+    compared = report.state_diffs["params"]  # the floating leaves
+    allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if path in compared}
 
     placed = reference.run(initial, batches, place)
     drift = dataclasses.replace(_report(strategy, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
                                 param_allowance=allowed,
                                 param_excess=excess(placed.final.params, ref.final.params, allowance))
-    floor = max([*drift.loss_diffs, *(d for part in drift.state_diffs for d in drift._held(part).values())],
-                default=0.0)
+    floor = drift.max_held
     widest = max(allowed.items(), key=lambda item: item[1], default=("", 0.0))
     basis = (f"twice the drift of plain jit with the same values placed on the mesh ({floor:.2g})"
              + (f", {options.precision} compute" if options.policy.compute_dtype is not None else "")

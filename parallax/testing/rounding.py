@@ -19,6 +19,8 @@ and still catches bugs in the other params, so each param gets its own allowance
    gradients, each step's gradients pushed up and then down by that step's rounding level,
    and sums over the steps how far each final param moves: the param's sensitivity.
 
+:func:`rounding_allowance` does both and scales by :data:`ROUNDING_MARGIN`.
+
 A param is then held to the float32 bound plus :data:`ROUNDING_MARGIN` times its
 sensitivity. For SGD the sensitivity is ``lr`` times the rounding level (nothing); for Adam
 it is large only where the gradient was near ``eps``, so a bug in any other param is caught
@@ -36,7 +38,7 @@ import optax
 
 from parallax._tree import path_str
 
-__all__ = ["ROUNDING_MARGIN", "excess", "gradient_rounding", "optimizer_rounding"]
+__all__ = ["ROUNDING_MARGIN", "excess", "gradient_rounding", "optimizer_rounding", "rounding_allowance"]
 
 ROUNDING_MARGIN = 2.0  # the sensitivity alone was 1.9–4.1× the drift seen across stacks and ISAs (README)
 
@@ -139,18 +141,48 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
     return jax.device_get(jax.jit(sensitivity)())
 
 
-def excess(values: Any, reference: Any, allowance: Any) -> dict[str, float]:
-    """Per leaf path, the largest ``|values - reference| - allowance`` (0 where every element is within).
+def rounding_allowance(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
+                       grads: Sequence[Any], other_grads: Sequence[Any]) -> Any:
+    """Each param element's allowance: :data:`ROUNDING_MARGIN` times its :func:`optimizer_rounding`
+    at the rounding level :func:`gradient_rounding` reads off ``grads`` and ``other_grads``.
+
+    Args:
+        optimizer: the optax transformation the runs use.
+        params: the initial params; ``opt_state`` the optimizer's initial state for them.
+        grads: the gradient of each step of the one-device run (host arrays).
+        other_grads: each step's gradient computed again at the same inputs in another
+            reduction order (e.g. placed on a mesh).
+
+    Example:
+        >>> p = {"w": np.zeros(2, np.float32)}
+        >>> g = [{"w": np.array([1.0, 0.0], np.float32)}]
+        >>> other = [{"w": np.array([1.0, 2e-9], np.float32)}]  # rounding left 2e-9 where the sum is 0
+        >>> adam = optax.adam(1e-3)
+        >>> a = px.testing.rounding_allowance(adam, p, adam.init(p), g, other)["w"]
+        >>> bool(a[0] < 1e-9 and a[1] > 1e-4)
+        True
+    """
+    rounding = [gradient_rounding(g, o) for g, o in zip(grads, other_grads, strict=True)]
+    sensitivity = optimizer_rounding(optimizer, params, opt_state, grads, rounding)
+    return jax.tree.map(lambda s: ROUNDING_MARGIN * s, sensitivity)
+
+
+def excess(values: Any, reference: Any, allowance: Any = None) -> dict[str, float]:
+    """Per floating leaf path, the largest ``|values - reference| - allowance`` (0 where every element is within).
+
+    Without ``allowance``, the largest ``|values - reference|``. Integer leaves (rng keys,
+    counters) and empty ones are left out.
 
     Example:
         >>> px.testing.excess({"w": np.array([1.0, 2.0])}, {"w": np.array([1.5, 2.0])}, {"w": np.array([0.1, 0.0])})
         {'w': 0.4}
     """
     flat = jax.tree_util.tree_flatten_with_path(values)[0]
+    allowed = [0.0] * len(flat) if allowance is None else jax.tree.leaves(allowance)
     rows = {}
-    for (path, a), b, allowed in zip(flat, jax.tree.leaves(reference), jax.tree.leaves(allowance), strict=True):
-        if not np.size(a):
+    for (path, a), b, slack in zip(flat, jax.tree.leaves(reference), allowed, strict=True):
+        if not (jnp.issubdtype(getattr(a, "dtype", np.float64), jnp.floating) and np.size(a)):
             continue
-        over = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) - np.asarray(allowed, np.float64)
+        over = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) - np.asarray(slack, np.float64)
         rows[path_str(path) or "(root)"] = max(float(over.max()), 0.0)
     return rows
