@@ -19,7 +19,7 @@ __distribution__ = "parallax-flax"
 __version__ = "0.1.0"
 
 try:
-    from parallax import inspect, plan, testing
+    from parallax import distributed, inspect, plan, testing
     from parallax.step.summary import ReplicatedParamError, Summary, summarize
     from parallax.models.linen import wrap_for_shard_map
     from parallax.sharding import specs
@@ -55,6 +55,6 @@ __all__ = [
     "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "DataParallel", "EarlyStopping", "FitResult",
     "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "ProgressBar", "ReplicatedParamError", "StatePlan",
     "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig",
-    "callbacks", "checkpoint", "combine", "data", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
+    "callbacks", "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
     "make_train_step", "metrics", "per_example_loss", "plan", "plan_state", "specs", "step", "summarize", "testing", "wrap_for_shard_map",
 ]

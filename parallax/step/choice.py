@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+from parallax import _multihost
 from parallax._units import format_bytes, parse_bytes
 from parallax.step.cost import Estimate, calibrate, estimate
 
@@ -92,4 +93,4 @@ def rank(estimates: Mapping[str, Estimate], budget: int | None, *, what: str) ->
     over = tuple(label for label, est in ordered.items() if budget is not None and est.peak > budget)
     fitting = [label for label in ordered if label not in over]
     picked = fitting[0] if fitting else min(ordered, key=lambda label: ordered[label].peak)
-    return Choice(picked, ordered, budget, over, what)
+    return Choice(_multihost.agree(picked), ordered, budget, over, what)  # process 0's pick, on every process

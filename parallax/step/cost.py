@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallax import _cache, inspect
+from parallax import _cache, _multihost, inspect
 from parallax._compat import shard_map
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -237,10 +237,17 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = Fa
     """
     devices = list(devices if devices is not None else jax.devices())
     key = device_key(devices)
-    found = None if refresh else _cache.read(CACHE_FILE).get(key)
+    # With several processes, process 0's cache and measurement decide for all: they then
+    # compile the same programs, whatever each host's own cache or load.
+    found = _multihost.agree(None if refresh else _cache.read(CACHE_FILE).get(key))
     if found:
         return DeviceSpeeds(key, found["seconds_per_flop"], found["seconds_per_byte"], found["seconds_per_layout_byte"],
                             {k: tuple(v) for k, v in found["collectives"].items()}, found["overhead"])
-    speeds = _measure(devices)
+    speeds = _measure(devices)  # every process takes part: the programs span all the devices
+    if jax.process_count() > 1:
+        agreed = _multihost.agree(_stored(speeds))
+        speeds = DeviceSpeeds(key, agreed["seconds_per_flop"], agreed["seconds_per_byte"],
+                              agreed["seconds_per_layout_byte"], {k: tuple(v) for k, v in agreed["collectives"].items()},
+                              agreed["overhead"], speeds.calibration_seconds)
     _cache.store(CACHE_FILE, key, _stored(speeds))
     return speeds

@@ -7,6 +7,12 @@ callbacks late, never early: step t's metrics are read from the device only afte
 t+1 has been dispatched (in batches, see ``TrainerConfig.fetch_every``), so logging
 never stalls the accelerator.
 
+With several processes, callbacks run on every process, except those whose class sets
+``primary_only = True`` (:class:`ProgressBar`, :class:`JSONLogger`,
+:class:`TensorBoardLogger`), which run on process 0 only. Metrics are the same on every
+process; a callback that calls ``trainer.request_stop`` must do so on every process (decide
+from the metrics), or the processes stop at different steps.
+
 Example:
     >>> class PrintLoss:
     ...     every = 100
@@ -90,6 +96,8 @@ class ProgressBar:
         stream: where plain lines go when not in a terminal.
     """
 
+    primary_only = True
+
     def __init__(self, every: int = 1, stream: Any = None):
         self.every = every
         self.stream = stream or sys.stderr
@@ -142,8 +150,10 @@ class ProgressBar:
 class JSONLogger:
     """Appends one JSON object per logged step to ``path``.
 
-    Each line: ``{"step": ..., "time": ..., "train": {...}, "eval": {...}}``.
+    Each line: ``{"step": ..., "time": ..., "train": {...}, "eval": {...}}``. Process 0 writes it.
     """
+
+    primary_only = True
 
     def __init__(self, path: str | os.PathLike, every: int = 1):
         self.path = os.fspath(path)
@@ -161,16 +171,27 @@ class JSONLogger:
 class TensorBoardLogger:
     """Writes scalars for TensorBoard (``train/loss``, ``eval/accuracy``, ...) to ``logdir``.
 
-    Needs the ``tensorboardX`` package (``pip install tensorboardX``).
+    Needs the ``tensorboardX`` package (``pip install tensorboardX``). Process 0 writes them.
     """
+
+    primary_only = True
 
     def __init__(self, logdir: str | os.PathLike, every: int = 1):
         try:
             from tensorboardX import SummaryWriter
         except ImportError as err:
             raise ImportError("TensorBoardLogger needs tensorboardX: pip install tensorboardX") from err
-        self.writer = SummaryWriter(os.fspath(logdir))
+        self.logdir = os.fspath(logdir)
+        self._writer_class = SummaryWriter
+        self._writer = None
         self.every = every
+
+    @property
+    def writer(self) -> Any:
+        """The event file writer, made (and ``logdir`` created) when first needed."""
+        if self._writer is None:
+            self._writer = self._writer_class(self.logdir)
+        return self._writer
 
     def on_step(self, info: StepInfo) -> None:
         for name, value in info.metrics.items():
@@ -179,7 +200,8 @@ class TensorBoardLogger:
             self.writer.add_scalar(f"eval/{name}", value, info.step)
 
     def on_fit_end(self, trainer: Any) -> None:
-        self.writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
 
 class EarlyStopping:

@@ -30,7 +30,9 @@ class CheckpointError(RuntimeError):
 
 
 CHECKSUMS = "parallax_checksums.json"
-"""Written into each step's folder once orbax has committed it: ``{relative path: [bytes, sha256]}``."""
+"""``{relative path: [bytes, sha256]}`` of a step's files, written into its folder as orbax commits it."""
+ORBAX_BOOKKEEPING = ("_CHECKPOINT_METADATA", "commit_success.txt")
+"""Files orbax itself (re)writes at the top of a step's folder while committing; not checksummed."""
 
 
 def _sha256(path: str) -> str:
@@ -46,7 +48,7 @@ def _files(folder: str) -> list[str]:
     for root, _, names in os.walk(folder):
         for name in names:
             relative = os.path.relpath(os.path.join(root, name), folder)
-            if relative != CHECKSUMS:
+            if relative != CHECKSUMS and relative not in ORBAX_BOOKKEEPING:
                 found.append(relative)
     return sorted(found)
 
@@ -87,6 +89,16 @@ def _differences(saved: dict, expected: dict, limit: int = 5) -> list[str]:
     return lines
 
 
+def _write_checksums(folder: str) -> None:
+    """Records the size and sha256 of every file in ``folder`` (atomically)."""
+    sums = {name: [os.path.getsize(os.path.join(folder, name)), _sha256(os.path.join(folder, name))]
+            for name in _files(folder)}
+    partial = os.path.join(folder, CHECKSUMS + ".partial")
+    with open(partial, "w") as stream:
+        json.dump(sums, stream)
+    os.replace(partial, os.path.join(folder, CHECKSUMS))
+
+
 class Checkpointer:
     """Saves every ``every`` steps (async), keeps the last ``keep``, restores by step.
 
@@ -112,8 +124,11 @@ class Checkpointer:
             raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
+        # The checksums go into the step's temporary folder just before orbax renames it into
+        # place, so a committed checkpoint is verifiable however the process ends afterwards.
+        commit = ocp.AsyncOptions(post_finalization_callback=self._record_before_commit) if async_save else None
         self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                     create=True)
+                                                     create=True, async_options=commit)
         self._manager = None
         self._unrecorded: list[int] = []  # saved steps whose checksums are not written yet
 
@@ -181,15 +196,25 @@ class Checkpointer:
             self._record_checksums()
         arrays = state_arrays(state)
         record = {**metadata, "step": step, "signature": signature(arrays), "structure": structure(arrays)}
+        self._unrecorded.append(step)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                         meta=ocp.args.JsonSave(record)))
-        self._unrecorded.append(step)
+        if not self._options.enable_async_checkpointing:
+            self._record_checksums()  # a synchronous save is committed when it returns
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
+    def _record_before_commit(self) -> None:
+        """Orbax's hook on the primary process once every process's files of the newest save are
+        written, before it renames the temporary folder into place: the record commits with them."""
+        step = self._unrecorded[-1] if self._unrecorded else None
+        pending = os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp")
+        if step is not None and os.path.isdir(pending):  # else recorded after the commit, by wait()
+            _write_checksums(pending)
+
     def _record_checksums(self) -> None:
-        """Writes the checksums of every committed step saved since the last call (atomically).
+        """Writes the checksums of every committed step saved since the last call that has none yet.
 
         Process 0 writes them (the folder is shared; orbax has committed every process's files).
         """
@@ -198,21 +223,16 @@ class Checkpointer:
             return
         for step in self._unrecorded:
             folder = self.step_dir(step)
-            if not os.path.isdir(folder):
-                continue  # already removed by keep_checkpoints
-            sums = {name: [os.path.getsize(os.path.join(folder, name)), _sha256(os.path.join(folder, name))]
-                    for name in _files(folder)}
-            partial = os.path.join(folder, CHECKSUMS + ".partial")
-            with open(partial, "w") as stream:
-                json.dump(sums, stream)
-            os.replace(partial, os.path.join(folder, CHECKSUMS))
+            if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, CHECKSUMS)):
+                _write_checksums(folder)  # not yet removed by keep_checkpoints, nor recorded at its commit
         self._unrecorded = []
 
     def verify(self, step: int) -> str | None:
         """Why checkpoint ``step`` fails verification, or ``None`` if every file matches its checksum.
 
-        A checkpoint written without checksums (by parallax before 0.2, or by a process killed
-        between orbax's commit and the checksum record) returns ``"unrecorded"``.
+        A checkpoint written without checksums (by parallax before 0.2, or committed by an orbax
+        version whose temporary folders this one does not recognise, the process then killed
+        before it recorded them) returns ``"unrecorded"``.
         """
         folder = self.step_dir(step)
         record = os.path.join(folder, CHECKSUMS)

@@ -13,7 +13,8 @@ from parallax.models import LossFn, ModelAdapter, ModelRun
 from parallax.step.plan import StatePlan
 from parallax.step.state import TrainState, model_rngs
 from parallax.step.summary import summarize
-from parallax.train.data import as_data
+from parallax import _multihost
+from parallax.train.data import ArrayData, as_data, batch_signature
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -78,18 +79,39 @@ def check_plan(plan: StatePlan, summary: bool, fail_if_replicated_over: int | No
 def check_eval_data(adapter: Any, abstract: Any, eval_data: Any, eval_loss_fn: Any, cfg: Any) -> None:
     """Runs ``eval_loss_fn`` on the first eval batch abstractly (shapes only) before step 1."""
     source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0, drop_remainder=False)
-    batch = next(iter(source.epoch()), None)
+    if isinstance(source, ArrayData):
+        batch = source.take(next(source.epoch_rows()), whole=True)
+    else:
+        batch = next(iter(source.epoch()), None)
     if batch is None:
         raise ValueError("eval_data yields no batches; pass at least one example, or no eval_data.")
+    _multihost.check_same(batch_signature(batch, rows=False), "The eval data's features",
+                          "give every process eval data of the same feature shapes and dtypes.")
     check_eval_batch(adapter, abstract, batch, eval_loss_fn, cfg.step.rng_streams)
 
 
 def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, mesh: Any, grad_accum: int) -> None:
     """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
-    rows = int(np.shape(jax.tree.leaves(batch)[0])[0]) * jax.process_count()
+    local = int(np.shape(jax.tree.leaves(batch)[0])[0])
+    rows = local * jax.process_count()
+    if rows != batch_size and jax.process_count() > 1:
+        raise ValueError(
+            f"Process {jax.process_index()}: its part of the batch for step {step} has {local} examples, of the "
+            f"first batch {batch_size // jax.process_count()}. With several processes every part of every batch "
+            "must have the first's size (the processes cannot see each other's); drop or pad the last batch.")
     if rows != batch_size:
         try:
             strategy.check_batch_size(rows, mesh, multiple=grad_accum)
         except ValueError as err:
             raise ValueError(f"The batch for step {step} has {rows} examples (the first had {batch_size}). "
                              f"{err} Drop or pad the last batch of the data.") from None
+
+
+def check_data_continues(step: int, max_steps: int) -> None:
+    """With several processes, training data that ends before ``max_steps`` is an error: the
+    process it ended on cannot tell the others, which would wait for it in the next step."""
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"Process {jax.process_index()}: the training data ended after step {step}, before max_steps="
+            f"{max_steps}. With several processes a process whose data ends cannot tell the others; pass "
+            "max_steps at most every process's number of batches, or data with a len().")

@@ -79,9 +79,11 @@ class ArrayData:
             return np.arange(self.rows)
         return np.random.default_rng([self.seed, epoch]).permutation(self.rows)
 
-    def _take(self, rows: np.ndarray) -> Any:
+    def take(self, rows: np.ndarray, *, whole: bool = False) -> Any:
+        """The examples ``rows`` of one global batch: this process's share of them (an equal
+        slice per process), or all of them on every process (``whole``)."""
         processes, index = jax.process_count(), jax.process_index()
-        if processes > 1:
+        if processes > 1 and not whole:
             if len(rows) % processes:
                 raise ValueError(f"A batch of {len(rows)} rows does not split over {processes} processes.")
             share = len(rows) // processes
@@ -94,12 +96,18 @@ class ArrayData:
         while True:
             order = self._order(epoch)
             for index in range(offset, self.steps_per_epoch):
-                yield self._take(order[index * self.batch_size:(index + 1) * self.batch_size])
+                yield self.take(order[index * self.batch_size:(index + 1) * self.batch_size])
             epoch, offset = epoch + 1, 0
 
     def epoch(self) -> Iterator[Any]:
         """One pass in order (for evaluation)."""
         return itertools.islice(self.iter_from(0), self.steps_per_epoch)
+
+    def epoch_rows(self) -> Iterator[np.ndarray]:
+        """The global rows of each batch of one pass in order (for evaluation)."""
+        order = self._order(0)
+        for index in range(self.steps_per_epoch):
+            yield order[index * self.batch_size:(index + 1) * self.batch_size]
 
 
 class IterableData:
@@ -153,6 +161,13 @@ def check_batch_leaves(batch: Any, what: str = "a batch") -> None:
         problem = _not_numeric(leaf)
         if problem is not None:
             raise ValueError(f"{what}{jax.tree_util.keystr(key_path)} {problem}.")
+
+
+def batch_signature(batch: Any, rows: bool = True) -> dict[str, str]:
+    """``{leaf path: "dtype(shape)"}`` of a batch (without the leading rows dim if not ``rows``):
+    what every process's part must agree on."""
+    return {jax.tree_util.keystr(key_path): f"{np.asarray(leaf).dtype}{tuple(np.shape(leaf)[0 if rows else 1:])}"
+            for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]}
 
 
 def _explain(data: Any, what: str) -> None:

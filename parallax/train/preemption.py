@@ -1,11 +1,22 @@
-"""Preemption: SIGTERM, or a first Ctrl-C, asks training to finish its step, save it and stop."""
+"""Preemption: SIGTERM, or a first Ctrl-C, asks training to finish its step, save it and stop.
+
+With several processes a signal may reach any subset of them, at any moment, and every
+process must still stop after the same step (the checkpoint save is collective). JAX's
+preemption service does that: after ``jax.distributed.initialize`` it owns SIGTERM, tells
+every process when any one is signalled, and they agree on a step through the coordination
+service; each process only checks a local flag per step (``reached_preemption_sync_point``).
+A first Ctrl-C is passed on to it as a SIGTERM.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Any
+
+import jax
 
 log = logging.getLogger("parallax")
 
@@ -25,7 +36,9 @@ class Preemption:
 
     def __init__(self):
         self.requested: str | None = None
-        self._previous: Any = None
+        self._previous: dict = {}
+        self._shared = False  # several processes, agreeing through JAX's preemption service
+        self._agreed = False
 
     def _handler(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.requested == "SIGINT":
@@ -35,15 +48,46 @@ class Preemption:
             self.requested = signal.Signals(signum).name
             if signum == signal.SIGINT:
                 log.warning("SIGINT: finishing this step and saving it; press Ctrl-C again to stop at once.")
+            if self._shared:
+                os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier, which tells every process
 
     def __enter__(self) -> "Preemption":
-        self.requested = None
+        self.requested, self._agreed = None, False
+        self._shared = jax.process_count() > 1 and _preemption_service() is not None
+        if jax.process_count() > 1 and not self._shared:
+            log.warning("JAX's preemption service is off (jax_enable_preemption_service=False): each process stops "
+                        "on its own signal, and processes signalled at different steps wait for each other forever.")
         if threading.current_thread() is threading.main_thread():
-            self._previous = (signal.signal(signal.SIGTERM, self._handler), signal.signal(signal.SIGINT, self._handler))
+            # With several processes SIGTERM is left to JAX's notifier (it installed its own handler).
+            caught = (signal.SIGINT,) if self._shared else (signal.SIGTERM, signal.SIGINT)
+            self._previous = {signum: signal.signal(signum, self._handler) for signum in caught}
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous[0])
-            signal.signal(signal.SIGINT, self._previous[1])
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    def stop_after(self, step: int) -> bool:
+        """Whether training stops after ``step``; call it once per step, on every process.
+
+        In one process: whether a signal arrived. With several: whether ``step`` is the step
+        every process agreed to stop at, once any of them was signalled.
+        """
+        if self._shared and not self._agreed:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self._agreed = True
+                self.requested = self.requested or "a signal to one of the processes"
+        return self.stopping
+
+    @property
+    def stopping(self) -> bool:
+        """Whether training stops at the step :meth:`stop_after` last saw (no agreement asked)."""
+        return self._agreed if self._shared else self.requested is not None
+
+
+def _preemption_service() -> Any:
+    from jax._src import distributed as jax_distributed
+    return getattr(jax_distributed.global_state, "preemption_sync_manager", None)

@@ -19,11 +19,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax import _multihost
 from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, check_strategy, is_auto
 from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
-from parallax.step import metrics as metric_lib
 from parallax.step.build import make_eval_step, make_train_step
 from parallax.step.plan import StatePlan, plan_state
 from parallax.step.search import Resolved, resolve
@@ -31,9 +31,11 @@ from parallax.step.state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, CheckpointError
-from parallax.train.checks import check_eval_data, check_later_batch, check_loss_fn, check_optimizer, check_plan
+from parallax.train.checks import (check_data_continues, check_eval_data, check_later_batch, check_loss_fn,
+                                   check_optimizer, check_plan)
 from parallax.train.config import FitResult, History, TrainerConfig
-from parallax.train.data import as_data, check_batch_leaves, to_global
+from parallax.train.data import as_data, batch_signature, check_batch_leaves, to_global
+from parallax.train.evaluation import evaluate
 from parallax.train.guard import NonFiniteGuard
 from parallax.train.hooks import Checkpointing, Evaluation, Hook
 from parallax.train.preemption import Preemption
@@ -87,8 +89,9 @@ class Trainer:
         self.devices = devices
         self.search: Resolved | None = None  # what strategy="auto" or FSDP(split="auto") chose, once a batch is seen
         self._use(strategy, None if strategy == AUTO else strategy.make_mesh(devices))
-        self.callbacks = list(callbacks)
-        if cfg.progress:
+        # With several processes, process 0 alone runs the callbacks that print or write logs.
+        self.callbacks = [cb for cb in callbacks if _multihost.is_primary() or not getattr(cb, "primary_only", False)]
+        if cfg.progress and _multihost.is_primary():  # one process prints
             self.callbacks.append(ProgressBar(every=cfg.log_every))
         self.checkpointer = (Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
                                           async_save=cfg.async_checkpoints) if cfg.checkpoint_dir else None)
@@ -123,7 +126,7 @@ class Trainer:
                                   devices=self.devices, mesh=self.mesh, options=self.config.step,
                                   rng=self.config.seed, rng_streams=self.config.step.rng_streams)
             self._use(self.search.strategy, self.search.mesh)
-            if self.config.progress:
+            if self.config.progress and _multihost.is_primary():
                 print(self.search.describe())
         if self.plan is None:
             self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
@@ -180,8 +183,11 @@ class Trainer:
         if first is None:
             raise ValueError("The training data yields no batches.")
         check_batch_leaves(first, "a training batch")
+        _multihost.check_same(batch_signature(first), "The first training batch (each process's part)",
+                              "give every process a part of each batch with the same shapes and dtypes.")
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else self._epoch_steps(source)
-        check_plan(self._plan(first), cfg.progress if cfg.summary is None else cfg.summary, cfg.fail_if_replicated_over)
+        summary = (cfg.progress if cfg.summary is None else cfg.summary) and _multihost.is_primary()
+        check_plan(self._plan(first), summary, cfg.fail_if_replicated_over)
         if eval_data is not None:
             check_eval_data(self.adapter, self.plan.abstract, eval_data, self.eval_loss_fn, cfg)
         if self.checkpointer is not None:
@@ -265,6 +271,7 @@ class Trainer:
         while step < self.max_steps:
             batch = next(batches, None)
             if batch is None:
+                check_data_continues(step, self.max_steps)
                 reason = "data exhausted"
                 break
             epoch = (step + self.data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
@@ -276,7 +283,7 @@ class Trainer:
                 # flight (no transfer: the values are read in batches below).
                 jax.block_until_ready(pending[-1][2])
             pending.append((step, epoch, metrics))
-            preempted = self._preemption.requested is not None
+            preempted = self._preemption.stop_after(step)  # agreed by every process
             hooks = [hook for hook in self.hooks if hook.due(step, preempted)]
             if hooks or preempted or self._stop_reason or step == self.max_steps or state_wanted(self.callbacks, step):
                 eval_metrics: dict = {}
@@ -294,10 +301,10 @@ class Trainer:
             if self._stop_reason:
                 reason = self._stop_reason
                 break
-            if self._preemption.requested is not None:  # it may have landed while metrics were read
+            if self._preemption.stopping:  # in one process, it may have landed while metrics were read
                 break
         self.read_metrics(pending)
-        if self._preemption.requested is not None:
+        if self._preemption.stopping:
             # The signal may have landed after this step's hooks ran (while metrics were
             # read): the step it stops at is saved all the same.
             reason = "preempted"
@@ -330,26 +337,12 @@ class Trainer:
     def evaluate(self, eval_data: Any, state: TrainState | None = None) -> dict[str, float]:
         """Exact metric means over a whole eval set, the last partial batch included.
 
-        Full batches are split over the data axes; a last batch the data axes do not
-        divide is given whole to every device.
+        Full batches are split over the data axes; a batch the data axes (or the processes)
+        do not divide is given whole to every device (:mod:`parallax.train.evaluation`).
         """
         state = self.state if state is None else state
         if state is None:
             raise ValueError("No state yet: call fit(...) or init(example_batch) first.")
-        cfg = self.config
-        source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0,
-                         drop_remainder=False)
-        shards = self.strategy.data_shards(self.mesh)
-        totals = None
-        for batch in source.epoch():
-            size = int(np.shape(jax.tree.leaves(batch)[0])[0])
-            if size % shards == 0:
-                sums = self.eval_step(state, to_global(batch, self.batch_sharding))
-            else:
-                sums = self.eval_step_any_size(state, to_global(batch, self.replicated))
-            totals = sums if totals is None else metric_lib.add_sums(totals, sums)
-        if totals is None:
-            raise ValueError("The eval data yields no batches.")
-        means = {name: float(value) for name, value in metric_lib.means(jax.device_get(totals)).items()}
+        means = evaluate(self, eval_data, state)
         self.history.eval.append({"step": int(jax.device_get(state.step)), **means})
         return means

@@ -1,0 +1,156 @@
+"""Several processes (one per host): start JAX's multi-controller runtime the way parallax needs it.
+
+Call :func:`initialize` first thing in the training script, on every host, before any other
+JAX call. It starts ``jax.distributed`` from explicit arguments, from ``PARALLAX_*``
+environment variables (what ``python -m parallax.launch`` sets), or from what JAX detects
+(SLURM, Open MPI, Kubernetes, Cloud TPU), and configures it so that no process waits forever:
+
+* a process that dies (killed, out of memory) stops sending heartbeats; after
+  ``heartbeat_timeout`` seconds JAX's coordination service ends every other process;
+* a process whose script raises prints its traceback and exits at once (``fail_fast``)
+  instead of waiting at JAX's shutdown barrier for processes that are themselves waiting
+  for it in a collective; the others then end as above;
+* a process that ends normally while others still run waits ``shutdown_timeout`` seconds
+  for them at the shutdown barrier, then every process ends.
+
+Example:
+    >>> processes = px.distributed.initialize()  # a single process: nothing to start
+    >>> processes.count, processes.index
+    (1, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+import jax
+
+from parallax import _multihost
+
+log = logging.getLogger("parallax")
+
+ENV_COORDINATOR = "PARALLAX_COORDINATOR"
+ENV_NUM_PROCESSES = "PARALLAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "PARALLAX_PROCESS_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """The processes of this run, as this process sees them.
+
+    Attributes:
+        index: this process's index (0 is the one that prints and writes logs).
+        count: how many processes train together.
+        local_devices: this process's devices.
+        devices: the devices of all processes together.
+        device_kind: the kind of device (the same on every process).
+    """
+
+    index: int
+    count: int
+    local_devices: int
+    devices: int
+    device_kind: str
+
+
+def _started() -> bool:
+    from jax._src import distributed as jax_distributed
+    return jax_distributed.global_state.client is not None
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+
+def _from_env(value: Any, name: str, kind: type) -> Any:
+    if value is not None or not os.environ.get(name):
+        return value
+    try:
+        return kind(os.environ[name])
+    except ValueError:
+        raise ValueError(f"${name}={os.environ[name]!r} is not a valid {kind.__name__}.") from None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, local_device_ids: Sequence[int] | None = None,
+               heartbeat_timeout: int = 10, shutdown_timeout: int = 30, initialization_timeout: int = 300,
+               fail_fast: bool = True) -> Processes:
+    """Starts ``jax.distributed`` for a multi-process run (nothing in a single process).
+
+    Args:
+        coordinator_address: ``host:port`` of process 0's coordination service; else
+            ``$PARALLAX_COORDINATOR``, ``$JAX_COORDINATOR_ADDRESS`` or what JAX detects.
+        num_processes: how many processes; else ``$PARALLAX_NUM_PROCESSES`` or detected.
+        process_id: this process's index; else ``$PARALLAX_PROCESS_ID`` or detected.
+        local_device_ids: the local devices this process uses (JAX's default: all).
+        heartbeat_timeout: seconds without a heartbeat after which a process counts as dead
+            and every other process is ended (JAX's default is 100).
+        shutdown_timeout: seconds a process that finished waits for the others at exit.
+        initialization_timeout: seconds to wait for every process to connect.
+        fail_fast: an uncaught exception exits its process at once, after its traceback.
+
+    Returns:
+        :class:`Processes`. Calling again once started returns the same without restarting.
+
+    Raises:
+        RuntimeError: JAX's backend already started in this process (call this first).
+        ValueError: processes disagree on their number of local devices or their kind.
+    """
+    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = _from_env(num_processes, ENV_NUM_PROCESSES, int)
+    process_id = _from_env(process_id, ENV_PROCESS_ID, int)
+    if not _started():
+        if _backend_started():
+            raise RuntimeError(
+                "parallax.distributed.initialize() must run before any other JAX call: this process has already "
+                "started JAX's backend (jax.devices(), an array, a jit call...). Call it first thing in the script, "
+                "right after the imports."
+            )
+        try:
+            jax.distributed.initialize(
+                coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
+                heartbeat_timeout_seconds=heartbeat_timeout, shutdown_timeout_seconds=shutdown_timeout,
+                initialization_timeout=initialization_timeout)
+        except ValueError as err:
+            if coordinator_address is None and num_processes is None and "coordinator" in str(err):
+                return _processes()  # no cluster and nothing given: one process
+            raise
+    processes = _processes()
+    _multihost.check_same({"local devices": processes.local_devices, "kind": processes.device_kind},
+                          "The local devices",
+                          "start every process with the same number and kind of devices (e.g. "
+                          "CUDA_VISIBLE_DEVICES, --xla_force_host_platform_device_count).")
+    if fail_fast and processes.count > 1:
+        sys.excepthook = _exit_at_once(sys.excepthook, processes, heartbeat_timeout)
+    log.info("Process %d of %d: %d local devices, %d in all.", processes.index, processes.count,
+             processes.local_devices, processes.devices)
+    return processes
+
+
+def _processes() -> Processes:
+    return Processes(index=jax.process_index(), count=jax.process_count(), local_devices=jax.local_device_count(),
+                     devices=jax.device_count(), device_kind=jax.local_devices()[0].device_kind)
+
+
+def _exit_at_once(previous: Any, processes: Processes, heartbeat_timeout: int) -> Any:
+    """An excepthook that prints the traceback as ``previous`` does, then ends the process."""
+    if getattr(previous, "parallax_fail_fast", False):
+        return previous
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        sys.stderr.write(
+            f"parallax: process {processes.index} of {processes.count} failed with {kind.__name__}; it exits now, "
+            f"and the other processes end within heartbeat_timeout={heartbeat_timeout}s.\n")
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        logging.shutdown()
+        os._exit(1)  # not through JAX's shutdown barrier, where the others will never arrive
+
+    hook.parallax_fail_fast = True
+    return hook

@@ -1,0 +1,173 @@
+"""Start a multi-process run on this machine: ``python -m parallax.launch``, for development and CI.
+
+Usage::
+
+    python -m parallax.launch --processes 2 --devices-per-process 4 train.py ARGS...
+    python -m parallax.launch --processes 2 -m my_package.train ARGS...
+
+Each process runs the script with ``PARALLAX_COORDINATOR`` (127.0.0.1 and a free port),
+``PARALLAX_NUM_PROCESSES`` and ``PARALLAX_PROCESS_ID`` set, which
+:func:`parallax.distributed.initialize` reads; ``--devices-per-process`` gives each one that
+many simulated CPU devices. Every output line is prefixed with its process index
+(``[1] ...``). SIGINT and SIGTERM are forwarded to every process (a second SIGINT kills
+them). The run fails as a whole: when any process exits non-zero, the others are killed at
+once and the launcher exits with that process's code, naming it. ``--timeout`` kills
+everything after that many seconds (exit 124). No process outlives the launcher.
+
+On a cluster, start one process per host with the scheduler instead (``srun``, a
+Kubernetes Job): :func:`parallax.distributed.initialize` finds its peers from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _environment(index: int, count: int, port: int, devices: int | None) -> dict[str, str]:
+    env = dict(os.environ, PARALLAX_COORDINATOR=f"127.0.0.1:{port}", PARALLAX_NUM_PROCESSES=str(count),
+               PARALLAX_PROCESS_ID=str(index), PYTHONUNBUFFERED="1")
+    if devices is not None:
+        flags = [flag for flag in env.get("XLA_FLAGS", "").split()
+                 if not flag.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class Launch:
+    """The processes of one launch, their output, and their end.
+
+    Args:
+        command: the command each process runs (``[python, script, args...]``).
+        processes: how many processes.
+        devices_per_process: simulated CPU devices per process (``None``: the real ones).
+        port: the coordinator's port on 127.0.0.1 (a free one by default).
+        out: where the prefixed output lines go.
+    """
+
+    def __init__(self, command: Sequence[str], processes: int, devices_per_process: int | None = None,
+                 port: int | None = None, out=None):
+        self.command = list(command)
+        self.count = processes
+        self.devices = devices_per_process
+        self.port = port or _free_port()
+        self.out = out or sys.stdout
+        self.children: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._readers: list[threading.Thread] = []
+        self._interrupts = 0
+
+    def say(self, line: str) -> None:
+        with self._lock:
+            self.out.write(line if line.endswith("\n") else line + "\n")
+            self.out.flush()
+
+    def _read(self, index: int, stream) -> None:
+        for line in iter(stream.readline, b""):
+            self.say(f"[{index}] " + line.decode(errors="replace"))
+
+    def start(self) -> None:
+        for index in range(self.count):
+            child = subprocess.Popen(self.command, env=_environment(index, self.count, self.port, self.devices),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            self.children.append(child)
+            reader = threading.Thread(target=self._read, args=(index, child.stdout), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    def forward(self, signum: int, frame=None) -> None:
+        """Passes SIGINT/SIGTERM on to every process; a second SIGINT kills them."""
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                self.say("[launch] second SIGINT: killing every process")
+                self.kill()
+                return
+        for child in self.children:
+            if child.poll() is None:
+                os.kill(child.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL to every process still running, and to whatever it started."""
+        for child in self.children:
+            if child.poll() is None:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for child in self.children:
+            child.wait()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for the processes; the exit code of the launch (0 when all exited 0)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                codes = [child.poll() for child in self.children]
+                failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
+                if failed:
+                    index, code = failed[0]
+                    self.say(f"[launch] process {index} {_describe(code)}; ending the other processes")
+                    return 128 - code if code < 0 else code
+                if all(code == 0 for code in codes):
+                    return 0
+                if deadline is not None and time.monotonic() > deadline:
+                    self.say(f"[launch] timed out after {timeout:g}s; killing every process")
+                    return 124
+                time.sleep(0.05)
+        finally:
+            self.kill()
+            for reader in self._readers:
+                reader.join(timeout=5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallax.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=2, help="how many processes (default 2)")
+    parser.add_argument("--devices-per-process", type=int, default=None,
+                        help="simulated CPU devices per process (default: the machine's own devices)")
+    parser.add_argument("--port", type=int, default=None, help="the coordinator's port (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=None, help="kill every process after this many seconds")
+    parser.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
+    parser.add_argument("script", nargs="?", help="the training script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    options = parser.parse_args(argv)
+    if options.processes < 1:
+        parser.error(f"--processes={options.processes}; pass at least 1.")
+    if options.devices_per_process is not None and options.devices_per_process < 1:
+        parser.error(f"--devices-per-process={options.devices_per_process}; pass at least 1.")
+    if options.module is not None:
+        command = [sys.executable, "-m", options.module, *([options.script] if options.script else []), *options.args]
+    elif options.script is not None:
+        command = [sys.executable, options.script, *options.args]
+    else:
+        parser.error("name the script to run (or -m module).")
+    launch = Launch(command, options.processes, options.devices_per_process, options.port)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, launch.forward)
+    launch.start()
+    return launch.wait(options.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
