@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -76,6 +77,7 @@ class Launch:
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
         self._interrupts = 0
+        self._exits: queue.Queue = queue.Queue()  # (index, code) in the order the processes end
 
     def say(self, line: str) -> None:
         with self._lock:
@@ -94,6 +96,7 @@ class Launch:
             reader = threading.Thread(target=self._read, args=(index, child.stdout), daemon=True)
             reader.start()
             self._readers.append(reader)
+            threading.Thread(target=lambda i=index, c=child: self._exits.put((i, c.wait())), daemon=True).start()
 
     def forward(self, signum: int, frame=None) -> None:
         """Passes SIGINT/SIGTERM on to every process; a second SIGINT kills them."""
@@ -121,20 +124,20 @@ class Launch:
     def wait(self, timeout: float | None = None) -> int:
         """Waits for the processes; the exit code of the launch (0 when all exited 0)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        finished = 0
         try:
-            while True:
-                codes = [child.poll() for child in self.children]
-                failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
-                if failed:
-                    index, code = failed[0]
-                    self.say(f"[launch] process {index} {_describe(code)}; ending the other processes")
-                    return 128 - code if code < 0 else code
-                if all(code == 0 for code in codes):
-                    return 0
-                if deadline is not None and time.monotonic() > deadline:
+            while finished < self.count:
+                left = None if deadline is None else deadline - time.monotonic()
+                try:
+                    index, code = self._exits.get(timeout=None if left is None else max(left, 0))
+                except queue.Empty:
                     self.say(f"[launch] timed out after {timeout:g}s; killing every process")
                     return 124
-                time.sleep(0.05)
+                finished += 1
+                if code != 0:  # the first to fail: the others' errors usually follow from it
+                    self.say(f"[launch] process {index} {_describe(code)}; ending the other processes")
+                    return 128 - code if code < 0 else code
+            return 0
         finally:
             self.kill()
             for reader in self._readers:

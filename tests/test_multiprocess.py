@@ -1,0 +1,173 @@
+"""Several processes, through the launcher: 2 processes x 4 CPU devices against 1 x 8 here.
+
+Each launch (``python -m parallax.launch``, real ``jax.distributed`` processes on 127.0.0.1
+with a hard timeout) runs ``tests/scripts/multiprocess_run.py`` and checks several things;
+the references are the same runs trained in this process on 8 devices. Launches are
+expensive on 2 cores, so there are five:
+
+* A: FSDP, process 1 alone gets SIGTERM, process 1 starts with a warm (made-up) cache of
+  device speeds and process 0 with none, progress printed;
+* B: resumes A's checkpoint in 2 processes; SIGTERM to process 0, then to process 1 three
+  steps later; then this process resumes B's checkpoint and trains to the end;
+* C: DPxFSDP, process 1 raises at step 7;
+* D: resumes a checkpoint written here (1 process) in 2 processes; process 1 is SIGKILLed
+  after step 6's checkpoint committed; this process resumes that checkpoint to the end;
+* E: one process through the launcher, SIGKILLed after step 2's checkpoint committed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from parallax.train.checkpoint import Checkpointer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "multiprocess_run.py")
+STEPS = 24
+TOL = 1e-5
+SLOW = ("--slow", "0.3")  # a step time long enough for JAX's preemption notifier (it looks once a second)
+
+_spec = importlib.util.spec_from_file_location("multiprocess_run", SCRIPT)
+multiprocess_run = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(multiprocess_run)
+
+
+def launch(out, *args, processes=2, devices=4, timeout=240):
+    """Runs the script under the launcher; returns (completed process, when it returned)."""
+    os.makedirs(out, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [sys.executable, "-m", "parallax.launch", "--processes", str(processes), "--devices-per-process",
+               str(devices), "--timeout", str(timeout), SCRIPT, str(out), *map(str, args)]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 60)
+    return proc, time.time()
+
+
+def here(out, *args):
+    """The same run in this process, on its 8 devices."""
+    os.makedirs(out, exist_ok=True)
+    return multiprocess_run.run(multiprocess_run.parse([str(out), *map(str, args)]))
+
+
+def results(out, processes=2):
+    return [json.load(open(os.path.join(out, f"result{i}.json"))) for i in range(processes)]
+
+
+def logged(out):
+    """Process 0's JSONL log: {step: train loss}, {step: eval loss}."""
+    records = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    return ({r["step"]: r["train"]["loss"] for r in records},
+            {r["step"]: r["eval"]["loss"] for r in records if "eval" in r})
+
+
+def assert_losses(losses, reference, steps):
+    diff = max(abs(losses[s] - reference[s - 1]) for s in steps)
+    assert diff <= TOL, (diff, {s: (losses[s], reference[s - 1]) for s in steps})
+    return diff
+
+
+def assert_no_process_left(out):
+    found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not found, f"processes left behind: {found}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted 1 x 8 runs: {strategy: (train losses by step - 1, {step: eval loss})}."""
+    out = {}
+    for name in ("fsdp", "dp+fsdp"):
+        record = here(tmp_path_factory.mktemp(name.replace("+", "_")), "--strategy", name, "--steps", STEPS)
+        out[name] = ([r["loss"] for r in record["train"]], {r["step"]: r["loss"] for r in record["eval"]})
+    return out
+
+
+def test_preempted_by_one_process_then_two_signals_apart_stops_all_at_one_step_and_resumes_exactly(
+        reference, tmp_path, caplog):
+    losses, evals = reference["fsdp"]
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    proc, _ = launch(a, "--steps", STEPS, "--signal", "1:3", *SLOW, "--warm-cache", 1, "--progress")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    first = results(a)
+    stop = first[0]["step"]
+    assert {r["stop_reason"] for r in first} == {"preempted"} and {r["step"] for r in first} == {stop} and stop < STEPS
+    assert first[0]["checkpoints"][-1] == stop and first[1]["checkpoints"] == first[0]["checkpoints"]
+    # Process 1 had a warm cache of made-up device speeds, process 0 none: both used process 0's.
+    assert first[0]["compile"] == first[1]["compile"] is not None
+    assert os.path.exists(a / "cache0" / "device_speeds.json")
+    # Only process 0 printed the summary and the progress.
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("[0] step ") for line in lines) and any("lint:" in line for line in lines)
+    assert not [line for line in lines if line.startswith("[1]") and ("step " in line[:9] or "lint:" in line
+                                                                       or "per device" in line)]
+    train, evaluated = logged(a)
+    assert_losses(train, losses, range(1, stop + 1))
+    assert evaluated and max(abs(evaluated[s] - evals[s]) for s in evaluated) <= TOL  # 37 eval rows: exact
+
+    # B: the checkpoint written by 2 processes resumes in 2; signals to each process three steps apart.
+    shutil.copytree(a / "ckpt", b / "ckpt")
+    proc, _ = launch(b, "--steps", STEPS, "--resume", "--signal", f"0:{stop + 1}", "--signal", f"1:{stop + 4}", *SLOW)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    second = results(b)
+    again = second[0]["step"]
+    assert {r["stop_reason"] for r in second} == {"preempted"} and {r["step"] for r in second} == {again}
+    assert second[0]["start"] == stop < again < STEPS and second[0]["checkpoints"][-1] == again
+    train, _ = logged(b)
+    assert_losses(train, losses, range(stop + 1, again + 1))
+
+    # The checkpoint written by 2 processes resumes in 1 and trains to the same end.
+    shutil.copytree(b / "ckpt", c / "ckpt")
+    with caplog.at_level(logging.WARNING, logger="parallax"):
+        last = here(c, "--steps", STEPS, "--resume")
+    assert last["start"] == again and last["stop_reason"] == "max_steps"
+    assert "unverified" not in caplog.text
+    assert_losses({r["step"]: r["loss"] for r in last["train"]}, losses, range(again + 1, STEPS + 1))
+    assert abs(last["eval"][-1]["loss"] - evals[STEPS]) <= TOL
+
+
+def test_a_process_that_raises_ends_the_launch_within_seconds_naming_it(reference, tmp_path):
+    losses, evals = reference["dp+fsdp"]
+    proc, returned = launch(tmp_path, "--strategy", "dp+fsdp", "--steps", STEPS, "--raise", "1:7")
+    raised = json.load(open(tmp_path / "raised.json"))
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert returned - raised["time"] < 10, returned - raised["time"]
+    assert "[launch] process 1 exited with code 1" in proc.stdout
+    assert proc.stdout.count("RuntimeError: injected failure in process 1 at step 7") == 1
+    assert_no_process_left(tmp_path)
+    train, evaluated = logged(tmp_path)
+    assert_losses(train, losses, range(1, 6))  # DP x FSDP over 2 processes trains as 1 x 8
+    assert {2, 4} <= set(evaluated) and max(abs(evaluated[s] - evals[s]) for s in evaluated) <= TOL
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    assert checkpointer.verify(checkpointer.latest_step()) is None  # what was committed stays intact
+
+
+def test_written_by_one_resumed_by_two_then_sigkilled_after_a_commit_resumes_verified(reference, tmp_path, caplog):
+    losses, _ = reference["fsdp"]
+    here(tmp_path, "--steps", 4)
+    proc, _ = launch(tmp_path, "--steps", STEPS, "--resume", "--sigkill", "1:7")
+    assert proc.returncode == 128 + 9, proc.stdout[-4000:]
+    assert "[launch] process 1 was killed by SIGKILL" in proc.stdout
+    assert_no_process_left(tmp_path)
+    train, _ = logged(tmp_path)
+    assert_losses(train, losses, range(5, 7))  # the 1-process checkpoint continues alike in 2
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    assert checkpointer.latest_step() == 6 and checkpointer.verify(6) is None  # recorded as it committed
+    with caplog.at_level(logging.WARNING, logger="parallax"):
+        last = here(tmp_path, "--steps", STEPS, "--resume")
+    assert last["start"] == 6 and "unverified" not in caplog.text
+    assert_losses({r["step"]: r["loss"] for r in last["train"]}, losses, range(7, STEPS + 1))
+
+
+def test_one_process_sigkilled_after_a_commit_leaves_it_verified(tmp_path):
+    proc, _ = launch(tmp_path, "--steps", STEPS, "--sigkill", "0:3", processes=1, devices=8)
+    assert proc.returncode == 128 + 9, proc.stdout[-4000:]
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    assert checkpointer.latest_step() == 2 and checkpointer.verify(2) is None
