@@ -67,6 +67,16 @@ def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def _cluster_detected() -> bool:
+    """Whether JAX would find a cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) to start from."""
+    from jax._src import clusters
+    try:
+        return any(cluster.is_env_present() for cluster in clusters.ClusterEnv._cluster_types
+                   if not getattr(cluster, "opt_in_only_method", None))
+    except Exception:  # a private API: if it moved, JAX's own initialize decides
+        return False
+
+
 def _from_env(value: Any, name: str, kind: type) -> Any:
     if value is not None or not os.environ.get(name):
         return value
@@ -95,7 +105,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         fail_fast: an uncaught exception exits its process at once, after its traceback.
 
     Returns:
-        :class:`Processes`. Calling again once started returns the same without restarting.
+        :class:`Processes`. Calling again once started returns the same without restarting;
+        with no coordinator given or detected, a single process (nothing is started).
 
     Raises:
         RuntimeError: JAX's backend already started in this process (call this first).
@@ -104,22 +115,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     num_processes = _from_env(num_processes, ENV_NUM_PROCESSES, int)
     process_id = _from_env(process_id, ENV_PROCESS_ID, int)
-    if not _started():
+    given = (coordinator_address, num_processes, process_id, os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if not _started() and (any(v is not None for v in given) or _cluster_detected()):
         if _backend_started():
             raise RuntimeError(
                 "parallax.distributed.initialize() must run before any other JAX call: this process has already "
                 "started JAX's backend (jax.devices(), an array, a jit call...). Call it first thing in the script, "
                 "right after the imports."
             )
-        try:
-            jax.distributed.initialize(
-                coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
-                heartbeat_timeout_seconds=heartbeat_timeout, shutdown_timeout_seconds=shutdown_timeout,
-                initialization_timeout=initialization_timeout)
-        except ValueError as err:
-            if coordinator_address is None and num_processes is None and "coordinator" in str(err):
-                return _processes()  # no cluster and nothing given: one process
-            raise
+        jax.distributed.initialize(
+            coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
+            heartbeat_timeout_seconds=heartbeat_timeout, shutdown_timeout_seconds=shutdown_timeout,
+            initialization_timeout=initialization_timeout)
     processes = _processes()
     _multihost.check_same({"local devices": processes.local_devices, "kind": processes.device_kind},
                           "The local devices",

@@ -144,27 +144,34 @@ class Launch:
                 reader.join(timeout=5)
 
 
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's own options, and the command after them (``script ARGS`` or ``-m module ARGS``)."""
+    argv, index = list(argv), 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == "-m" or not arg.startswith("-"):
+            return argv[:index], argv[index:]
+        index += 1 if "=" in arg or arg in ("-h", "--help") else 2
+    return argv, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallax.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m parallax.launch", description=__doc__.splitlines()[0],
+                                     usage="%(prog)s [options] (script.py | -m module) [args...]")
     parser.add_argument("--processes", type=int, default=2, help="how many processes (default 2)")
     parser.add_argument("--devices-per-process", type=int, default=None,
                         help="simulated CPU devices per process (default: the machine's own devices)")
     parser.add_argument("--port", type=int, default=None, help="the coordinator's port (default: a free one)")
     parser.add_argument("--timeout", type=float, default=None, help="kill every process after this many seconds")
-    parser.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
-    parser.add_argument("script", nargs="?", help="the training script")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-    options = parser.parse_args(argv)
+    own, rest = _split(sys.argv[1:] if argv is None else argv)
+    options = parser.parse_args(own)
     if options.processes < 1:
         parser.error(f"--processes={options.processes}; pass at least 1.")
     if options.devices_per_process is not None and options.devices_per_process < 1:
         parser.error(f"--devices-per-process={options.devices_per_process}; pass at least 1.")
-    if options.module is not None:
-        command = [sys.executable, "-m", options.module, *([options.script] if options.script else []), *options.args]
-    elif options.script is not None:
-        command = [sys.executable, options.script, *options.args]
-    else:
+    if not rest or rest == ["-m"]:
         parser.error("name the script to run (or -m module).")
+    command = [sys.executable, *rest]
     launch = Launch(command, options.processes, options.devices_per_process, options.port)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, launch.forward)

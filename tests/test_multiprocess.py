@@ -9,10 +9,12 @@ expensive on 2 cores, so there are five:
   device speeds and process 0 with none, progress printed;
 * B: resumes A's checkpoint in 2 processes; SIGTERM to process 0, then to process 1 three
   steps later; then this process resumes B's checkpoint and trains to the end;
-* C: DPxFSDP, process 1 raises at step 7;
+* C: DPxFSDP, the eval set given as each process's parts (the last batch split 2 and 3
+  rows), process 1 raises at step 7;
 * D: resumes a checkpoint written here (1 process) in 2 processes; process 1 is SIGKILLed
   after step 6's checkpoint committed; this process resumes that checkpoint to the end;
-* E: one process through the launcher, SIGKILLed after step 2's checkpoint committed.
+* E: one process through the launcher, SIGKILLed after step 2's checkpoint committed;
+* F: process 1's batches are one token shorter: an error before anything compiles.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def test_preempted_by_one_process_then_two_signals_apart_stops_all_at_one_step_a
 
 def test_a_process_that_raises_ends_the_launch_within_seconds_naming_it(reference, tmp_path):
     losses, evals = reference["dp+fsdp"]
-    proc, returned = launch(tmp_path, "--strategy", "dp+fsdp", "--steps", STEPS, "--raise", "1:7")
+    proc, returned = launch(tmp_path, "--strategy", "dp+fsdp", "--steps", STEPS, "--raise", "1:7", "--iterable-eval")
     raised = json.load(open(tmp_path / "raised.json"))
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert returned - raised["time"] < 10, returned - raised["time"]
@@ -144,6 +146,7 @@ def test_a_process_that_raises_ends_the_launch_within_seconds_naming_it(referenc
     assert_no_process_left(tmp_path)
     train, evaluated = logged(tmp_path)
     assert_losses(train, losses, range(1, 6))  # DP x FSDP over 2 processes trains as 1 x 8
+    # The parts of every eval batch, the uneven last one gathered whole, give the one-process losses.
     assert {2, 4} <= set(evaluated) and max(abs(evaluated[s] - evals[s]) for s in evaluated) <= TOL
     checkpointer = Checkpointer(tmp_path / "ckpt")
     assert checkpointer.verify(checkpointer.latest_step()) is None  # what was committed stays intact
@@ -171,3 +174,11 @@ def test_one_process_sigkilled_after_a_commit_leaves_it_verified(tmp_path):
     assert proc.returncode == 128 + 9, proc.stdout[-4000:]
     checkpointer = Checkpointer(tmp_path / "ckpt")
     assert checkpointer.latest_step() == 2 and checkpointer.verify(2) is None
+
+
+def test_processes_whose_batches_differ_fail_at_the_first_batch_naming_both(tmp_path):
+    proc, _ = launch(tmp_path, "--steps", STEPS, "--short-rows", 1)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert ("The first training batch (each process's part) differs between processes: process 0 has "
+            "{\"['x']\": \"int32(8, 9)\"}, process 1 has {\"['x']\": \"int32(8, 8)\"}") in proc.stdout, proc.stdout[-3000:]
+    assert not os.path.exists(tmp_path / "ckpt")  # before anything ran

@@ -6,13 +6,13 @@ import contextlib
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
+
+import parallax as px
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -38,30 +38,23 @@ def test_python_snippets_run_in_order(tmp_path):
     assert "'accuracy'" in proc.stdout and "\n30\n" in proc.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_multiprocess_snippet_matches_one_process(tmp_path):
     (snippet,) = blocks("python multiprocess")
     script = tmp_path / "multiprocess.py"
     script.write_text(snippet)
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], cwd=ROOT, env=clean_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-4000:]
-    two_processes = eval(re.search(r"losses (\[.*\])", outputs[0][0]).group(1))
+    proc = subprocess.run([sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "4",
+                           "--timeout", "500", str(script)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    two_processes = eval(re.search(r"\[0\] losses (\[.*\])", proc.stdout).group(1))
+    assert "[1] losses" not in proc.stdout
 
     # The same training in this one process, on its 8 devices.
     body = snippet[snippet.index("import flax.linen as nn"):]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(body, "README-multiprocess", "exec"), {"__name__": "readme", "jax": jax})
+        exec(compile(body, "README-multiprocess", "exec"), {"__name__": "readme", "processes": px.distributed.initialize()})
     one_process = eval(re.search(r"losses (\[.*\])", printed.getvalue()).group(1))
     assert len(two_processes) == 10
     np.testing.assert_allclose(two_processes, one_process, atol=2e-6)

@@ -2,13 +2,16 @@
 
 usage: multiprocess_run.py OUT_DIR [--strategy fsdp|dp+fsdp] [--steps N] [--every N] [--resume]
            [--signal P:STEP]... [--raise P:STEP] [--sigkill P:STEP] [--slow SECONDS]
-           [--warm-cache P] [--eval-rows N] [--progress]
+           [--warm-cache P] [--eval-rows N] [--iterable-eval] [--short-rows P] [--progress]
 
 A small transformer LM (tests.models.TinyLM, AdamW) on 96 sequences, global batch 16, eval
 on ``--eval-rows`` sequences (odd by default) every 2 steps, checkpoints in OUT_DIR/ckpt
 every ``--every`` steps. Each process writes OUT_DIR/result<index>.json: the step it
 stopped at and why, the compile path it chose, its history (process 0's also in
-OUT_DIR/log.jsonl as it goes, through px.JSONLogger).
+OUT_DIR/log.jsonl as it goes, through px.JSONLogger). ``--iterable-eval`` gives the eval set
+as a list of each process's parts of every batch, split unevenly where a batch does not
+divide (the last one: 3 rows and 2). ``--short-rows P`` gives process P sequences one token
+shorter than the others'.
 
 Faults, at a step as its metrics are read (the step after it is already dispatched):
 ``--signal P:STEP`` sends SIGTERM to process P; ``--raise P:STEP`` raises in process P
@@ -54,6 +57,8 @@ def parse(argv):
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--warm-cache", type=int, default=None)
     parser.add_argument("--eval-rows", type=int, default=37)
+    parser.add_argument("--iterable-eval", action="store_true")
+    parser.add_argument("--short-rows", type=int, default=None)
     parser.add_argument("--progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -63,10 +68,19 @@ def at(text):
     return process, step
 
 
-def data(eval_rows):
+def data(args, index, count):
     tokens = np.random.default_rng(0).integers(0, 64, (96, 9)).astype(np.int32)
-    held_out = np.random.default_rng(1).integers(0, 64, (eval_rows, 9)).astype(np.int32)
-    return {"x": tokens}, {"x": held_out}
+    held_out = np.random.default_rng(1).integers(0, 64, (args.eval_rows, 9)).astype(np.int32)
+    if args.short_rows == index:
+        tokens = tokens[:, :-1]
+    if not args.iterable_eval:
+        return {"x": tokens}, {"x": held_out}
+    parts = []
+    for start in range(0, len(held_out), BATCH):
+        rows = held_out[start:start + BATCH]
+        bounds = np.linspace(0, len(rows), count + 1).astype(int)  # 16 rows: 8 and 8; 5 rows: 2 and 3
+        parts.append({"x": rows[bounds[index]:bounds[index + 1]]})
+    return {"x": tokens}, parts
 
 
 def strategy(name):
@@ -120,9 +134,9 @@ def warm_cache(index, args):
             json.dump({key: made_up}, stream)
 
 
-def run(args, index=0):
+def run(args, index=0, count=1):
     """Trains as the arguments say; returns (and writes) this process's record."""
-    train, held_out = data(args.eval_rows)
+    train, held_out = data(args, index, count)
     callbacks = [Faults(args, index), px.JSONLogger(os.path.join(args.out, "log.jsonl"))]
     trainer = px.Trainer(TinyLM(), optax.adamw(3e-3), lm_loss, strategy=strategy(args.strategy), max_steps=args.steps,
                          batch_size=BATCH, eval_batch_size=BATCH, eval_every=2,
@@ -143,4 +157,4 @@ if __name__ == "__main__":
     options = parse(sys.argv[1:])
     processes = px.distributed.initialize()
     warm_cache(processes.index, options)
-    run(options, processes.index)
+    run(options, processes.index, processes.count)
