@@ -29,7 +29,6 @@ from typing import Any, Sequence
 
 import jax
 
-from parallax import _multihost
 
 log = logging.getLogger("parallax")
 
@@ -128,10 +127,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             heartbeat_timeout_seconds=heartbeat_timeout, shutdown_timeout_seconds=shutdown_timeout,
             initialization_timeout=initialization_timeout)
     processes = _processes()
-    _multihost.check_same({"local devices": processes.local_devices, "kind": processes.device_kind},
-                          "The local devices",
-                          "start every process with the same number and kind of devices (e.g. "
-                          "CUDA_VISIBLE_DEVICES, --xla_force_host_platform_device_count).")
+    _check_devices()
     if fail_fast and processes.count > 1:
         sys.excepthook = _exit_at_once(sys.excepthook, processes, heartbeat_timeout)
     log.info("Process %d of %d: %d local devices, %d in all.", processes.index, processes.count,
@@ -142,6 +138,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def _processes() -> Processes:
     return Processes(index=jax.process_index(), count=jax.process_count(), local_devices=jax.local_device_count(),
                      devices=jax.device_count(), device_kind=jax.local_devices()[0].device_kind)
+
+
+def _check_devices() -> None:
+    """Raises on every process when processes hold different numbers or kinds of devices
+    (read from the global device list: no collective, which such processes could not run)."""
+    held: dict[int, list] = {}
+    for device in jax.devices():
+        held.setdefault(device.process_index, []).append(device.device_kind)
+    found = {index: (len(kinds), sorted(set(kinds))) for index, kinds in sorted(held.items())}
+    first = found[min(found)]
+    for index, (count, kinds) in found.items():
+        if (count, kinds) != first:
+            raise ValueError(
+                f"Processes hold different devices: process {min(found)} has {first[0]} x {', '.join(first[1])}, "
+                f"process {index} has {count} x {', '.join(kinds)}. Start every process with the same number and "
+                "kind of devices (e.g. CUDA_VISIBLE_DEVICES, --xla_force_host_platform_device_count).")
 
 
 def _exit_at_once(previous: Any, processes: Processes, heartbeat_timeout: int) -> Any:

@@ -14,7 +14,8 @@ expensive on 2 cores, so there are five:
 * D: resumes a checkpoint written here (1 process) in 2 processes; process 1 is SIGKILLed
   after step 6's checkpoint committed; this process resumes that checkpoint to the end;
 * E: one process through the launcher, SIGKILLed after step 2's checkpoint committed;
-* F: process 1's batches are one token shorter: an error before anything compiles.
+* F: process 1's batches are one token shorter: an error before anything compiles;
+* G: process 1 has 2 devices, process 0 has 4: an error from ``px.distributed.initialize``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 import numpy as np
 import pytest
 
+import parallax as px
 from parallax.train.checkpoint import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,3 +184,24 @@ def test_processes_whose_batches_differ_fail_at_the_first_batch_naming_both(tmp_
     assert ("The first training batch (each process's part) differs between processes: process 0 has "
             "{\"['x']\": \"int32(8, 9)\"}, process 1 has {\"['x']\": \"int32(8, 8)\"}") in proc.stdout, proc.stdout[-3000:]
     assert not os.path.exists(tmp_path / "ckpt")  # before anything ran
+
+
+def test_processes_with_different_device_counts_fail_at_initialize_naming_both(tmp_path):
+    script = tmp_path / "devices.py"
+    script.write_text("import os\n"
+                      "if os.environ['PARALLAX_PROCESS_ID'] == '1':\n"
+                      "    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+                      "import parallax as px\n"
+                      "px.distributed.initialize()\n")
+    proc = subprocess.run([sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "4",
+                           "--timeout", "120", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    for index in (0, 1):
+        assert (f"[{index}] ValueError: Processes hold different devices: process 0 has 4 x cpu, process 1 has 2 x cpu."
+                in proc.stdout), proc.stdout[-3000:]
+
+
+def test_initialize_after_jax_started_says_to_call_it_first():
+    assert px.distributed.initialize() == px.distributed.Processes(0, 1, 8, 8, "cpu")  # one process: nothing to start
+    with pytest.raises(RuntimeError, match=r"must run before any other JAX call: this process has already started"):
+        px.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from parallax import _multihost
 from parallax._tree import path_str
 
 
@@ -189,7 +190,7 @@ class Checkpointer:
     def save(self, state: Any, metadata: dict) -> None:
         """Starts saving ``state`` (async) under its step, with ``metadata``."""
         step = int(jax.device_get(state.step))
-        if step in self.steps():
+        if _multihost.agree(step in self.steps()):  # process 0's listing: every process saves, or none
             return
         if self._manager is not None:
             self._manager.wait_until_finished()  # the previous save is committed: record it

@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from typing import Any, Protocol
 
+import jax
+
 from parallax.train import elastic
 
 log = logging.getLogger("parallax")
@@ -35,7 +37,8 @@ class Hook(Protocol):
 class Evaluation:
     """Evaluates ``data`` every ``every`` steps and once at the end (unless preempted).
 
-    If an evaluation fails, the step's state is checkpointed before the error propagates.
+    If an evaluation fails, the step's state is checkpointed before the error propagates (in a
+    single process: with several, the others may be waiting in the next step, not saving).
     """
 
     after_read = False
@@ -54,7 +57,8 @@ class Evaluation:
             return trainer.evaluate(self.data)
         except Exception:
             saving = trainer.hook(Checkpointing)
-            if saving is not None:
+            # With several processes the others may not have failed: a save (collective) would wait for them.
+            if saving is not None and jax.process_count() == 1:
                 log.error("Evaluation at step %d failed; saving step %d before the error propagates.", step, step)
                 trainer.read_metrics(pending)
                 saving.save(trainer, step)

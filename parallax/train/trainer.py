@@ -224,10 +224,11 @@ class Trainer:
         return (self.config.epochs or 1) * source.steps_per_epoch
 
     def _start(self, example_batch: Any, resume: bool) -> int:
-        existing = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        # Process 0 reads the directory and verifies; every process acts on what it found.
+        existing = _multihost.agree(self.checkpointer.latest_step() if self.checkpointer is not None else None)
         self.data_offset = 0
         if resume and existing is not None:
-            step, reasons = self.checkpointer.newest_verified()
+            step, reasons = _multihost.agree(self.checkpointer.newest_verified() if _multihost.is_primary() else None)
             for reason in reasons:
                 log.warning("Checkpoint %s (left in place).", reason)
             if step is None:
