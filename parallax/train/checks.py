@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import optax
 
+from parallax import _multihost
 from parallax.models import LossFn, ModelAdapter, ModelRun
 from parallax.step.plan import StatePlan
 from parallax.step.state import TrainState, model_rngs
 from parallax.step.summary import summarize
-from parallax import _multihost
 from parallax.train.data import ArrayData, as_data, batch_signature
 
 
@@ -96,9 +96,10 @@ def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, mes
     rows = local * jax.process_count()
     if rows != batch_size and jax.process_count() > 1:
         raise ValueError(
-            f"Process {jax.process_index()}: its part of the batch for step {step} has {local} examples, of the "
-            f"first batch {batch_size // jax.process_count()}. With several processes every part of every batch "
-            "must have the first's size (the processes cannot see each other's); drop or pad the last batch.")
+            f"Process {jax.process_index()}: its part of the batch for step {step} has {local} examples, its part "
+            f"of the first batch had {batch_size // jax.process_count()}. With several processes every part of "
+            "every batch must have the first's size (the processes cannot see each other's); drop or pad the last "
+            "batch.")
     if rows != batch_size:
         try:
             strategy.check_batch_size(rows, mesh, multiple=grad_accum)
