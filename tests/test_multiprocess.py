@@ -15,7 +15,9 @@ expensive on 2 cores, so there are five:
   after step 6's checkpoint committed; this process resumes that checkpoint to the end;
 * E: one process through the launcher, SIGKILLed after step 2's checkpoint committed;
 * F: process 1's batches are one token shorter: an error before anything compiles;
-* G: process 1 has 2 devices, process 0 has 4: an error from ``px.distributed.initialize``.
+* G: process 1 has 2 devices, process 0 has 4: an error from ``px.distributed.initialize``;
+* H: Ctrl-C to the launcher, once training prints: passed on to both processes, which stop
+  at one step and save it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -205,3 +208,22 @@ def test_initialize_after_jax_started_says_to_call_it_first():
     assert px.distributed.initialize() == px.distributed.Processes(0, 1, 8, 8, "cpu")  # one process: nothing to start
     with pytest.raises(RuntimeError, match=r"must run before any other JAX call: this process has already started"):
         px.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
+
+
+def test_ctrl_c_to_the_launcher_stops_every_process_at_one_step(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "4", "--timeout",
+               "240", SCRIPT, str(tmp_path), "--steps", STEPS, "--progress", *SLOW]
+    proc = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("[0] step "):  # training has started
+            proc.send_signal(signal.SIGINT)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 0, "".join(lines)[-4000:]
+    done = results(tmp_path)
+    assert {r["stop_reason"] for r in done} == {"preempted"} and done[0]["step"] == done[1]["step"] < STEPS
+    assert done[0]["checkpoints"][-1] == done[0]["step"]
