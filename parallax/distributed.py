@@ -115,7 +115,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     num_processes = _from_env(num_processes, ENV_NUM_PROCESSES, int)
     process_id = _from_env(process_id, ENV_PROCESS_ID, int)
     given = (coordinator_address, num_processes, process_id, os.environ.get("JAX_COORDINATOR_ADDRESS"))
-    if not _started() and (any(v is not None for v in given) or _cluster_detected()):
+    starting = not _started() and (any(v is not None for v in given) or _cluster_detected())
+    if starting:
         if _backend_started():
             raise RuntimeError(
                 "parallax.distributed.initialize() must run before any other JAX call: this process has already "
@@ -129,7 +130,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     processes = _processes()
     _check_devices()
     if fail_fast and processes.count > 1:
-        sys.excepthook = _exit_at_once(sys.excepthook, processes, heartbeat_timeout)
+        # Started elsewhere, JAX's own heartbeat timeout (100 s by default) applies, not ours.
+        sys.excepthook = _exit_at_once(sys.excepthook, processes, heartbeat_timeout if starting else None)
     log.info("Process %d of %d: %d local devices, %d in all.", processes.index, processes.count,
              processes.local_devices, processes.devices)
     return processes
@@ -156,16 +158,17 @@ def _check_devices() -> None:
                 "kind of devices (e.g. CUDA_VISIBLE_DEVICES, --xla_force_host_platform_device_count).")
 
 
-def _exit_at_once(previous: Any, processes: Processes, heartbeat_timeout: int) -> Any:
+def _exit_at_once(previous: Any, processes: Processes, heartbeat_timeout: int | None) -> Any:
     """An excepthook that prints the traceback as ``previous`` does, then ends the process."""
     if getattr(previous, "parallax_fail_fast", False):
         return previous
 
+    within = f"heartbeat_timeout={heartbeat_timeout}s" if heartbeat_timeout is not None else "JAX's heartbeat timeout"
+
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
-        sys.stderr.write(
-            f"parallax: process {processes.index} of {processes.count} failed with {kind.__name__}; it exits now, "
-            f"and the other processes end within heartbeat_timeout={heartbeat_timeout}s.\n")
+        sys.stderr.write(f"parallax: process {processes.index} of {processes.count} failed with {kind.__name__}; it "
+                         f"exits now, and the other processes end within {within}.\n")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         logging.shutdown()

@@ -14,7 +14,8 @@ divide (the last one: 3 rows and 2). ``--short-rows P`` gives process P sequence
 shorter than the others'.
 
 Faults, at a step as its metrics are read (the step after it is already dispatched):
-``--signal P:STEP`` sends SIGTERM to process P; ``--raise P:STEP`` raises in process P
+``--signal P:STEP`` sends SIGTERM to process P (when P stopped before STEP, as training
+ends: a late signal, as schedulers send them); ``--raise P:STEP`` raises in process P
 (writing OUT_DIR/raised.json with the time first); ``--sigkill P:STEP`` waits until the
 newest due checkpoint is committed, then SIGKILLs process P. ``--slow`` sleeps that long
 per step on every process (a step time long enough for JAX's preemption notifier, which
@@ -97,12 +98,14 @@ class Faults:
     def __init__(self, args, index):
         self.args, self.index = args, index
         self.signals = {step for process, step in map(at, args.signal) if process == index}
+        self.sent: list = []  # the steps at which this process's signals went out ("end": as fit ended)
 
     def on_step(self, info):
         args, step = self.args, info.step
         if args.slow:
             time.sleep(args.slow)
         if step in self.signals:
+            self.sent.append(step)
             os.kill(os.getpid(), signal.SIGTERM)
         if args.raise_at and at(args.raise_at) == (self.index, step):
             with open(os.path.join(args.out, "raised.json"), "w") as stream:
@@ -110,10 +113,15 @@ class Faults:
             raise RuntimeError(f"injected failure in process {self.index} at step {step}")
         if args.sigkill and at(args.sigkill) == (self.index, step):
             checkpointer = info.trainer.checkpointer
-            due = max(s for s in range(step + 1) if checkpointer.due(s))
-            while not os.path.isdir(checkpointer.step_dir(due)):  # committed: renamed into place
+            due = [s for s in range(1, step + 1) if checkpointer.due(s)]
+            while due and not os.path.isdir(checkpointer.step_dir(due[-1])):  # committed: renamed into place
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_fit_end(self, trainer):
+        for _ in sorted(self.signals - set(self.sent)):
+            self.sent.append("end")
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def warm_cache(index, args):
@@ -147,7 +155,7 @@ def run(args, index=0, count=1):
     record = {"process": index, "stop_reason": result.stop_reason, "step": int(result.state.step),
               "start": trainer.start_step, "compile": choice.picked if choice is not None else None,
               "train": result.history.train, "eval": result.history.eval,
-              "checkpoints": trainer.checkpointer.steps()}
+              "checkpoints": trainer.checkpointer.steps(), "signals": callbacks[0].sent}
     with open(os.path.join(args.out, f"result{index}.json"), "w") as stream:
         json.dump(record, stream)
     return record

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import logging  # noqa: E402
 import signal  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,7 +33,15 @@ class Interrupt:
 
     def on_step(self, info):
         if info.step == self.at:
-            info.trainer.checkpointer.wait()
+            checkpointer = info.trainer.checkpointer
+            if self.signum == signal.SIGKILL:
+                # Only until the newest due save is committed (renamed into place): its checksum
+                # record must already be there, not written by a later wait().
+                due = [s for s in range(1, self.at + 1) if checkpointer.due(s)]
+                while due and not os.path.isdir(checkpointer.step_dir(due[-1])):
+                    time.sleep(0.01)
+            else:
+                checkpointer.wait()
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
 
