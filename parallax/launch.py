@@ -111,13 +111,12 @@ class Launch:
                 os.kill(child.pid, signum)
 
     def kill(self) -> None:
-        """SIGKILL to every process still running, and to whatever it started."""
+        """SIGKILL to every process still running, and to whatever each started (its session)."""
         for child in self.children:
-            if child.poll() is None:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # the whole group has exited
         for child in self.children:
             child.wait()
 
