@@ -10,6 +10,8 @@ param change of up to its learning rate, which a loss or optimizer state never s
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +36,14 @@ STRATEGIES = {
     "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), _fsdp(2), px.TensorParallel(2)),
 }
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
+
+
+def wait_for_newest_save(checkpointer, step: int) -> None:
+    """Waits until the newest save due by ``step`` is committed (renamed into place), without
+    ``Checkpointer.wait()``, which would itself write a checksum record the commit lacked."""
+    due = [s for s in range(1, step + 1) if checkpointer.due(s)]
+    while due and not os.path.isdir(checkpointer.step_dir(due[-1])):
+        time.sleep(0.01)
 
 
 def max_diff(a, b) -> float:

@@ -4,8 +4,8 @@ Every fault is driven as it happens to a user: a training process (``tests/scrip
 a small transformer LM under FSDP on 8 simulated devices, checkpoints every 3 steps) gets a
 real signal at a step drawn with a fixed seed (a SIGKILL as soon as the newest due
 checkpoint is committed, so its checksum record must have committed with it), or its newest
-checkpoint's files are damaged on disk; then ``fit(resume=True)`` runs to the end in a new process. A fault is survived
-when the resumed run ends bitwise equal to an uninterrupted one. Resuming onto another
+checkpoint's files are damaged on disk; then ``fit(resume=True)`` runs to the end in a new
+process. A fault is survived when the resumed run ends bitwise equal to an uninterrupted one. Resuming onto another
 strategy or device count restores the newest checkpoint (step 6) there and stops: the
 restored state must equal the uninterrupted run's state at step 6 bitwise (training on
 under another strategy then differs only by float rounding, which the equivalence tests

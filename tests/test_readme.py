@@ -54,7 +54,8 @@ def test_multiprocess_snippet_matches_one_process(tmp_path):
     body = snippet[snippet.index("import flax.linen as nn"):]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(body, "README-multiprocess", "exec"), {"__name__": "readme", "px": px, "processes": px.distributed.initialize()})
+        exec(compile(body, "README-multiprocess", "exec"),
+             {"__name__": "readme", "px": px, "processes": px.distributed.initialize()})
     one_process = eval(re.search(r"losses (\[.*\])", printed.getvalue()).group(1))
     assert len(two_processes) == 10
     np.testing.assert_allclose(two_processes, one_process, atol=2e-6)

@@ -140,6 +140,12 @@ def _stored(speeds: DeviceSpeeds) -> dict:
             "calibration_seconds": speeds.calibration_seconds}
 
 
+def _from_stored(key: str, stored: dict, calibration_seconds: float = 0.0) -> DeviceSpeeds:
+    return DeviceSpeeds(key, stored["seconds_per_flop"], stored["seconds_per_byte"], stored["seconds_per_layout_byte"],
+                        {k: tuple(v) for k, v in stored["collectives"].items()}, stored["overhead"],
+                        calibration_seconds)
+
+
 def _timed(fn: Any, *args: Any, repeats: int = 5) -> tuple[float, Any]:
     """Median wall time of ``fn(*args)`` after one warm-up call, and the compiled program."""
     compiled = fn.lower(*args).compile()
@@ -241,13 +247,9 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = Fa
     # compile the same programs, whatever each host's own cache or load.
     found = _multihost.agree(None if refresh else _cache.read(CACHE_FILE).get(key))
     if found:
-        return DeviceSpeeds(key, found["seconds_per_flop"], found["seconds_per_byte"], found["seconds_per_layout_byte"],
-                            {k: tuple(v) for k, v in found["collectives"].items()}, found["overhead"])
+        return _from_stored(key, found)
     speeds = _measure(devices)  # every process takes part: the programs span all the devices
     if jax.process_count() > 1:
-        agreed = _multihost.agree(_stored(speeds))
-        speeds = DeviceSpeeds(key, agreed["seconds_per_flop"], agreed["seconds_per_byte"],
-                              agreed["seconds_per_layout_byte"], {k: tuple(v) for k, v in agreed["collectives"].items()},
-                              agreed["overhead"], speeds.calibration_seconds)
+        speeds = _from_stored(key, _multihost.agree(_stored(speeds)), speeds.calibration_seconds)
     _cache.store(CACHE_FILE, key, _stored(speeds))
     return speeds

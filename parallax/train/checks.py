@@ -14,7 +14,8 @@ from parallax.models import LossFn, ModelAdapter, ModelRun
 from parallax.step.plan import StatePlan
 from parallax.step.state import TrainState, model_rngs
 from parallax.step.summary import summarize
-from parallax.train.data import ArrayData, as_data, batch_signature
+from parallax.train.data import ArrayData, batch_signature
+from parallax.train.evaluation import eval_source
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -78,7 +79,7 @@ def check_plan(plan: StatePlan, summary: bool, fail_if_replicated_over: int | No
 
 def check_eval_data(adapter: Any, abstract: Any, eval_data: Any, eval_loss_fn: Any, cfg: Any) -> None:
     """Runs ``eval_loss_fn`` on the first eval batch abstractly (shapes only) before step 1."""
-    source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0, drop_remainder=False)
+    source = eval_source(eval_data, cfg)
     if isinstance(source, ArrayData):
         batch = source.take(next(source.epoch_rows()), whole=True)
     else:

@@ -166,7 +166,11 @@ def check_batch_leaves(batch: Any, what: str = "a batch") -> None:
 def batch_signature(batch: Any, rows: bool = True) -> dict[str, str]:
     """``{leaf path: "dtype(shape)"}`` of a batch (without the leading rows dim if not ``rows``):
     what every process's part must agree on."""
-    return {jax.tree_util.keystr(key_path): f"{getattr(leaf, 'dtype', None) or np.asarray(leaf).dtype}{tuple(np.shape(leaf)[0 if rows else 1:])}"
+    def described(leaf):
+        dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype  # a device array is not copied
+        return f"{dtype}{tuple(np.shape(leaf)[0 if rows else 1:])}"
+
+    return {jax.tree_util.keystr(key_path): described(leaf)
             for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]}
 
 

@@ -67,10 +67,14 @@ def eval_batches(source: Any, shards: int) -> Iterator[tuple[Any, bool]]:
             yield _multihost.gather_rows(batch, [int(n) for n in rows]), False
 
 
+def eval_source(eval_data: Any, cfg: Any) -> Any:
+    """``eval_data`` as parallax reads it: in order, the last partial batch kept."""
+    return as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0, drop_remainder=False)
+
+
 def evaluate(trainer: Any, eval_data: Any, state: Any) -> dict[str, float]:
     """The metric means of ``trainer``'s eval loss over the whole of ``eval_data`` at ``state``."""
-    cfg = trainer.config
-    source = as_data(eval_data, cfg.eval_batch_size or cfg.batch_size, shuffle=False, seed=0, drop_remainder=False)
+    source = eval_source(eval_data, trainer.config)
     totals = None
     for batch, split in eval_batches(source, trainer.strategy.data_shards(trainer.mesh)):
         if split:

@@ -41,6 +41,7 @@ import optax  # noqa: E402
 
 import parallax as px  # noqa: E402
 from tests.models import TinyLM, lm_loss  # noqa: E402
+from tests.reference import wait_for_newest_save  # noqa: E402
 
 BATCH = 16
 
@@ -112,10 +113,7 @@ class Faults:
                 json.dump({"time": time.time(), "process": self.index, "step": step}, stream)
             raise RuntimeError(f"injected failure in process {self.index} at step {step}")
         if args.sigkill and at(args.sigkill) == (self.index, step):
-            checkpointer = info.trainer.checkpointer
-            due = [s for s in range(1, step + 1) if checkpointer.due(s)]
-            while due and not os.path.isdir(checkpointer.step_dir(due[-1])):  # committed: renamed into place
-                time.sleep(0.01)
+            wait_for_newest_save(info.trainer.checkpointer, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_fit_end(self, trainer):

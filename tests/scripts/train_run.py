@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import logging  # noqa: E402
 import signal  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -23,6 +22,7 @@ import optax  # noqa: E402
 
 import parallax as px  # noqa: E402
 from tests.models import TinyLM, lm_loss  # noqa: E402
+from tests.reference import wait_for_newest_save  # noqa: E402
 
 
 class Interrupt:
@@ -33,15 +33,10 @@ class Interrupt:
 
     def on_step(self, info):
         if info.step == self.at:
-            checkpointer = info.trainer.checkpointer
-            if self.signum == signal.SIGKILL:
-                # Only until the newest due save is committed (renamed into place): its checksum
-                # record must already be there, not written by a later wait().
-                due = [s for s in range(1, self.at + 1) if checkpointer.due(s)]
-                while due and not os.path.isdir(checkpointer.step_dir(due[-1])):
-                    time.sleep(0.01)
+            if self.signum == signal.SIGKILL:  # as soon as its checksum record must be there
+                wait_for_newest_save(info.trainer.checkpointer, self.at)
             else:
-                checkpointer.wait()
+                info.trainer.checkpointer.wait()
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
 
