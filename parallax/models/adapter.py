@@ -70,6 +70,11 @@ class ModelAdapter(Protocol):
         unboxed, to be placed on the mesh as they are; ``None`` when the state is initialised."""
         ...
 
+    def pretrained(self, params: Any) -> Any:
+        """Params a user gives to start from, as the state holds them (plain nested arrays):
+        e.g. a linen ``{"params": ...}`` variables dict unwrapped, an ``nnx.State`` as a dict."""
+        ...
+
     def bind(self, params: Any, model_state: dict) -> Any:
         """The model holding these values, callable outside a step."""
         ...

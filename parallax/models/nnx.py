@@ -158,6 +158,14 @@ class NNXModel:
         _, params, rest = _split(self.source)
         return params, rest
 
+    def pretrained(self, params: Any) -> Any:
+        """An ``nnx.State`` (``nnx.state(model, nnx.Param)``) or a module gives its params as a dict."""
+        if isinstance(params, nnx.Module):
+            return _split(params)[1]
+        if isinstance(params, nnx.State):
+            return nnx.to_pure_dict(params)
+        return params
+
     def bind(self, params: Any, model_state: dict) -> nnx.Module:
         return nnx.merge(self.model, params, model_state)
 

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from parallax._compat import auto_mesh
 
@@ -92,3 +92,39 @@ def build_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | 
     names = tuple(name for name, _ in resolved)
     shape = tuple(size for _, size in resolved)
     return auto_mesh(shape, names, devices)
+
+
+def is_explicit(mesh: Mesh) -> bool:
+    """Whether any axis of ``mesh`` is ``AxisType.Explicit`` (sharding part of array types).
+
+    Example:
+        >>> is_explicit(build_mesh([("data", -1)]))
+        False
+    """
+    return any(kind == AxisType.Explicit for kind in getattr(mesh, "axis_types", ()))
+
+
+def with_axis_types(mesh: Mesh, explicit: bool) -> Mesh:
+    """The same devices, in the same order and under the same names, with every axis
+    ``Explicit`` (``explicit=True``) or ``Auto``.
+
+    Example:
+        >>> explicit = with_axis_types(build_mesh([("data", -1)]), explicit=True)
+        >>> is_explicit(explicit), list(explicit.devices.flat) == jax.devices()
+        (True, True)
+    """
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    if tuple(getattr(mesh, "axis_types", ())) == (kind,) * len(mesh.axis_names):
+        return mesh
+    return Mesh(mesh.devices, tuple(mesh.axis_names), axis_types=(kind,) * len(mesh.axis_names))
+
+
+def describe_axis_types(mesh: Mesh) -> str:
+    """``"fsdp=4 Explicit, tensor=2 Auto"``: each axis's size and type.
+
+    Example:
+        >>> describe_axis_types(build_mesh([("data", 2), ("tensor", -1)]))
+        'data=2 Auto, tensor=4 Auto'
+    """
+    kinds = getattr(mesh, "axis_types", ()) or (AxisType.Auto,) * len(mesh.axis_names)
+    return ", ".join(f"{name}={mesh.shape[name]} {kind.name}" for name, kind in zip(mesh.axis_names, kinds))

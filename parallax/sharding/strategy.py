@@ -95,19 +95,47 @@ class Strategy:
         """
         return build_mesh(self.mesh_axes(), devices)
 
+    def resolved(self, mesh: Mesh) -> "Strategy":
+        """This strategy with each ``-1`` size replaced by the size ``mesh`` gives its axis.
+
+        Example:
+            >>> px.combine(px.DataParallel(2), px.FSDP()).resolved(jax.make_mesh((2, 4), ("data", "fsdp"))).describe()
+            'DataParallel(data=2) × FSDP(fsdp=4)'
+        """
+        sizes = self.axis_sizes(mesh)
+        parts = tuple(dataclasses.replace(part, size=sizes[part.axis]) for part in self.parts)
+        return parts[0] if self.parts == (self,) else Combined(parts)
+
     def check_mesh(self, mesh: Mesh) -> None:
-        """Raises ``ValueError`` when ``mesh`` lacks an axis or has a wrong size."""
+        """Raises ``ValueError`` when ``mesh`` lacks an axis, has a wrong size, or has an axis
+        of more than one device that no part of the strategy uses.
+
+        Any mesh whose axes match may be passed (``jax.make_mesh``'s, with Explicit, Auto or
+        mixed axis types); axes of size 1 the strategy does not use are allowed (a model's own
+        sharding may name them).
+        """
         for name, size in self.mesh_axes():
             if name not in mesh.shape:
                 raise ValueError(
-                    f"The mesh has axes {tuple(mesh.axis_names)} but the strategy needs axis "
-                    f"{name!r}; build the mesh with strategy.make_mesh()."
+                    f"The mesh has axes {dict(mesh.shape)} but the strategy {self.describe()} needs axis "
+                    f"{name!r}; build the mesh with strategy.make_mesh(), name a mesh axis {name!r}, or "
+                    f"give the part your axis's name (e.g. FSDP(axis='my_axis'))."
                 )
             if size != -1 and mesh.shape[name] != size:
                 raise ValueError(
                     f"Mesh axis {name!r} has size {mesh.shape[name]} but the strategy asks "
-                    f"for {size}; build the mesh with strategy.make_mesh()."
+                    f"for {size}; build the mesh with strategy.make_mesh(), or give the part size=-1 "
+                    "to take the mesh's size."
                 )
+        used = {name for name, _ in self.mesh_axes()}
+        unused = {name: int(mesh.shape[name]) for name in mesh.axis_names if name not in used and mesh.shape[name] > 1}
+        if unused:
+            name, size = next(iter(unused.items()))
+            raise ValueError(
+                f"Mesh axis {name!r} has {size} devices but no part of the strategy {self.describe()} uses it, so "
+                f"they would all compute the same thing; add a part on it (e.g. px.combine(px.DataParallel(axis="
+                f"{name!r}), ...)) or build the mesh without it."
+            )
 
     # --- batch ------------------------------------------------------------------------
     @property

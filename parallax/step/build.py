@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
+from parallax.sharding.mesh import describe_axis_types, is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.step import metrics as metric_lib
@@ -80,6 +81,7 @@ class Step:
         self.choice: Choice | None = None  # the cost model's pick of the compile path, once made
         self.proof: Proof | None = None  # read from the loss's trace at the first call
         self.auto_strategy = strategy == AUTO
+        self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
 
     def modes(self) -> tuple[str, ...]:
         """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
@@ -92,6 +94,8 @@ class Step:
             raise ValueError("strategy='auto': the step learns its strategy from the state at the first call.")
         if self.replicated_batch or not self.strategy.data_axes:
             return ("jit",), "no data axis to split the batch over"
+        if self.explicit:
+            return ("jit",), "the mesh's axes are Explicit (the model shards itself): only jit compiles it"
         if self.options.batch_stats == "local":  # per-shard statistics only exist where shards are explicit
             return ("shard_map",), "batch_stats='local' needs explicit shards"
         if self.options.compile != "auto":
@@ -162,16 +166,19 @@ class Step:
             its jitted step (a call with arrays laid out like ``state`` and ``batch`` reuses
             the program) and its ``jax.stages.Compiled`` program.
         """
-        self.prove(state, batch)
         mesh, specs = state_specs_of(state)
-        functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
-        compiled, failed = {}, None
-        for mode, fn in functions.items():
-            try:
-                compiled[mode] = fn.lower(state, batch).compile()
-            except (ValueError, TypeError, NotImplementedError) as err:  # one path may not support this model
-                log.info("Compile path %s does not apply here (%s); not a candidate.", mode, str(err).splitlines()[0])
-                failed = failed or err
+        self._check_mode(mesh)
+        with jax.set_mesh(mesh):
+            self.prove(state, batch)
+            functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
+            compiled, failed = {}, None
+            for mode, fn in functions.items():
+                try:
+                    compiled[mode] = fn.lower(state, batch).compile()
+                except (ValueError, TypeError, NotImplementedError) as err:  # a path may not support this model
+                    log.info("Compile path %s does not apply here (%s); not a candidate.", mode,
+                             str(err).splitlines()[0])
+                    failed = failed or err
         if not compiled:
             raise failed
         devices = list(mesh.devices.flat)
@@ -179,11 +186,15 @@ class Step:
         return choice, {mode: functions[mode] for mode in compiled}, compiled
 
     def __call__(self, state: TrainState, batch: Any):
-        return self._jitted(state, batch)(state, batch)
+        function, mesh = self._jitted(state, batch)
+        with jax.set_mesh(mesh):  # the state's mesh, whatever mesh the caller has set
+            return function(state, batch)
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
-        return self._jitted(state, batch).lower(state, batch)
+        function, mesh = self._jitted(state, batch)
+        with jax.set_mesh(mesh):
+            return function.lower(state, batch)
 
     def _jitted(self, state: TrainState, batch: Any):
         # Fast path for the loop: the same state layout and batch shapes as a previous call.
@@ -198,6 +209,7 @@ class Step:
         if self.auto_strategy:
             self.strategy = from_mesh(mesh)
         self.strategy.check_mesh(mesh)
+        self._check_mode(mesh)
         check_batch_devices(batch, mesh)
         if self.replicated_batch:
             leading_dims(batch)
@@ -205,15 +217,30 @@ class Step:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
-            self.prove(state, batch)
-            if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
-                self.choice, functions, _ = self.compile_paths(state, batch)
-                log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
-                self._cache[key] = functions[self.choice.picked]
-            else:
-                self._cache[key] = self._function(self.mode(), mesh, specs)
+            with jax.set_mesh(mesh):
+                self.prove(state, batch)
+                if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
+                    self.choice, functions, _ = self.compile_paths(state, batch)
+                    log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
+                    self._cache[key] = functions[self.choice.picked], mesh
+                else:
+                    self._cache[key] = self._function(self.mode(), mesh, specs), mesh
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
+
+    def _check_mode(self, mesh: Mesh) -> None:
+        """A state on Explicit axes (a model that shards itself) compiles with ``jit`` only."""
+        self.explicit = is_explicit(mesh)
+        if not self.explicit:
+            return
+        forced = ("compile='shard_map'" if self.options.compile == "shard_map" else
+                  "batch_stats='local'" if self.options.batch_stats == "local" else None)
+        if forced:
+            raise ValueError(
+                f"{forced} needs the shard_map path, but this state lives on a mesh with Explicit axes "
+                f"({describe_axis_types(mesh)}: the model shards itself with reshard / out_sharding), which "
+                "only the jit path compiles; use compile='auto' or 'jit', or build the state with "
+                "sharding_mode='auto' if the model runs with Auto axes.")
 
     def prove(self, state: TrainState, batch: Any) -> Proof | None:
         """Reads once, from the loss's trace (nothing compiles or runs), whether a loss as written
@@ -248,7 +275,7 @@ class Step:
         if mode == "shard_map":
             gradients = shard_map_gradients(self.loss_fn, self.strategy, self.options, mesh, specs, self.train)
         else:
-            gradients = jit_gradients(self.loss_fn, self.strategy, self.options, mesh, self.train)
+            gradients = jit_gradients(self.loss_fn, self.strategy, self.options, mesh, self.train, specs.params)
         skip_nonfinite = self.options.skip_nonfinite
 
         def train_step(state: TrainState, batch):

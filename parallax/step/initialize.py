@@ -12,7 +12,7 @@ from parallax.models import LossFn
 from parallax.sharding.auto import check_strategy
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions
-from parallax.step.plan import plan_state
+from parallax.step.plan import plan_state, warn_if_unsharded
 from parallax.step.search import resolve
 from parallax.step.state import TrainState
 
@@ -29,6 +29,8 @@ def init_state(
     rng_streams: Sequence[str] = ("dropout",),
     devices: Sequence[jax.Device] | None = None,
     options: StepOptions | None = None,
+    params: Any = None,
+    sharding_mode: str = "detect",
 ) -> TrainState:
     """Builds the sharded train state from shapes (``eval_shape`` → specs → ``jit``).
 
@@ -53,12 +55,21 @@ def init_state(
         loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
             which calls the model exactly as training will. Otherwise the model is
             called on ``example_batch`` (unpacked if it is a tuple).
-        mesh: the device mesh; ``strategy.make_mesh()`` by default.
+        mesh: the device mesh: ``strategy.make_mesh()`` by default, or your own (e.g.
+            ``jax.make_mesh``'s, Explicit, Auto or mixed axes) with an axis of each strategy
+            part's name; its devices and their order are kept, its axis types follow the model
+            (``sharding_mode``).
         rng_streams: rng names the model draws from besides ``"params"``.
         devices: the devices ``strategy="auto"`` searches meshes over (all by default).
         options: the :class:`parallax.StepOptions` the train step will use: the candidates
             of an ``"auto"`` search are compiled and priced with them (``memory_budget``,
             ``grad_accum``, ``precision``...).
+        params: pretrained params to start from instead of initialising: a pytree of host or
+            device arrays, or an orbax checkpoint path (see :mod:`parallax.step.pretrained`);
+            checked against the model's shapes, placed shard by shard.
+        sharding_mode: ``"detect"`` (Auto axes, or Explicit ones for a model JAX refuses with
+            Auto axes: one that calls ``reshard`` or passes ``out_sharding=``), ``"auto"`` or
+            ``"explicit"`` (see :mod:`parallax.step.mesh_mode`).
 
     Returns:
         A :class:`TrainState` whose arrays carry ``NamedSharding`` s on ``mesh``.
@@ -72,5 +83,7 @@ def init_state(
     check_strategy(strategy)
     found = resolve(model, optimizer, example_batch, strategy, loss_fn=loss_fn, devices=devices, mesh=mesh,
                     options=options, rng=rng, rng_streams=rng_streams)
-    return plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
-                      mesh=found.mesh, rng_streams=rng_streams).build()
+    plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
+                      mesh=found.mesh, rng_streams=rng_streams, params=params, sharding_mode=sharding_mode)
+    warn_if_unsharded(plan)
+    return plan.build()

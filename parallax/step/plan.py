@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
+from parallax.sharding.mesh import is_explicit
+from parallax.step.jit import gathered_on_use
+from parallax.step.loss import loss_closure
+from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
+from parallax.step.pretrained import place_params
 from parallax.step.state import TrainState, as_key, model_rngs
 
 
@@ -31,6 +39,7 @@ class StatePlan:
         shardings: the matching ``NamedSharding`` tree.
         build: ``build()`` computes the sharded state (each device only its shards).
         lower: ``lower()`` gives the lowered init computation (for memory analysis).
+        sharding_note: one line: the sharding mode the model runs in (Auto or Explicit axes) and why.
     """
 
     mesh: Mesh
@@ -40,6 +49,7 @@ class StatePlan:
     shardings: Any
     build: Callable[[], TrainState]
     lower: Callable[[], Any]
+    sharding_note: str = ""
 
     def describe_layout(self) -> str:
         """What each tensor-parallel axis splits, and why the rest stays whole.
@@ -57,6 +67,27 @@ class StatePlan:
               Dense_2/kernel  (64, 10)  dim 1  column      splits the chain ...
         """
         return self.strategy.describe_layout()
+
+    def sharded_fraction(self) -> float:
+        """The fraction of the state's bytes (params, optimizer state, other collections) split
+        over the strategy's FSDP axes; 1.0 when the strategy has none.
+
+        Example:
+            >>> plan = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(), loss_fn=loss_fn)
+            >>> plan.sharded_fraction()  # every param is below min_weight_size=2**18
+            0.0
+        """
+        axes = set(self.strategy.fsdp_axes)
+        if not axes:
+            return 1.0
+        plain = self.abstract.replace(params=adapter_for(self.abstract.model).unbox(self.abstract.params))
+        total = split = 0
+        for leaf, spec in zip(jax.tree.leaves(plain), jax.tree.leaves(self.specs, is_leaf=is_spec)):
+            nbytes = leaf.size * leaf.dtype.itemsize
+            total += nbytes
+            named = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+            split += nbytes if named & axes else 0
+        return split / total if total else 1.0
 
     def abstract_arrays(self) -> Any:
         """``ShapeDtypeStruct`` s with shardings: a restore target for checkpoints."""
@@ -78,6 +109,8 @@ def plan_state(
     loss_fn: LossFn | None = None,
     mesh: Mesh | None = None,
     rng_streams: Sequence[str] = ("dropout",),
+    params: Any = None,
+    sharding_mode: str = DETECT,
 ) -> StatePlan:
     """Plans the sharded train state from shapes: ``eval_shape`` → specs → ``jit``.
 
@@ -94,14 +127,23 @@ def plan_state(
     given = adapter.values()
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
-    mesh = strategy.make_mesh() if mesh is None else mesh
-    key = as_key(rng)
+    check_sharding_mode(sharding_mode)
+    if mesh is None:
+        mesh = strategy.make_mesh()
+    elif not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
+    strategy.check_mesh(mesh)
+    key = np.asarray(jax.device_get(as_key(rng)))  # on the host: free of any mesh the caller has set
     rng_streams = tuple(rng_streams)
+    pretrained = None if params is None else (params if isinstance(params, (str, os.PathLike))
+                                              else adapter.pretrained(params))
 
-    def make(key, batch, boxed: bool, values=None, opt_state=None):
+    def make(key, batch, boxed: bool, values=None, state=None, opt_state=None):
         init_key, stream_key, state_key = jax.random.split(key, 3)
         rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
-        params, model_state = adapter.init(rngs, batch, loss_fn, mesh.axis_names) if values is None else values
+        initial, model_state = (values, state) if state is not None else adapter.init(rngs, batch, loss_fn,
+                                                                                      mesh.axis_names)
+        params = initial if values is None else values
         plain_params = adapter.unbox(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -113,8 +155,75 @@ def plan_state(
             tx=optimizer,
         )
 
+    def attempt(train_mesh: Mesh):
+        abstract = _abstract(lambda k, b: make(k, b, boxed=True), key, example_batch)
+        fitted = strategy
+        if strategy.needs_computation:
+            fitted = strategy.fitted_to(trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh,
+                                                          strategy, rng_streams))
+        specs = fitted.state_specs(abstract, train_mesh)
+        if loss_fn is not None:
+            probe_loss(adapter, abstract, specs, example_batch, loss_fn, train_mesh, fitted, rng_streams)
+        return abstract, fitted, specs
+
+    mesh, (abstract, strategy, specs), note = planned_in_mode(attempt, mesh, sharding_mode)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    plain = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
+                         adapter.unbox(abstract.params))
+
+    def build_values(k, b, v, s, o):
+        if v is not None:  # pretrained params in the model's dtypes
+            v = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), v, plain)
+        return make(k, b, boxed=False, values=v, state=s, opt_state=o)
+
+    jitted = jax.jit(build_values, out_shardings=shardings)
+
+    def placed():
+        """Values the model or optimizer already holds, or pretrained params, put straight onto their
+        shards (arguments of the build, never constants compiled into it)."""
+        values, state = (None, None) if given is None else jax.device_put(given, (shardings.params,
+                                                                                  shardings.model_state))
+        if pretrained is not None:
+            values = place_params(pretrained, plain, shardings.params)
+        opt_state = None if given_opt_state is None else jax.device_put(given_opt_state, shardings.opt_state)
+        return values, state, opt_state
+
+    def run(method):
+        with jax.set_mesh(mesh):
+            return method(key, example_batch, *placed())
+
+    return StatePlan(mesh, strategy, abstract, specs, shardings, build=lambda: run(jitted),
+                     lower=lambda: run(jitted.lower), sharding_note=note)
+
+
+UNSHARDED_FRACTION = 0.05  # below this share of the state split, an FSDP strategy warns
+
+
+def warn_if_unsharded(plan: StatePlan) -> None:
+    """Warns once when an FSDP strategy splits less than 5% of the state's bytes, naming why
+    (its ``min_weight_size``, or dims no axis size divides) and the option that changes it."""
+    fraction = plan.sharded_fraction()
+    if fraction >= UNSHARDED_FRACTION:
+        return
+    fsdp = next(part for part in plan.strategy.parts if part.gathers_params)
+    sizes = sorted((leaf.size for leaf in jax.tree.leaves(adapter_for(plan.abstract.model).unbox(plan.abstract.params))),
+                   reverse=True)
+    largest = sizes[0] if sizes else 0
+    minimum = getattr(fsdp, "min_weight_size", 0)
+    if largest <= minimum:
+        why = (f"every param has at most min_weight_size={minimum:,} elements (the largest has {largest:,}); lower "
+               f"it, e.g. {type(fsdp).__name__}(min_weight_size={max(largest // 4, 1):,}), to split the large ones")
+    else:
+        why = (f"the params above min_weight_size={minimum:,} elements have no dim that {fsdp.axis}="
+               f"{plan.mesh.shape[fsdp.axis]} divides (px.summarize(...) names each)")
+    warnings.warn(f"{plan.strategy.resolved(plan.mesh).describe()} splits only {fraction:.1%} of the train state over "
+                  f"'{fsdp.axis}': {why}. Until then it trains like data parallelism, each device holding the "
+                  "whole state.", UserWarning, stacklevel=3)
+
+
+def _abstract(make: Callable, key: Any, example_batch: Any) -> TrainState:
     try:
-        abstract = jax.eval_shape(lambda k, b: make(k, b, boxed=True), key, example_batch)
+        return jax.eval_shape(make, key, example_batch)
     except jax.errors.ConcretizationTypeError as err:
         raise ValueError(
             "The loss function (or the model) turns a traced array into a Python value: float(x), int(x), "
@@ -122,25 +231,30 @@ def plan_state(
             "return the loss array (not float(loss)), and use jnp.where / lax.cond instead of Python `if`. "
             f"JAX's message: {str(err).splitlines()[0]}"
         ) from err
-    if strategy.needs_computation:
-        strategy = strategy.fitted_to(trace_computation(adapter, abstract, example_batch, loss_fn, mesh, strategy,
-                                                        rng_streams))
-    specs = strategy.state_specs(abstract, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-    jitted = jax.jit(lambda k, b, v, o: make(k, b, boxed=False, values=v, opt_state=o), out_shardings=shardings)
 
-    def placed():
-        """Values the model or optimizer already holds, put straight onto their shards (arguments
-        of the build, never constants compiled into it)."""
-        values = None if given is None else jax.device_put(given, (shardings.params, shardings.model_state))
-        opt_state = None if given_opt_state is None else jax.device_put(given_opt_state, shardings.opt_state)
-        return values, opt_state
 
-    return StatePlan(
-        mesh, strategy, abstract, specs, shardings,
-        build=lambda: jitted(key, example_batch, *placed()),
-        lower=lambda: jitted.lower(key, example_batch, *placed()),
-    )
+def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_batch: Any, loss_fn: LossFn,
+               mesh: Mesh, strategy: Strategy, rng_streams: Sequence[str]) -> None:
+    """Traces the loss and its gradient on the planned shardings (nothing compiles or runs):
+    raises what JAX raises where the model's own sharding does not fit this mesh's mode."""
+    placed = lambda leaf, spec: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+    params = jax.tree.map(placed, adapter.unbox(abstract.params), specs.params)
+    model_state = jax.tree.map(placed, abstract.model_state, specs.model_state)
+    shards = strategy.data_shards(mesh)
+    batch_spec = strategy.batch_spec()
+
+    def batch_leaf(x):
+        divisible = getattr(x, "ndim", 0) and x.shape[0] % shards == 0
+        return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=NamedSharding(mesh, batch_spec if divisible else PartitionSpec()))
+
+    batch = jax.tree.map(batch_leaf, example_batch)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    loss = loss_closure(adapter, loss_fn, rng_streams, ModelRun(train=True, constraint_axes=tuple(mesh.axis_names)))
+    if is_explicit(mesh) and strategy.fsdp_axes:  # as the train step runs it (parallax.step.jit)
+        gather, closure = gathered_on_use(specs.params, strategy.fsdp_axes), loss
+        loss = lambda params, *rest: closure(gather(params), *rest)  # noqa: E731
+    jax.eval_shape(jax.value_and_grad(loss, has_aux=True), params, model_state, batch, key)
 
 
 def trace_computation(adapter: ModelAdapter, abstract: TrainState, example_batch: Any, loss_fn: LossFn | None,

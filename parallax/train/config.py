@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from parallax.step.mesh_mode import check_sharding_mode
 from parallax.step.options import StepOptions
 from parallax.train import elastic
 
@@ -56,6 +57,10 @@ class TrainerConfig:
             same training for a loss that is a mean over examples, while BatchNorm and
             dropout then work per microbatch). A global batch that cannot be kept is an error
             naming the sizes and options; ``batch_size=`` changes it on purpose.
+        sharding_mode: how the model runs on the mesh: ``"detect"`` (Auto axes, or Explicit
+            ones when JAX refuses the model with Auto axes: a model that calls
+            ``jax.sharding.reshard`` or passes ``out_sharding=``), ``"auto"`` or ``"explicit"``
+            (see :mod:`parallax.step.mesh_mode`).
         step: the step's options (see :class:`parallax.StepOptions`).
 
     Example:
@@ -83,6 +88,7 @@ class TrainerConfig:
     summary: bool | None = None
     fail_if_replicated_over: int | None = None
     elastic: str = "keep_batch"
+    sharding_mode: str = "detect"
     step: StepOptions = StepOptions()
 
     def __post_init__(self):
@@ -106,6 +112,7 @@ class TrainerConfig:
         if self.elastic not in elastic.MODES:
             raise ValueError(f"elastic={self.elastic!r}; use 'keep_batch' (more or fewer rows per data shard) or "
                              "'accumulate' (the same rows per shard, grad_accum scaled).")
+        check_sharding_mode(self.sharding_mode)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every is set but checkpoint_dir is not; say where checkpoints go.")
         if not isinstance(self.step, StepOptions):

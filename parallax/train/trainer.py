@@ -25,7 +25,8 @@ from parallax.sharding.auto import AUTO, check_strategy, is_auto
 from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import make_eval_step, make_train_step
-from parallax.step.plan import StatePlan, plan_state
+from parallax.sharding.mesh import is_explicit
+from parallax.step.plan import StatePlan, plan_state, warn_if_unsharded
 from parallax.step.search import Resolved, resolve
 from parallax.step.state import TrainState
 from parallax.train import elastic
@@ -62,6 +63,13 @@ class Trainer:
             ``train=False``); ``loss_fn`` by default.
         callbacks: extra callbacks (see :mod:`parallax.callbacks`).
         devices: the devices to use; all by default.
+        mesh: your own ``jax.sharding.Mesh`` (e.g. ``jax.make_mesh``'s, Explicit, Auto or mixed
+            axes) with an axis of each strategy part's name: training runs on its devices in its
+            order; the axis types follow the model (``sharding_mode``), said in one log line.
+        params: pretrained params to start from instead of initialising: a pytree of host or
+            device arrays (a linen ``params`` tree or ``{"params": ...}``; for NNX a dict or
+            ``nnx.State`` of the ``nnx.Param`` s), or the path of an orbax checkpoint holding
+            them. Checked against the model's shapes; each device receives only its shards.
         **options: :class:`TrainerConfig` options; they override ``config``.
 
     Example:
@@ -74,7 +82,8 @@ class Trainer:
 
     def __init__(self, model: Any, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                  strategy: Strategy | str | None = None, config: Any = None, eval_loss_fn: LossFn | None = None,
-                 callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None, **options: Any):
+                 callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None,
+                 mesh: Mesh | None = None, params: Any = None, **options: Any):
         self.config = cfg = TrainerConfig.create(config, **options)
         self.adapter = adapter_for(model)
         self.tx = self.adapter.optimizer(optimizer)[0]  # an nnx.Optimizer gives its optax transformation
@@ -87,8 +96,17 @@ class Trainer:
         strategy = strategy if strategy is not None else DataParallel()
         check_strategy(strategy)
         self.devices = devices
+        self.pretrained = params
         self.search: Resolved | None = None  # what strategy="auto" or FSDP(split="auto") chose, once a batch is seen
-        self._use(strategy, None if strategy == AUTO else strategy.make_mesh(devices))
+        if mesh is not None:
+            if devices is not None:
+                raise ValueError("Pass mesh= or devices=, not both: the mesh already says which devices.")
+            if not isinstance(mesh, Mesh):
+                raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
+            if strategy == AUTO:
+                raise ValueError("strategy='auto' searches meshes of its own; with mesh= pass the strategy to train.")
+            strategy.check_mesh(mesh)
+        self._use(strategy, mesh if mesh is not None or strategy == AUTO else strategy.make_mesh(devices))
         # With several processes, process 0 alone runs the callbacks that print or write logs.
         self.callbacks = [cb for cb in callbacks if _multihost.is_primary() or not getattr(cb, "primary_only", False)]
         if cfg.progress and _multihost.is_primary():  # one process prints
@@ -131,7 +149,14 @@ class Trainer:
         if self.plan is None:
             self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
                                    rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
-                                   rng_streams=self.config.step.rng_streams)
+                                   rng_streams=self.config.step.rng_streams, params=self.pretrained,
+                                   sharding_mode=self.config.sharding_mode)
+            # Train on the mesh as planned (its axis types follow the model), sizes resolved.
+            changed = self.plan.mesh is not self.mesh or is_explicit(self.plan.mesh)
+            self._use(self.strategy.resolved(self.plan.mesh), self.plan.mesh)
+            warn_if_unsharded(self.plan)
+            if changed and self.config.progress and _multihost.is_primary():
+                print(self.plan.sharding_note)
         return self.plan
 
     def init(self, example_batch: Any) -> TrainState:

@@ -72,6 +72,12 @@ class LinenModel:
     def values(self) -> None:
         return None  # a linen module holds no values: the state is always initialised
 
+    def pretrained(self, params: Any) -> Any:
+        """A variables dict (``{"params": ...}``, as ``model.init`` returns) gives its params."""
+        if isinstance(params, Mapping) and set(params) == {"params"}:
+            return params["params"]
+        return params
+
     def bind(self, params: Any, model_state: dict) -> nn.Module:
         return self.model.bind({"params": params, **model_state})
 

@@ -1,0 +1,140 @@
+"""Running a model in the sharding mode it was written for: Auto or Explicit mesh axes.
+
+JAX has two ways to shard a computation over a mesh, and code written for one fails in the
+other (measured on both tested stacks):
+
+* **Auto** axes (``jax.sharding.AxisType.Auto``; GSPMD places every collective): ordinary
+  models work, and so do ``with_sharding_constraint`` with a bare ``PartitionSpec`` or a
+  ``NamedSharding`` of an Auto mesh; ``jax.sharding.reshard``, ``einsum(..., out_sharding=)``
+  and a ``NamedSharding`` of an Explicit mesh fail.
+* **Explicit** axes (the default of ``jax.make_mesh``; shardings are part of array types): a
+  model written for it (Flax's NNX Gemma example: ``out_sharding=`` on every einsum) works,
+  and so do ``reshard`` and ``with_sharding_constraint``; an ordinary model fails at its first
+  embedding lookup or contraction over a sharded dim (``ShardingTypeError``).
+
+So parallax plans the state in each mode in turn (``sharding_mode="detect"``: Auto first, then
+Explicit) and keeps the first in which the loss traces with its gradient; the mesh the
+state lives on carries the mode, and the train step compiles under it. The user's mesh keeps
+its devices, their order and its axis names; only the axis types may change, and
+:func:`planned_in_mode` says so in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable, TypeVar
+
+import jax
+from jax.sharding import Mesh
+
+from parallax.sharding.mesh import describe_axis_types, is_explicit, with_axis_types
+
+log = logging.getLogger("parallax")
+
+DETECT, AUTO, EXPLICIT = "detect", "auto", "explicit"
+SHARDING_MODES = (DETECT, AUTO, EXPLICIT)
+T = TypeVar("T")
+
+_UNKNOWN_AXIS = re.compile(r"Resource axis: (?P<axis>\S+) of (?P<spec>.*?) is not found in mesh: (?P<mesh>\(.*?\))")
+# What JAX says when code written for one mode runs in the other (jax 0.10 and 0.12 alike).
+_MODE_ERRORS = ("of type Auto", "refer to Auto axes", "ShardingTypeError", "out_sharding",
+                "Explicit", "should match the mesh", "context mesh")
+
+
+def check_sharding_mode(mode: str) -> str:
+    """Returns ``mode`` if it is one of ``"detect"``, ``"auto"``, ``"explicit"``; raises otherwise.
+
+    Example:
+        >>> check_sharding_mode("explicit")
+        'explicit'
+    """
+    if mode not in SHARDING_MODES:
+        raise ValueError(
+            f"sharding_mode={mode!r}: use 'detect' (try Auto axes, then Explicit), 'auto' (ordinary models, "
+            "with_sharding_constraint) or 'explicit' (models that call jax.sharding.reshard or pass out_sharding=)."
+        )
+    return mode
+
+
+def is_mode_error(err: BaseException) -> bool:
+    """Whether ``err`` is JAX refusing code written for the other sharding mode."""
+    text = f"{type(err).__name__}: {err}"
+    return any(marker in text for marker in _MODE_ERRORS)
+
+
+def unknown_axis_error(err: BaseException, mesh: Mesh) -> ValueError | None:
+    """A readable error for a model whose own sharding names an axis ``mesh`` lacks, else ``None``.
+
+    Example:
+        >>> err = ValueError("Resource axis: tensor of P('fsdp', 'tensor') is not found in mesh: ('fsdp',).")
+        >>> print(unknown_axis_error(err, px.FSDP().make_mesh()))  # doctest: +ELLIPSIS
+        The model's own sharding names mesh axis 'tensor' (in P('fsdp', 'tensor')), which the mesh (fsdp=8) ...
+    """
+    found = _UNKNOWN_AXIS.search(str(err))
+    if not found:
+        return None
+    axis, sizes = found.group("axis"), ", ".join(f"{n}={mesh.shape[n]}" for n in mesh.axis_names)
+    return ValueError(
+        f"The model's own sharding names mesh axis {axis!r} (in {found.group('spec')}), which the mesh ({sizes}) "
+        f"lacks. Give the strategy a part on that axis (e.g. px.combine(px.FSDP(), px.TensorParallel(axis={axis!r})) "
+        f"or rename a part's axis to the model's (e.g. px.FSDP(axis={axis!r})), or pass a mesh that has it with size "
+        f"1 (Trainer(mesh=jax.make_mesh((8, 1), ('fsdp', {axis!r})))."
+    )
+
+
+def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT) -> tuple[Mesh, T, str]:
+    """Runs ``attempt(train_mesh)`` under ``jax.set_mesh(train_mesh)`` in the mode asked, or, for
+    ``"detect"``, with Auto axes and then, if JAX refuses the model there, Explicit ones.
+
+    Args:
+        attempt: plans the state on the mesh it is given and traces the loss (raises what JAX raises).
+        mesh: the user's mesh (or the strategy's): its devices, order and names are kept.
+        mode: ``"detect"``, ``"auto"`` or ``"explicit"``.
+
+    Returns:
+        ``(train_mesh, attempt's result, note)``: the mesh the state lives on, and one line
+        saying which mode the model runs in and why.
+
+    Raises:
+        ValueError: the model names an axis the mesh lacks, or JAX refuses it in every mode tried.
+    """
+    check_sharding_mode(mode)
+    order = (AUTO, EXPLICIT) if mode == DETECT else (mode,)
+    refused: list[tuple[str, BaseException]] = []
+    for tried in order:
+        train_mesh = with_axis_types(mesh, explicit=tried == EXPLICIT)
+        try:
+            with jax.set_mesh(train_mesh):
+                result = attempt(train_mesh)
+        except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
+            unknown = unknown_axis_error(err, train_mesh)
+            if unknown is not None:
+                raise unknown from err
+            if not is_mode_error(err):
+                raise
+            refused.append((tried, err))
+            continue
+        return train_mesh, result, _note(mesh, train_mesh, mode, refused)
+    lines = "; ".join(f"with {tried.capitalize()} axes: {str(err).splitlines()[0][:300]}" for tried, err in refused)
+    other = "" if mode == DETECT else f" (sharding_mode={mode!r}; 'detect' also tries the other mode)"
+    raise ValueError(
+        f"JAX refuses this model's sharding on the mesh ({describe_axis_types(mesh)}){other}: {lines}. An ordinary "
+        "model runs with Auto axes; a model that calls jax.sharding.reshard or passes out_sharding= needs Explicit "
+        "axes, and then the loss must say how to shard what it gathers (e.g. logits.at[...].get(out_sharding=...), "
+        "or a one-hot cross-entropy instead of take_along_axis)."
+    ) from refused[-1][1]
+
+
+def _note(given: Mesh, used: Mesh, mode: str, refused: list) -> str:
+    kind = "Explicit" if is_explicit(used) else "Auto"
+    if refused:
+        why = f"with {refused[0][0].capitalize()} axes JAX refused it: {str(refused[0][1]).splitlines()[0][:160]}"
+    elif mode != DETECT:
+        why = f"sharding_mode={mode!r}"
+    else:
+        why = "an ordinary model"
+    changed = "" if given is used else f" (the mesh's own axes were {describe_axis_types(given)})"
+    note = f"Sharding mode: {kind} axes, {why}{changed}."
+    log.info(note)
+    return note
