@@ -25,6 +25,7 @@ define install_venv
 	$(1)/bin/python -m pip uninstall --quiet --yes parallax 2>/dev/null || true
 	rm -rf parallax.egg-info
 	$(1)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	bash .ci/flax-examples $(1)
 	touch $(1)/.installed
 endef
 

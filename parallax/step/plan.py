@@ -203,9 +203,9 @@ def warn_if_unsharded(plan: StatePlan) -> None:
     """Warns once when an FSDP strategy splits less than 5% of the state's bytes, naming why
     (its ``min_weight_size``, or dims no axis size divides) and the option that changes it."""
     fraction = plan.sharded_fraction()
-    if fraction >= UNSHARDED_FRACTION:
+    fsdp = next((part for part in plan.strategy.parts if part.gathers_params), None)
+    if fraction >= UNSHARDED_FRACTION or fsdp is None or plan.mesh.shape[fsdp.axis] == 1:
         return
-    fsdp = next(part for part in plan.strategy.parts if part.gathers_params)
     sizes = sorted((leaf.size for leaf in jax.tree.leaves(adapter_for(plan.abstract.model).unbox(plan.abstract.params))),
                    reverse=True)
     largest = sizes[0] if sizes else 0
