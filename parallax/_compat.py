@@ -16,8 +16,9 @@ Known differences:
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -69,6 +70,18 @@ def auto_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[Any]
         # Topologies mesh_utils does not know (e.g. mixed device kinds): keep the given order.
         device_grid = np.asarray(list(devices), dtype=object).reshape(tuple(shape))
     return Mesh(device_grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh) -> Iterator[None]:
+    """``jax.set_mesh(mesh)``, or inside a trace (``jit``, ``eval_shape``), where ``set_mesh`` is
+    refused, the abstract mesh alone (what bare ``PartitionSpec`` s resolve against)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(jax.set_mesh(mesh))
+        except ValueError:  # "`set_mesh` can only be used outside of `jax.jit`"
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        yield
 
 
 def shard_map(fn: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any, manual_axes: set[str]) -> Callable:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax._compat import mesh_context
 from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.mesh import describe_axis_types, is_explicit
@@ -168,7 +169,7 @@ class Step:
         """
         mesh, specs = state_specs_of(state)
         self._check_mode(mesh)
-        with jax.set_mesh(mesh):
+        with mesh_context(mesh):
             self.prove(state, batch)
             functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
             compiled, failed = {}, None
@@ -187,13 +188,13 @@ class Step:
 
     def __call__(self, state: TrainState, batch: Any):
         function, mesh = self._jitted(state, batch)
-        with jax.set_mesh(mesh):  # the state's mesh, whatever mesh the caller has set
+        with mesh_context(mesh):  # the state's mesh, whatever mesh the caller has set
             return function(state, batch)
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
         function, mesh = self._jitted(state, batch)
-        with jax.set_mesh(mesh):
+        with mesh_context(mesh):
             return function.lower(state, batch)
 
     def _jitted(self, state: TrainState, batch: Any):
@@ -217,7 +218,7 @@ class Step:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
         if key not in self._cache:
-            with jax.set_mesh(mesh):
+            with mesh_context(mesh):
                 self.prove(state, batch)
                 if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
                     self.choice, functions, _ = self.compile_paths(state, batch)

@@ -28,6 +28,7 @@ from typing import Callable, TypeVar
 import jax
 from jax.sharding import Mesh
 
+from parallax._compat import mesh_context
 from parallax.sharding.mesh import describe_axis_types, is_explicit, with_axis_types
 
 log = logging.getLogger("parallax")
@@ -105,7 +106,7 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
     for tried in order:
         train_mesh = with_axis_types(mesh, explicit=tried == EXPLICIT)
         try:
-            with jax.set_mesh(train_mesh):
+            with mesh_context(train_mesh):
                 result = attempt(train_mesh)
         except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
             unknown = unknown_axis_error(err, train_mesh)

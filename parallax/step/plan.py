@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax._compat import mesh_context
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
@@ -133,7 +134,9 @@ def plan_state(
     elif not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
     strategy.check_mesh(mesh)
-    key = np.asarray(jax.device_get(as_key(rng)))  # on the host: free of any mesh the caller has set
+    key = as_key(rng)
+    if not isinstance(key, jax.core.Tracer):  # on the host: free of any mesh the caller has set
+        key = np.asarray(jax.device_get(key))
     rng_streams = tuple(rng_streams)
     pretrained = None if params is None else (params if isinstance(params, (str, os.PathLike))
                                               else adapter.pretrained(params))
@@ -189,7 +192,7 @@ def plan_state(
         return values, state, opt_state
 
     def run(method):
-        with jax.set_mesh(mesh):
+        with mesh_context(mesh):
             return method(key, example_batch, *placed())
 
     return StatePlan(mesh, strategy, abstract, specs, shardings, build=lambda: run(jitted),

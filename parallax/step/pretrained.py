@@ -107,8 +107,8 @@ def place_params(given: Any, expected: Any, shardings: Any) -> Any:
         >>> expected = {"w": jax.ShapeDtypeStruct((8, 2), np.float32)}
         >>> shardings = {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))}
         >>> placed = place_params({"w": np.ones((8, 2))}, expected, shardings)
-        >>> placed["w"].sharding.spec, placed["w"].addressable_shards[0].data.shape
-        (PartitionSpec('fsdp',), (1, 2))
+        >>> tuple(placed["w"].sharding.spec), placed["w"].addressable_shards[0].data.shape
+        (('fsdp',), (1, 2))
     """
     if isinstance(given, (str, os.PathLike)):
         return read_params(given, expected, shardings)

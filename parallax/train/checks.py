@@ -117,3 +117,16 @@ def check_data_continues(step: int, max_steps: int) -> None:
             f"Process {jax.process_index()}: the training data ended after step {step}, before max_steps="
             f"{max_steps}. With several processes a process whose data ends cannot tell the others; pass "
             "max_steps at most every process's number of batches, or data with a len().")
+
+
+def check_mesh_option(mesh: Any, devices: Any, strategy: Any) -> None:
+    """``Trainer(mesh=...)``: a ``jax.sharding.Mesh`` with an axis of each strategy part's name."""
+    if mesh is None:
+        return
+    if devices is not None:
+        raise ValueError("Pass mesh= or devices=, not both: the mesh already says which devices.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
+    if isinstance(strategy, str):
+        raise ValueError("strategy='auto' searches meshes of its own; with mesh= pass the strategy to train.")
+    strategy.check_mesh(mesh)

@@ -33,7 +33,7 @@ from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, CheckpointError
 from parallax.train.checks import (check_data_continues, check_eval_data, check_later_batch, check_loss_fn,
-                                   check_optimizer, check_plan)
+                                   check_mesh_option, check_optimizer, check_plan)
 from parallax.train.config import FitResult, History, TrainerConfig
 from parallax.train.data import as_data, batch_signature, check_batch_leaves, to_global
 from parallax.train.evaluation import evaluate
@@ -59,17 +59,12 @@ class Trainer:
             the cost model, and the fastest that fits is used (``trainer.search`` says what
             was chosen and why; printed with ``progress``). ``FSDP(split="auto")`` likewise.
         config: an ``ml_collections.ConfigDict`` (or dict) of :class:`TrainerConfig` options.
-        eval_loss_fn: the loss for evaluation (e.g. calling the model with
-            ``train=False``); ``loss_fn`` by default.
+        eval_loss_fn: the loss for evaluation (e.g. the model called with ``train=False``); ``loss_fn`` by default.
         callbacks: extra callbacks (see :mod:`parallax.callbacks`).
         devices: the devices to use; all by default.
-        mesh: your own ``jax.sharding.Mesh`` (e.g. ``jax.make_mesh``'s, Explicit, Auto or mixed
-            axes) with an axis of each strategy part's name: training runs on its devices in its
-            order; the axis types follow the model (``sharding_mode``), said in one log line.
-        params: pretrained params to start from instead of initialising: a pytree of host or
-            device arrays (a linen ``params`` tree or ``{"params": ...}``; for NNX a dict or
-            ``nnx.State`` of the ``nnx.Param`` s), or the path of an orbax checkpoint holding
-            them. Checked against the model's shapes; each device receives only its shards.
+        mesh: your own mesh (``jax.make_mesh``'s: any axis types), an axis per strategy part:
+            trained on in its device order; axis types follow the model (``sharding_mode``).
+        params: pretrained params to start from (a pytree or an orbax path; see :func:`parallax.init_state`).
         **options: :class:`TrainerConfig` options; they override ``config``.
 
     Example:
@@ -95,17 +90,9 @@ class Trainer:
         self.eval_loss_fn = eval_loss_fn or loss_fn
         strategy = strategy if strategy is not None else DataParallel()
         check_strategy(strategy)
-        self.devices = devices
-        self.pretrained = params
+        self.devices, self.pretrained = devices, params
         self.search: Resolved | None = None  # what strategy="auto" or FSDP(split="auto") chose, once a batch is seen
-        if mesh is not None:
-            if devices is not None:
-                raise ValueError("Pass mesh= or devices=, not both: the mesh already says which devices.")
-            if not isinstance(mesh, Mesh):
-                raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
-            if strategy == AUTO:
-                raise ValueError("strategy='auto' searches meshes of its own; with mesh= pass the strategy to train.")
-            strategy.check_mesh(mesh)
+        check_mesh_option(mesh, devices, strategy)
         self._use(strategy, mesh if mesh is not None or strategy == AUTO else strategy.make_mesh(devices))
         # With several processes, process 0 alone runs the callbacks that print or write logs.
         self.callbacks = [cb for cb in callbacks if _multihost.is_primary() or not getattr(cb, "primary_only", False)]
@@ -151,8 +138,7 @@ class Trainer:
                                    rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
                                    rng_streams=self.config.step.rng_streams, params=self.pretrained,
                                    sharding_mode=self.config.sharding_mode)
-            # Train on the mesh as planned (its axis types follow the model), sizes resolved.
-            changed = self.plan.mesh is not self.mesh or is_explicit(self.plan.mesh)
+            changed = self.plan.mesh is not self.mesh or is_explicit(self.plan.mesh)  # axis types follow the model
             self._use(self.strategy.resolved(self.plan.mesh), self.plan.mesh)
             warn_if_unsharded(self.plan)
             if changed and self.config.progress and _multihost.is_primary():
