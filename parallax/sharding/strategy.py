@@ -96,13 +96,16 @@ class Strategy:
         return build_mesh(self.mesh_axes(), devices)
 
     def resolved(self, mesh: Mesh) -> "Strategy":
-        """This strategy with each ``-1`` size replaced by the size ``mesh`` gives its axis.
+        """This strategy with each ``-1`` size replaced by the size ``mesh`` gives its axis
+        (itself when every size is already the mesh's).
 
         Example:
             >>> px.combine(px.DataParallel(2), px.FSDP()).resolved(jax.make_mesh((2, 4), ("data", "fsdp"))).describe()
             'DataParallel(data=2) × FSDP(fsdp=4)'
         """
         sizes = self.axis_sizes(mesh)
+        if all(part.size == sizes[part.axis] for part in self.parts):
+            return self
         parts = tuple(dataclasses.replace(part, size=sizes[part.axis]) for part in self.parts)
         return parts[0] if self.parts == (self,) else Combined(parts)
 
@@ -114,6 +117,8 @@ class Strategy:
         mixed axis types); axes of size 1 the strategy does not use are allowed (a model's own
         sharding may name them).
         """
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
         for name, size in self.mesh_axes():
             if name not in mesh.shape:
                 raise ValueError(

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallax.models import LossFn, ModelRun, adapter_for
+from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.mesh import is_explicit
-from parallax.sharding.specs import is_spec
+from parallax.sharding.specs import dims_axes, is_spec, without_axes
 from parallax.sharding.strategy import Strategy
 from parallax.step.accumulate import accumulated
 from parallax.step.loss import loss_closure
@@ -22,21 +22,24 @@ def jit_run(options: StepOptions, mesh: Mesh, train: bool) -> ModelRun:
                     compute_dtype=options.policy.compute_dtype)
 
 
-def gathered_on_use(param_specs: Any, fsdp_axes: tuple[str, ...]) -> Callable[[Any], Any]:
-    """On a mesh with Explicit axes, ``params -> params`` resharded without the FSDP axes: each
-    FSDP shard is all-gathered where the model uses it (the transpose, a reduce-scatter, brings
-    its gradient back to the shard), as Explicit mode wants a contraction's operands to agree."""
+def jit_loss(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str], run: ModelRun, mesh: Mesh,
+             strategy: Strategy, param_specs: Any = None) -> Callable:
+    """The loss closure (:func:`parallax.step.loss.loss_closure`) as the jit path runs it.
 
-    def without_fsdp(spec):
-        entries = [tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a not in fsdp_axes) for e in spec]
-        return PartitionSpec(*[(e[0] if len(e) == 1 else e) if e else None for e in entries])
+    On a mesh with Explicit axes, which wants a contraction's operands to agree, the params are
+    first resharded without the FSDP axes: each FSDP shard is all-gathered where the model uses
+    it, and the transpose (a reduce-scatter) brings its gradient back to the shard.
+    """
+    closure = loss_closure(adapter, loss_fn, rng_streams, run)
+    if not (is_explicit(mesh) and strategy.fsdp_axes and param_specs is not None):
+        return closure
+    fsdp = set(strategy.fsdp_axes)
+    compute = jax.tree.map(lambda spec: without_axes(spec, dims_axes(spec) - fsdp), param_specs, is_leaf=is_spec)
 
-    compute = jax.tree.map(without_fsdp, param_specs, is_leaf=is_spec)
+    def loss(params, *rest):
+        return closure(jax.tree.map(jax.sharding.reshard, params, compute), *rest)
 
-    def gather(params):
-        return jax.tree.map(lambda p, spec: jax.sharding.reshard(p, spec), params, compute)
-
-    return gather
+    return loss
 
 
 def jit_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOptions, mesh: Mesh, train: bool,
@@ -48,12 +51,9 @@ def jit_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOptions, mes
     """
     run = jit_run(options, mesh, train)
     microbatch_sharding = NamedSharding(mesh, PartitionSpec(None, *strategy.batch_spec()))
-    gather = (gathered_on_use(param_specs, strategy.fsdp_axes)
-              if is_explicit(mesh) and strategy.fsdp_axes and param_specs is not None else None)
 
     def gradients(state, batch, key):
-        closure = loss_closure(adapter_for(state.model), loss_fn, options.rng_streams, run)
-        loss = closure if gather is None else (lambda params, *rest: closure(gather(params), *rest))
+        loss = jit_loss(adapter_for(state.model), loss_fn, options.rng_streams, run, mesh, strategy, param_specs)
         if not train:
             return loss(state.params, state.model_state, batch, key)[1][0]
         grad_fn = jax.value_and_grad(loss, has_aux=True)

@@ -17,11 +17,9 @@ from parallax._compat import mesh_context
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
-from parallax.sharding.specs import is_spec
+from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
-from parallax.sharding.mesh import is_explicit
-from parallax.step.jit import gathered_on_use
-from parallax.step.loss import loss_closure
+from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.pretrained import place_params
 from parallax.step.state import TrainState, as_key, model_rngs
@@ -86,8 +84,7 @@ class StatePlan:
         for leaf, spec in zip(jax.tree.leaves(plain), jax.tree.leaves(self.specs, is_leaf=is_spec)):
             nbytes = leaf.size * leaf.dtype.itemsize
             total += nbytes
-            named = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
-            split += nbytes if named & axes else 0
+            split += nbytes if dims_axes(spec) & axes else 0
         return split / total if total else 1.0
 
     def abstract_arrays(self) -> Any:
@@ -129,10 +126,7 @@ def plan_state(
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
     check_sharding_mode(sharding_mode)
-    if mesh is None:
-        mesh = strategy.make_mesh()
-    elif not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
+    mesh = strategy.make_mesh() if mesh is None else mesh
     strategy.check_mesh(mesh)
     key = as_key(rng)
     if not isinstance(key, jax.core.Tracer):  # on the host: free of any mesh the caller has set
@@ -209,9 +203,8 @@ def warn_if_unsharded(plan: StatePlan) -> None:
     fsdp = next((part for part in plan.strategy.parts if part.gathers_params), None)
     if fraction >= UNSHARDED_FRACTION or fsdp is None or plan.mesh.shape[fsdp.axis] == 1:
         return
-    sizes = sorted((leaf.size for leaf in jax.tree.leaves(adapter_for(plan.abstract.model).unbox(plan.abstract.params))),
-                   reverse=True)
-    largest = sizes[0] if sizes else 0
+    largest = max((leaf.size for leaf in jax.tree.leaves(adapter_for(plan.abstract.model).unbox(plan.abstract.params))),
+                  default=0)
     minimum = getattr(fsdp, "min_weight_size", 0)
     if largest <= minimum:
         why = (f"every param has at most min_weight_size={minimum:,} elements (the largest has {largest:,}); lower "
@@ -253,10 +246,8 @@ def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_
 
     batch = jax.tree.map(batch_leaf, example_batch)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    loss = loss_closure(adapter, loss_fn, rng_streams, ModelRun(train=True, constraint_axes=tuple(mesh.axis_names)))
-    if is_explicit(mesh) and strategy.fsdp_axes:  # as the train step runs it (parallax.step.jit)
-        gather, closure = gathered_on_use(specs.params, strategy.fsdp_axes), loss
-        loss = lambda params, *rest: closure(gather(params), *rest)  # noqa: E731
+    run = ModelRun(train=True, constraint_axes=tuple(mesh.axis_names))
+    loss = jit_loss(adapter, loss_fn, rng_streams, run, mesh, strategy, specs.params)  # as the train step runs it
     jax.eval_shape(jax.value_and_grad(loss, has_aux=True), params, model_state, batch, key)
 
 

@@ -125,8 +125,6 @@ def check_mesh_option(mesh: Any, devices: Any, strategy: Any) -> None:
         return
     if devices is not None:
         raise ValueError("Pass mesh= or devices=, not both: the mesh already says which devices.")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('fsdp',))), got {mesh!r}.")
     if isinstance(strategy, str):
         raise ValueError("strategy='auto' searches meshes of its own; with mesh= pass the strategy to train.")
     strategy.check_mesh(mesh)

@@ -139,7 +139,7 @@ class Trainer:
                                    rng_streams=self.config.step.rng_streams, params=self.pretrained,
                                    sharding_mode=self.config.sharding_mode)
             changed = self.plan.mesh is not self.mesh or is_explicit(self.plan.mesh)  # axis types follow the model
-            self._use(min(self.strategy, self.strategy.resolved(self.plan.mesh), key=lambda s: s != self.strategy), self.plan.mesh)
+            self._use(self.strategy.resolved(self.plan.mesh), self.plan.mesh)
             warn_if_unsharded(self.plan)
             if changed and self.config.progress and _multihost.is_primary():
                 print(self.plan.sharding_note)
