@@ -131,6 +131,16 @@ def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys):
     assert "Sharding mode: Auto axes, an ordinary model (the mesh's own axes were fsdp=4 Explicit" in capsys.readouterr().out
 
 
+def test_the_cost_model_measures_on_its_own_mesh_inside_yours():
+    """A cold cost cache is measured on the cost model's own mesh even inside the caller's ``set_mesh``
+    (before, JAX refused its shard_map there: seen in a two-process fit)."""
+    from parallax.step.cost import calibrate
+
+    with jax.set_mesh(jax.make_mesh((8,), ("fsdp",))):
+        speeds = calibrate(refresh=True)
+    assert speeds.seconds_per_flop >= 0 and set(speeds.collectives) >= {"all-gather", "reduce-scatter"}
+
+
 @pytest.mark.parametrize("call", ["wsc", "wsc_named", "reshard"])
 @pytest.mark.parametrize("kind", ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+tp"])
 def test_models_that_shard_themselves_train_like_one_device(call, kind):

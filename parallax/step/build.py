@@ -220,12 +220,12 @@ class Step:
         if key not in self._cache:
             with mesh_context(mesh):
                 self.prove(state, batch)
-                if len(self.modes()) > 1:  # compiled once here; the call reuses the picked program
-                    self.choice, functions, _ = self.compile_paths(state, batch)
-                    log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
-                    self._cache[key] = functions[self.choice.picked], mesh
-                else:
-                    self._cache[key] = self._function(self.mode(), mesh, specs), mesh
+            if len(self.modes()) > 1:  # compiled once here (under the mesh); the call reuses the picked program
+                self.choice, functions, _ = self.compile_paths(state, batch)
+                log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
+                self._cache[key] = functions[self.choice.picked], mesh
+            else:
+                self._cache[key] = self._function(self.mode(), mesh, specs), mesh
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
 

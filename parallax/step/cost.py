@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import _cache, _multihost, inspect
-from parallax._compat import shard_map
+from parallax._compat import mesh_context, shard_map
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _VERSION = 3  # of the cached calibration's fields
@@ -184,8 +184,13 @@ def _nonnegative_fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 
 def _measure(devices: Sequence[jax.Device]) -> DeviceSpeeds:
     start = time.perf_counter()
-    n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
+    with mesh_context(mesh):  # its own mesh, whatever mesh the caller has set (a train step's, a user's)
+        return _measure_on(mesh, start)
+
+
+def _measure_on(mesh: Mesh, start: float) -> DeviceSpeeds:
+    devices, n = list(mesh.devices.flat), mesh.size
     rows = NamedSharding(mesh, PartitionSpec("d"))
     whole = NamedSharding(mesh, PartitionSpec())
 
