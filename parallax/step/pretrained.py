@@ -80,10 +80,9 @@ def read_params(path: str | os.PathLike, expected: Any, shardings: Any) -> Any:
     nested = isinstance(tree, dict) and "params" in tree and not _fits(tree, expected)
     saved = tree["params"] if nested else tree
     check_params(saved, expected, where=f"the params in {path}" + (" (under 'params')" if nested else ""))
-    target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                          expected, shardings)
-    saved_dtypes = jax.tree.map(lambda leaf, meta: jax.ShapeDtypeStruct(leaf.shape, meta.dtype, sharding=leaf.sharding),
-                                target, saved)
+    saved_dtypes = jax.tree.map(  # read as saved, on the model's shardings (cast to its dtypes when built)
+        lambda leaf, sharding, meta: jax.ShapeDtypeStruct(leaf.shape, meta.dtype, sharding=sharding),
+        expected, shardings, saved)
     item = {"params": saved_dtypes} if nested else saved_dtypes
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=nested))
