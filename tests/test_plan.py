@@ -121,6 +121,25 @@ def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
         ["8", "DataParallel(data=8)"], ["8", "FSDP(fsdp=8)"], ["16", "DataParallel(data=16)"], ["16", "FSDP(fsdp=16)"]]
     assert re.search(r"TensorParallel\(tensor=3\): does not apply: .*3", proc.stdout)
     assert "compiled for cpu; on gpu they are backend-dependent" in proc.stdout
+    # The default min_weight_size keeps this MLP whole: the FSDP rows equal DP's, and say why.
+    for devices in (8, 16):
+        assert f"  {devices} devices: FSDP(fsdp={devices}) splits only 0.0% of the train state over 'fsdp': every " \
+               "param has at most min_weight_size=262,144 elements (the largest has 4,096); lower it" in proc.stdout
+
+
+def test_the_cli_takes_fsdp_options(capsys):
+    from parallax.plan.__main__ import main
+
+    args = ["tests.test_plan:cli_model", "--batch", "tests.test_plan:cli_batch", "--loss", "tests.models:classifier_loss",
+            "--devices", "8", "--optimizer", "sgd"]
+    assert main([*args, "--strategies", "dp,dp2+fsdp", "--min-weight-size", "64", "--split", "output", "--json"]) == 0
+    dp, hybrid = json.loads(capsys.readouterr().out)["rows"]
+    assert hybrid["note"] is None and hybrid["state"]["params"] < dp["state"]["params"] / 3, (dp, hybrid)
+    assert main([*args, "--strategies", "dp,tp", "--min-weight-size", "64"]) == 2
+    assert "--min-weight-size is an FSDP option, and none of the strategies 'dp,tp' has an FSDP part" in \
+        capsys.readouterr().err
+    assert main([*args, "--strategies", "fsdp", "--min-weight-size", "-1"]) == 2
+    assert "FSDP(min_weight_size=-1): use an integer >= 0" in capsys.readouterr().err
 
 
 def test_the_cli_says_what_is_wrong_with_a_reference():

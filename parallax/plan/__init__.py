@@ -53,8 +53,9 @@ class PlanReport:
             ``compile`` (the path the step takes), ``state`` (per-device bytes: ``params``,
             ``opt_state``, ``gradients``, ``model_state``, ``other``, ``total``),
             ``compiled`` (``arguments``, ``outputs``, ``temporaries``, ``aliased``), ``peak``,
-            ``collectives`` (count and bytes by kind), ``collective_bytes``, ``backend``, or
-            ``error`` for a candidate that does not apply.
+            ``collectives`` (count and bytes by kind), ``collective_bytes``, ``backend``,
+            ``note`` (why an FSDP candidate splits almost nothing, else ``None``), or ``error``
+            for a candidate that does not apply.
         budgets: the memory budgets in bytes.
         labels: the budgets as given (``"16GB"``).
         target: the backend the plan is for.
@@ -103,7 +104,8 @@ class PlanReport:
         widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                  for r in [header, *cells]]
-        return "\n".join(lines + [f"  {s}" for s in skipped] + [f"note: {n}" for n in self.notes])
+        said = [f"{row['devices']} devices: {row['note']}" for row in self.rows if not row.get("error") and row.get("note")]
+        return "\n".join(lines + [f"  {s}" for s in skipped + said] + [f"note: {n}" for n in self.notes])
 
 
 def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,

@@ -12,7 +12,7 @@ import json
 import sys
 
 from parallax.plan import plan
-from parallax.plan.candidates import DEFAULT_STRATEGIES
+from parallax.plan.candidates import DEFAULT_STRATEGIES, parse_strategy, with_options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                         help="comma-separated: dp, fsdp, tp joined by + with optional sizes (default "
                              f"{','.join(DEFAULT_STRATEGIES)})")
+    parser.add_argument("--min-weight-size", type=int, default=None,
+                        help="FSDP option: params with at most this many elements stay replicated (default 2**18)")
+    parser.add_argument("--split", default=None, choices=("largest", "output", "input", "auto"),
+                        help="FSDP option: the dim each param is split on (default largest)")
     parser.add_argument("--devices", default=None, help="comma-separated device counts (default: this machine's)")
     parser.add_argument("--budget", default=None, help="comma-separated memory budgets per device, e.g. 16GB,80GB")
     parser.add_argument("--target", default=None, help="the backend the plan is for: gpu, tpu or cpu")
@@ -33,15 +37,25 @@ def main(argv: list[str] | None = None) -> int:
         devices = None if args.devices is None else [int(n) for n in args.devices.split(",")]
     except ValueError:
         parser.error(f"--devices {args.devices!r}: give comma-separated integers, e.g. 8,64")
+    options = {name: value for name, value in (("min_weight_size", args.min_weight_size), ("split", args.split))
+               if value is not None}
     try:
-        report = plan(args.model, args.optimizer, args.batch, loss_fn=args.loss,
-                      strategies=[s for s in args.strategies.split(",") if s], devices=devices,
+        strategies = [_with_fsdp_options(parse_strategy(s), options) for s in args.strategies.split(",") if s]
+        if options and not any(part.gathers_params for s in strategies for part in s.parts):
+            raise ValueError(f"--{next(iter(options)).replace('_', '-')} is an FSDP option, and none of the strategies "
+                             f"{args.strategies!r} has an FSDP part (add fsdp, e.g. --strategies dp,fsdp).")
+        report = plan(args.model, args.optimizer, args.batch, loss_fn=args.loss, strategies=strategies, devices=devices,
                       memory_budget=None if args.budget is None else args.budget.split(","), target=args.target)
     except ValueError as err:
         print(f"python -m parallax.plan: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_dict(), indent=1) if args.json else report)
     return 0
+
+
+def _with_fsdp_options(strategy, options: dict):
+    """The FSDP options given on the command line, set on the strategy's FSDP part (if it has one)."""
+    return with_options(strategy, **options) if any(part.gathers_params for part in strategy.parts) else strategy
 
 
 if __name__ == "__main__":

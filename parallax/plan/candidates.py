@@ -7,6 +7,7 @@ bytes and collectives are those of the step that would run.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Sequence
 
@@ -18,7 +19,7 @@ from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
 from parallax.sharding.strategy import Strategy, combine
 from parallax.step.build import make_train_step
 from parallax.step.options import StepOptions
-from parallax.step.plan import plan_state
+from parallax.step.plan import plan_state, unsharded_reason
 from parallax.step.search import abstract_batch
 from parallax.step.summary import summarize
 
@@ -44,6 +45,28 @@ def parse_strategy(text: str | Strategy) -> Strategy:
             raise ValueError(f"strategy {text!r}: {token!r} is not dp, fsdp or tp with an optional size "
                              "(e.g. 'fsdp', 'dp2+fsdp', 'fsdp+tp2'); or pass a px strategy object.")
         parts.append(_PARTS[match.group(1)](int(match.group(2)) if match.group(2) else -1))
+    return parts[0] if len(parts) == 1 else combine(*parts)
+
+
+def with_options(strategy: Strategy, **options: Any) -> Strategy:
+    """``strategy`` with ``options`` set on every part that has them (``min_weight_size`` and
+    ``split`` reach the FSDP part of a hybrid); an option no part has is an error.
+
+    Example:
+        >>> with_options(parse_strategy("dp2+fsdp"), min_weight_size=0).parts[1].min_weight_size
+        0
+    """
+    if not options:
+        return strategy
+    parts, used = [], set()
+    for part in strategy.parts:
+        fields = {field.name for field in dataclasses.fields(part)} & set(options)
+        used |= fields
+        parts.append(dataclasses.replace(part, **{name: options[name] for name in fields}))
+    unknown = sorted(set(options) - used)
+    if unknown:
+        raise ValueError(f"{strategy.describe()} has no option {unknown[0]!r} (its parts take "
+                         f"{sorted({f.name for p in strategy.parts for f in dataclasses.fields(p)})}).")
     return parts[0] if len(parts) == 1 else combine(*parts)
 
 
@@ -76,5 +99,6 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         collectives={kind: {"count": stat.count, "bytes": stat.bytes} for kind, stat in traffic.items()},
         collective_bytes=sum(stat.bytes for stat in traffic.values()),
         params=totals["params"]["count"],
+        note=unsharded_reason(plan),
     )
     return row

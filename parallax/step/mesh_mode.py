@@ -25,7 +25,6 @@ import logging
 import re
 from typing import Callable, TypeVar
 
-import jax
 from jax.sharding import Mesh
 
 from parallax._compat import mesh_context

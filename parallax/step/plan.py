@@ -196,13 +196,20 @@ def plan_state(
 UNSHARDED_FRACTION = 0.05  # below this share of the state split, an FSDP strategy warns
 
 
-def warn_if_unsharded(plan: StatePlan) -> None:
-    """Warns once when an FSDP strategy splits less than 5% of the state's bytes, naming why
-    (its ``min_weight_size``, or dims no axis size divides) and the option that changes it."""
+def unsharded_reason(plan: StatePlan) -> str | None:
+    """Why an FSDP strategy splits less than 5% of the state's bytes (its ``min_weight_size``,
+    or dims no axis size divides) and the option that changes it; ``None`` when it splits more.
+
+    Example:
+        >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.FSDP(), loss_fn=loss_fn)
+        >>> from parallax.step.plan import unsharded_reason
+        >>> print(unsharded_reason(plan))  # doctest: +ELLIPSIS
+        FSDP(fsdp=8) splits only 0.0% of the train state over 'fsdp': every param has at most min_weight_size=262,144 ...
+    """
     fraction = plan.sharded_fraction()
     fsdp = next((part for part in plan.strategy.parts if part.gathers_params), None)
     if fraction >= UNSHARDED_FRACTION or fsdp is None or plan.mesh.shape[fsdp.axis] == 1:
-        return
+        return None
     largest = max((leaf.size for leaf in jax.tree.leaves(adapter_for(plan.abstract.model).unbox(plan.abstract.params))),
                   default=0)
     minimum = getattr(fsdp, "min_weight_size", 0)
@@ -212,9 +219,15 @@ def warn_if_unsharded(plan: StatePlan) -> None:
     else:
         why = (f"the params above min_weight_size={minimum:,} elements have no dim that {fsdp.axis}="
                f"{plan.mesh.shape[fsdp.axis]} divides (px.summarize(...) names each)")
-    warnings.warn(f"{plan.strategy.resolved(plan.mesh).describe()} splits only {fraction:.1%} of the train state over "
-                  f"'{fsdp.axis}': {why}. Until then it trains like data parallelism, each device holding the "
-                  "whole state.", UserWarning, stacklevel=3)
+    return (f"{plan.strategy.resolved(plan.mesh).describe()} splits only {fraction:.1%} of the train state over "
+            f"'{fsdp.axis}': {why}. Until then it trains like data parallelism, each device holding the whole state.")
+
+
+def warn_if_unsharded(plan: StatePlan) -> None:
+    """Warns once with :func:`unsharded_reason` when an FSDP strategy splits almost nothing."""
+    reason = unsharded_reason(plan)
+    if reason is not None:
+        warnings.warn(reason, UserWarning, stacklevel=3)
 
 
 def _abstract(make: Callable, key: Any, example_batch: Any) -> TrainState:

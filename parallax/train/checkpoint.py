@@ -10,7 +10,6 @@ wants, so a checkpoint written under FSDP on 8 devices restores under DP or on 4
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -19,11 +18,10 @@ import tempfile
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from parallax import _multihost
-from parallax._tree import path_str
+from parallax.train.state_record import describe_optimizer_change, differences, signature, state_arrays, structure
 
 
 class CheckpointError(RuntimeError):
@@ -52,42 +50,6 @@ def _files(folder: str) -> list[str]:
             if relative != CHECKSUMS:
                 found.append(relative)
     return sorted(found)
-
-
-def state_arrays(state: Any) -> dict:
-    """The savable part of a :class:`parallax.TrainState`: its array fields, by name."""
-    return {field.name: getattr(state, field.name) for field in dataclasses.fields(state)
-            if field.metadata.get("pytree_node", True)}
-
-
-def signature(arrays: Any) -> dict[str, list]:
-    """``{path: [shape, dtype]}`` of every array leaf."""
-    out = {}
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
-        out[path_str(key_path)] = [list(np.shape(leaf)), str(leaf.dtype)]
-    return out
-
-
-def structure(arrays: dict) -> dict[str, str]:
-    """The tree structure of each part of the state (optimizer state types included)."""
-    return {name: str(jax.tree.structure(value)) for name, value in arrays.items()}
-
-
-def _differences(saved: dict, expected: dict, limit: int = 5) -> list[str]:
-    order = {"params": 0, "model_state": 1, "step": 2, "rng": 2, "opt_state": 3}
-    lines = []
-    for path in sorted(set(saved) | set(expected), key=lambda p: (order.get(p.split("/")[0], 4), p)):
-        if path not in expected:
-            lines.append(f"{path} is in the checkpoint but not in this model")
-        elif path not in saved:
-            lines.append(f"{path} is in this model but not in the checkpoint")
-        elif saved[path] != expected[path]:
-            lines.append(f"{path} is {saved[path][1]}{tuple(saved[path][0])} in the checkpoint, "
-                         f"{expected[path][1]}{tuple(expected[path][0])} here")
-        if len(lines) == limit:
-            lines.append("...")
-            break
-    return lines
 
 
 def _write_checksums(folder: str) -> None:
@@ -320,16 +282,16 @@ class Checkpointer:
         changed = [name for name in expected if name in saved_structure and saved_structure[name] != expected[name]]
         if "opt_state" in changed and "params" not in changed:
             raise CheckpointError(
-                f"Checkpoint step {step} in {self.directory} was saved with a different optimizer state "
-                f"structure:\n  then: {saved_structure['opt_state'][:300]}\n  now:  {expected['opt_state'][:300]}\n"
-                "Resume with the optimizer it was written with (e.g. adam vs adamw, another chain). "
-                "Nothing was deleted."
+                f"Checkpoint step {step} in {self.directory} was saved with another optimizer: "
+                f"{describe_optimizer_change(saved_structure['opt_state'], expected['opt_state'])}. Resume with the "
+                "optimizer it was written with (the same optax chain; learning-rate values may differ), or point "
+                "checkpoint_dir elsewhere to start afresh. Nothing was deleted."
             )
-        differences = _differences(metadata.get("signature", {}), signature(target_arrays))
-        if differences:
+        mismatched = differences(metadata.get("signature", {}), signature(target_arrays))
+        if mismatched:
             raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} was saved from a different model or "
-                f"optimizer (strategy then: {metadata.get('strategy', '?')}):\n  " + "\n  ".join(differences)
+                f"optimizer (strategy then: {metadata.get('strategy', '?')}):\n  " + "\n  ".join(mismatched)
                 + "\nNothing was deleted; point checkpoint_dir elsewhere or build the same model."
             )
         try:
