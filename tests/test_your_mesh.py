@@ -177,11 +177,21 @@ def test_a_model_naming_an_axis_the_mesh_lacks_is_told_which_and_how():
         px.Trainer(Net(), optax.sgd(0.1), loss_fn, sharding_mode="explicitly")
 
 
-def test_an_explicit_mesh_state_refuses_the_shard_map_path_by_name():
-    state = px.init_state(Net("reshard", ("fsdp", None)), optax.sgd(0.1), BATCHES[0], strategy=px.FSDP(),
+def test_the_shard_map_path_refuses_models_that_shard_themselves_by_name():
+    strategy, per_example = px.FSDP(min_weight_size=0), px.per_example_loss(loss_fn)
+    state = px.init_state(Net("reshard", ("fsdp", None)), optax.sgd(0.1), BATCHES[0], strategy=strategy,
                           loss_fn=onehot_loss)
     with pytest.raises(ValueError, match="compile='shard_map' needs the shard_map path.*Explicit axes"):
-        px.make_train_step(onehot_loss, px.FSDP(), compile="shard_map")(state, BATCHES[0])
+        px.make_train_step(onehot_loss, strategy, compile="shard_map")(state, BATCHES[0])
+    # with_sharding_constraint over a data axis: forced shard_map says so; auto leaves that path out.
+    state = px.init_state(Net("wsc", ("fsdp", None)), optax.sgd(0.1), BATCHES[0], strategy=strategy, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match=r"constrains its own arrays with a sharding over the data axes "
+                                         r"\(P\('fsdp', None\): jax.lax.with_sharding_constraint\).*compile='jit' or "
+                                         r"'auto'"):
+        px.make_train_step(loss_fn, strategy, compile="shard_map")(state, BATCHES[0])
+    step = px.make_train_step(per_example, strategy)
+    assert np.isfinite(float(step(state, BATCHES[0])[1]["loss"]))
+    assert step.mode() == "jit" and set(step.choice.estimates) == {"jit"}
 
 
 # --- Flax's NNX Gemma example, from the flax source distribution (`make setup` extracts it) -------------------

@@ -10,6 +10,7 @@ would leave it N times too large.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import jax
@@ -91,6 +92,25 @@ def shard_map_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOption
             out_specs=out_specs,
             manual_axes=manual,
         )
-        return mapped(state.params, state.model_state, batch, key)
+        try:
+            return mapped(state.params, state.model_state, batch, key)
+        except ValueError as err:
+            raise _manual_axis_error(err, data_axes) from err
 
     return gradients
+
+
+_MANUAL_CONSTRAINT = re.compile(r"can only refer to Auto axes of the mesh\. Got spec=(?P<spec>P\(.*?\)) and mesh")
+
+
+def _manual_axis_error(err: ValueError, data_axes: tuple[str, ...]) -> ValueError:
+    """JAX's refusal of a model's own ``with_sharding_constraint`` over the axes this path splits
+    by hand, said as what to do; any other error unchanged."""
+    found = _MANUAL_CONSTRAINT.search(str(err))
+    if found is None:
+        return err
+    return ValueError(
+        f"The model constrains its own arrays with a sharding over the data axes ({found['spec']}: "
+        f"jax.lax.with_sharding_constraint), and the shard_map compile path splits {', '.join(map(repr, data_axes))} "
+        "by hand, where JAX allows no such constraint. Use compile='jit' or 'auto' (auto picks jit for this model: "
+        "the same training, exact), or drop the constraint from the model.")
