@@ -11,6 +11,7 @@ wants, so a checkpoint written under FSDP on 8 devices restores under DP or on 4
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import shutil
@@ -22,6 +23,9 @@ import orbax.checkpoint as ocp
 
 from parallax import _multihost
 from parallax.train.state_record import describe_optimizer_change, differences, signature, state_arrays, structure
+
+
+log = logging.getLogger("parallax")
 
 
 class CheckpointError(RuntimeError):
@@ -315,3 +319,24 @@ class Checkpointer:
         if self._manager is not None:
             self.wait()
             self._manager.close()
+
+
+def resume_step_of(checkpointer: Checkpointer | None, resume: bool) -> int | None:
+    """The checkpoint ``fit`` starts from: the newest that verifies with ``resume``, ``None`` for
+    a fresh start; an error for checkpoints without ``resume`` or none that verifies."""
+    # Process 0 reads the directory and verifies; every process acts on what it found.
+    existing = _multihost.agree(checkpointer.latest_step() if checkpointer is not None else None)
+    if existing is None:
+        return None
+    if not resume:
+        raise ValueError(
+            f"checkpoint_dir {checkpointer.directory} already holds checkpoints (newest: step "
+            f"{existing}); pass fit(..., resume=True) to continue, or choose another directory.")
+    step, reasons = _multihost.agree(checkpointer.newest_verified() if _multihost.is_primary() else None)
+    for reason in reasons:
+        log.warning("Checkpoint %s (left in place).", reason)
+    if step is None:
+        raise CheckpointError(
+            f"No checkpoint in {checkpointer.directory} verifies:\n  " + "\n  ".join(reasons)
+            + "\nAll were left in place; start a new run in another checkpoint_dir.")
+    return step

@@ -24,7 +24,8 @@ class TrainerConfig:
     Attributes:
         max_steps: stop after this many updates (counted from the start of the run).
         epochs: stop after this many passes over the data (if ``max_steps`` is unset).
-        batch_size: global batch size when the data is given as arrays.
+        batch_size: global batch size when the data is given as arrays or as a
+            ``grain.MapDataset`` of examples (an iterable's batches must have it, if given).
         eval_batch_size: batch size for array eval data (``batch_size`` by default).
         eval_every: evaluate every this many steps (and at the end).
         checkpoint_dir: where checkpoints go; ``None`` disables them.
@@ -40,6 +41,8 @@ class TrainerConfig:
             ``fit``. A second SIGINT stops at once (``KeyboardInterrupt``).
         progress: show a progress bar.
         log_every: refresh the progress bar every this many steps.
+        prefetch: batches read and placed on the devices ahead of the step, in a background
+            thread (``0``: read in the loop, between steps).
         fetch_every: read metrics back from the device at least every this many steps
             (they are also read whenever a callback or checkpoint needs them). A NaN
             loss is noticed at that read; a checkpoint is only written after its step's
@@ -85,6 +88,7 @@ class TrainerConfig:
     progress: bool = True
     log_every: int = 10
     fetch_every: int = 32
+    prefetch: int = 2
     summary: bool | None = None
     fail_if_replicated_over: int | None = None
     elastic: str = "keep_batch"
@@ -96,6 +100,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}; use a positive integer.")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch!r}; use the number of batches to place ahead (an int >= 0).")
         for name in ("max_steps", "epochs", "eval_every", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

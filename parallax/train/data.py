@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+
+log = logging.getLogger("parallax")
 
 
 def _num_rows(arrays: Any) -> int:
@@ -88,7 +92,22 @@ class ArrayData:
                 raise ValueError(f"A batch of {len(rows)} rows does not split over {processes} processes.")
             share = len(rows) // processes
             rows = rows[index * share:(index + 1) * share]
+        return self.read(rows)
+
+    def read(self, rows: np.ndarray) -> Any:
+        """The examples at ``rows``, as one batch."""
         return jax.tree.map(lambda a: a[rows], self.arrays)
+
+    def peek(self, saved: None = None) -> Any:
+        """A batch of this process's shapes and dtypes (the first), for planning."""
+        return self.take(self._order(0)[:self.batch_size])
+
+    def state(self) -> None:
+        """Nothing beyond the position: the order follows from ``(seed, epoch)``."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def iter_from(self, position: int) -> Iterator[Any]:
         """Batches from global batch number ``position`` on, across epochs, forever."""
@@ -113,38 +132,126 @@ class ArrayData:
 class IterableData:
     """Batches from an iterable (re-iterated each epoch) or a function returning one.
 
-    Resuming skips the batches already consumed, so the iterable must yield the same
-    batches in the same order each time it is iterated (a list, a dataset object, or a
-    function that rebuilds a seeded pipeline). With several processes each process
-    yields its own part of each global batch.
+    An iterator with ``get_state()`` / ``set_state()`` (Grain's, or your own) is resumed from
+    the state saved with the checkpoint: nothing is re-read. Any other iterable is resumed by
+    re-reading and skipping the batches already consumed (with a warning), so it must yield
+    the same batches in the same order each time (a list, a dataset object, or a function that
+    rebuilds a seeded pipeline). A one-shot iterator (a generator) is read once, nothing lost.
+    With several processes each process yields its own part of each global batch.
     """
 
     def __init__(self, data: Iterable | Callable[[], Iterable]):
         self.data = data
         self.steps_per_epoch: int | None = len(data) if hasattr(data, "__len__") else None
         self.dropped_per_epoch = 0
+        self.one_shot = isinstance(data, Iterator)
+        self._live: Iterator | None = None  # the iterator being read, once one is
+        self._peeked: list = []  # batches read from _live by peek(), handed out again first
+        self._state_before_peek: dict | None = None
+        self._started_from: dict | None = None  # the saved state _live started from
+        self._untouched = False  # nothing handed out of _live yet (peek() keeps what it read)
+        self._epoch = 0
 
     def _iterate(self) -> Iterator[Any]:
         return iter(self.data() if callable(self.data) and not hasattr(self.data, "__iter__") else self.data)
 
-    def iter_from(self, position: int) -> Iterator[Any]:
-        skipped = 0
+    def peek(self, saved: dict | None = None) -> Any:
+        """The first batch (``None`` if there is none), from the iterator state ``saved`` if
+        given, without losing it: the next :meth:`iter_from` from there hands it out again."""
+        if self._live is None or saved != self._started_from:
+            self._start(saved)
+        if not self._peeked:
+            self._state_before_peek = self._iterator_state()
+            batch = next(self._live, None)
+            if batch is None:
+                return None
+            self._peeked.append(batch)
+        return self._peeked[0]
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the iterator being read saves its position (``get_state`` / ``set_state``)."""
+        return all(callable(getattr(self._live, name, None)) for name in ("get_state", "set_state"))
+
+    def _iterator_state(self) -> dict | None:
+        return encode_state(self._live.get_state()) if self.stateful else None
+
+    def state(self) -> dict | None:
+        """Where the iterator stands after the batches handed out so far (``None``: it keeps no
+        state, resumed by skipping); saved with each checkpoint."""
+        if not self.stateful:
+            return None
+        iterator = self._state_before_peek if self._peeked else self._iterator_state()
+        return {"epoch": self._epoch, "iterator": iterator}
+
+    def _start(self, saved: dict | None) -> None:
+        """Reads from a fresh iterator (the one-shot iterator itself), at ``saved``'s state if given."""
+        if self._live is not None and not self.one_shot:
+            self.close()
+        if self._live is None or not self.one_shot:
+            self._live, self._peeked, self._epoch = self._iterate(), [], 0
+        self._started_from, self._untouched = saved, True
+        if saved is not None:
+            if not self.stateful:
+                raise ValueError("The checkpoint saved the data iterator's state, but this run's training data "
+                                 f"({type(self.data).__name__}) has no set_state(): resume with the same kind of data.")
+            self._epoch = int(saved["epoch"])
+            self._live.set_state(decode_state(saved["iterator"]))
+
+    def iter_from(self, position: int, saved: dict | None = None) -> Iterator[Any]:
+        """Batches from global batch ``position`` on, across epochs; from the iterator state
+        ``saved`` (:meth:`state`) instead of skipping, where there is one."""
+        if self._live is None or not self._untouched or saved != self._started_from or (position and saved is None):
+            self._start(saved)
+        self._untouched = False
+        skip = 0 if saved is not None else position
+        if skip and not self.one_shot:
+            log.warning("Resuming an iterable that keeps no state: re-reading and skipping the %d batches already "
+                        "trained on. A Grain IterDataset or DataLoader (get_state()/set_state()), or a "
+                        "grain.MapDataset with batch_size=, resumes without re-reading.", skip)
+        mid_epoch = saved is not None  # a resumed epoch may have nothing left: the next one follows
         while True:
-            iterator = self._iterate()
             count = 0
-            for batch in iterator:
+            for batch in self._batches():
                 count += 1
-                if skipped < position:
-                    skipped += 1
+                if skip:
+                    skip -= 1
                     continue
                 yield batch
-            if count == 0 or iterator is self.data:
-                return  # empty, or a one-shot iterator: no further epochs
-            if self.steps_per_epoch is None:
+            if self.one_shot or (count == 0 and not mid_epoch):
+                return  # a one-shot iterator has no further epochs; an empty iterable ends
+            if self.steps_per_epoch is None and not mid_epoch:
                 self.steps_per_epoch = count
+            mid_epoch, epoch = False, self._epoch + 1
+            self.close()
+            self._live, self._epoch = self._iterate(), epoch
+
+    def _batches(self) -> Iterator[Any]:
+        while self._peeked:
+            yield self._peeked.pop(0)
+        yield from self._live
 
     def epoch(self) -> Iterator[Any]:
         return self._iterate()
+
+    def close(self) -> None:
+        """Ends the iterator being read (a Grain loader's worker processes stop)."""
+        live, self._live = self._live, None
+        for part in (live, getattr(live, "_iterator", None)):  # a grain.DataLoaderIterator wraps its pipeline
+            close = getattr(part, "close", None)
+            if callable(close):
+                close()
+
+
+def encode_state(state: Any) -> dict:
+    """An iterator's ``get_state()`` as JSON: Grain's loaders give bytes, its datasets dicts."""
+    if isinstance(state, bytes):
+        return {"bytes": base64.b64encode(state).decode()}
+    return {"json": state}
+
+
+def decode_state(saved: dict) -> Any:
+    return base64.b64decode(saved["bytes"]) if "bytes" in saved else saved["json"]
 
 
 def _not_numeric(leaf: Any) -> str | None:
@@ -172,45 +279,6 @@ def batch_signature(batch: Any, rows: bool = True) -> dict[str, str]:
 
     return {jax.tree_util.keystr(key_path): described(leaf)
             for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]}
-
-
-def _explain(data: Any, what: str) -> None:
-    """Raises a clear error for data that looks like a dataset but is not one parallax reads."""
-    if isinstance(data, (tuple, Mapping)):
-        items = data.items() if isinstance(data, Mapping) else enumerate(data)
-        for key, value in items:
-            if isinstance(value, list):
-                raise ValueError(f"{what}[{key!r}] is a Python list; make it an array (np.asarray).")
-        check_batch_leaves(data, what)
-    if isinstance(data, list) and data and isinstance(data[0], Mapping):
-        leaves = jax.tree.leaves(data[0])
-        if leaves and all(np.ndim(leaf) == 0 for leaf in leaves):
-            keys = ", ".join(map(repr, list(data[0])[:4]))
-            raise ValueError(
-                f"{what} is a list of {len(data)} per-example dicts ({{{keys}}}); pass one dict of arrays "
-                "with a leading example dim instead, e.g. {k: np.stack([ex[k] for ex in examples]) for k in "
-                "examples[0]}, with batch_size=..."
-            )
-
-
-def as_data(data: Any, batch_size: int | None, *, shuffle: bool, seed: int, drop_remainder: bool,
-            what: str = "the training data"):
-    """``ArrayData`` for arrays (``batch_size`` required), ``IterableData`` otherwise."""
-    if isinstance(data, (ArrayData, IterableData)):
-        return data
-    if not is_array_data(data):
-        _explain(data, what)
-    if is_array_data(data):
-        check_batch_leaves(data, what)
-        if batch_size is None:
-            raise ValueError("Array data needs batch_size=...; e.g. fit((x, y), batch_size=128).")
-        return ArrayData(data, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)
-    if isinstance(data, Iterable) or callable(data):
-        return IterableData(data)
-    raise ValueError(
-        f"Cannot read batches from a {type(data).__name__}; pass arrays ((x, y) or a dict) with "
-        "batch_size, or an iterable of batches."
-    )
 
 
 def to_global(batch: Any, sharding: NamedSharding) -> Any:

@@ -22,7 +22,8 @@ import numpy as np
 
 from parallax import _multihost
 from parallax.step import metrics as metric_lib
-from parallax.train.data import ArrayData, as_data, to_global
+from parallax.train.data import ArrayData, to_global
+from parallax.train.sources import as_data
 
 
 def _rows(batch: Any) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import jax
 
 from parallax.train import elastic
+from parallax.train.feed import data_record
 
 log = logging.getLogger("parallax")
 
@@ -109,6 +110,7 @@ class Checkpointing:
                                         trainer.config.step.grad_accum),
             "elastic": trainer.layout_change,
             "config": _jsonable(dataclasses.asdict(trainer.config)),
+            "data": data_record(trainer.feed),  # an iterator's position after this step's batch, per process
         })
         self.last_saved = step
 

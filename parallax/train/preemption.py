@@ -88,6 +88,15 @@ class Preemption:
         return self._agreed if self._shared else self.requested is not None
 
 
+    def report(self, saved_step: int | None, on_preemption: str) -> None:
+        """Logs how a preempted ``fit`` ended; exits the process (status 0) for ``on_preemption="exit"``."""
+        saved = f"saved step {saved_step}" if saved_step is not None else "no checkpoint_dir, nothing saved"
+        log.warning("Preempted (%s): %s, %s.", self.requested, saved,
+                    "exiting" if on_preemption == "exit" else "returning")
+        if on_preemption == "exit":
+            raise SystemExit(0)
+
+
 def _preemption_service() -> Any:
     from jax._src import distributed as jax_distributed
     return getattr(jax_distributed.global_state, "preemption_sync_manager", None)

@@ -31,16 +31,18 @@ from parallax.step.search import Resolved, resolve
 from parallax.step.state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
-from parallax.train.checkpoint import Checkpointer, CheckpointError
+from parallax.train.checkpoint import Checkpointer, resume_step_of
 from parallax.train.checks import (check_data_continues, check_eval_data, check_later_batch, check_loss_fn,
                                    check_mesh_option, check_optimizer, check_plan)
 from parallax.train.config import FitResult, History, TrainerConfig
-from parallax.train.data import as_data, batch_signature, check_batch_leaves, to_global
+from parallax.train.data import batch_signature, check_batch_leaves
 from parallax.train.evaluation import evaluate
+from parallax.train.feed import Feed, saved_state
 from parallax.train.guard import NonFiniteGuard
 from parallax.train.hooks import Checkpointing, Evaluation, Hook
 from parallax.train.preemption import Preemption
 from parallax.train.resume import data_position
+from parallax.train.sources import as_data, check_first_batch, epoch_steps
 
 log = logging.getLogger("parallax")
 
@@ -114,6 +116,8 @@ class Trainer:
         self._preemption = Preemption()
         self._live_step: int | None = None  # the step self.state is after, while fit runs
         self.layout_change: dict | None = None  # what an elastic resume changed (logged, and saved in metadata)
+        self.feed: Feed | None = None  # the batches of the running fit, placed ahead
+        self.saved_data: dict | None = None  # the data iterator's state a resume starts from
 
     def _use(self, strategy: Strategy | str, mesh: Mesh | None) -> None:
         """Trains with ``strategy`` on ``mesh`` (``None`` for ``"auto"`` until a batch is seen): the steps for them."""
@@ -187,16 +191,17 @@ class Trainer:
         """
         cfg = self.config
         source = as_data(train_data, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, drop_remainder=True)
-        if source.dropped_per_epoch:
-            log.warning("Each epoch drops the last %d examples, which do not fill a batch of %d.",
-                        source.dropped_per_epoch, cfg.batch_size)
-        first = next(iter(source.iter_from(0)), None)
+        resume_step = resume_step_of(self.checkpointer, resume)
+        metadata = self.checkpointer.read_metadata(resume_step) if resume_step is not None else {}
+        self.saved_data = saved_state(metadata)  # an iterator's own position: a resume re-reads nothing
+        first = source.peek(self.saved_data)
         if first is None:
             raise ValueError("The training data yields no batches.")
+        check_first_batch(first, source, cfg.batch_size)
         check_batch_leaves(first, "a training batch")
         _multihost.check_same(batch_signature(first), "The first training batch (each process's part)",
                               "give every process a part of each batch with the same shapes and dtypes.")
-        self.max_steps = cfg.max_steps if cfg.max_steps is not None else self._epoch_steps(source)
+        self.max_steps = cfg.max_steps if cfg.max_steps is not None else epoch_steps(source, cfg.epochs)
         summary = (cfg.progress if cfg.summary is None else cfg.summary) and _multihost.is_primary()
         check_plan(self._plan(first), summary, cfg.fail_if_replicated_over)
         if eval_data is not None:
@@ -206,14 +211,20 @@ class Trainer:
         self.batch_size = int(getattr(source, "batch_size", None) or
                               np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         self.steps_per_epoch = source.steps_per_epoch
-        self.start_step = self._start(first, resume)
+        self.start_step = self._start(first, resume_step, metadata)
         self._stop_reason = None
         self.hooks = ([Evaluation(eval_data, cfg.eval_every)] if eval_data is not None else []) + (
             [Checkpointing(self.checkpointer)] if self.checkpointer is not None else [])
         try:
             with self._preemption:
+                check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.mesh,
+                                                              self.config.step.grad_accum)
+                self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
+                                 cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
                 stop_reason = self._loop(source)
         finally:
+            if self.feed is not None:
+                self.feed.close()  # a Grain loader's workers end with fit, however it ends
             for callback in self.callbacks:
                 if hasattr(callback, "on_fit_end"):
                     callback.on_fit_end(self)
@@ -222,45 +233,21 @@ class Trainer:
         self.adapter.write_back(self.state.params, self.state.model_state)
         if stop_reason == "preempted":
             saving = self.hook(Checkpointing)
-            saved = f"saved step {saving.last_saved}" if saving is not None else "no checkpoint_dir, nothing saved"
-            log.warning("Preempted (%s): %s, %s.", self._preemption.requested, saved,
-                        "exiting" if cfg.on_preemption == "exit" else "returning")
-            if cfg.on_preemption == "exit":
-                raise SystemExit(0)
+            self._preemption.report(saving.last_saved if saving is not None else None, cfg.on_preemption)
         return FitResult(self.state, self.history, stop_reason)
 
-    def _epoch_steps(self, source) -> int:
-        if source.steps_per_epoch is None:
-            raise ValueError("The training data has no len(); pass max_steps=... (or data with a length).")
-        return (self.config.epochs or 1) * source.steps_per_epoch
-
-    def _start(self, example_batch: Any, resume: bool) -> int:
-        # Process 0 reads the directory and verifies; every process acts on what it found.
-        existing = _multihost.agree(self.checkpointer.latest_step() if self.checkpointer is not None else None)
+    def _start(self, example_batch: Any, step: int | None, metadata: dict) -> int:
+        """The state to train from: checkpoint ``step`` (its ``metadata`` read), or a fresh one."""
         self.data_offset = 0
-        if resume and existing is not None:
-            step, reasons = _multihost.agree(self.checkpointer.newest_verified() if _multihost.is_primary() else None)
-            for reason in reasons:
-                log.warning("Checkpoint %s (left in place).", reason)
-            if step is None:
-                raise CheckpointError(
-                    f"No checkpoint in {self.checkpointer.directory} verifies:\n  " + "\n  ".join(reasons)
-                    + "\nAll were left in place; start a new run in another checkpoint_dir."
-                )
-            self._fit_layout(self.checkpointer.read_metadata(step))
-            metadata = self._load(example_batch, step, verify=False)  # newest_verified just checked it
-            log.info("Resumed from step %d in %s.", step, self.checkpointer.directory)
-            shards = self.strategy.data_shards(self.mesh)
-            self.data_offset = data_position(metadata, self.batch_size, self.steps_per_epoch, shards) - step
-            return step
-        if existing is not None:
-            raise ValueError(
-                f"checkpoint_dir {self.checkpointer.directory} already holds checkpoints (newest: step "
-                f"{existing}); pass fit(..., resume=True) to continue, or choose another directory."
-            )
-        self._fit_layout({})
-        self.init(example_batch)
-        return 0
+        self._fit_layout(metadata)
+        if step is None:
+            self.init(example_batch)
+            return 0
+        metadata = self._load(example_batch, step, verify=False)  # newest_verified just checked it
+        log.info("Resumed from step %d in %s.", step, self.checkpointer.directory)
+        shards = self.strategy.data_shards(self.mesh)
+        self.data_offset = data_position(metadata, self.batch_size, self.steps_per_epoch, shards) - step
+        return step
 
     def _fit_layout(self, metadata: dict) -> None:
         """Keeps a checkpoint's global batch on another number of devices (``elastic``); checks the batch splits."""
@@ -279,16 +266,14 @@ class Trainer:
                 callback.on_fit_start(self)
         step, reason = self.start_step, "max_steps"
         pending: list[tuple] = []  # (step, epoch, device metrics) not yet read from the device
-        batches = source.iter_from(self.start_step + self.data_offset)
         while step < self.max_steps:
-            batch = next(batches, None)
+            batch, placed = next(self.feed, (None, None))
             if batch is None:
                 check_data_continues(step, self.max_steps)
                 reason = "data exhausted"
                 break
             epoch = (step + self.data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
-            check_later_batch(batch, step + 1, self.batch_size, self.strategy, self.mesh, self.config.step.grad_accum)
-            self.state, metrics = self.train_step(self.state, to_global(batch, self.batch_sharding))
+            self.state, metrics = self.train_step(self.state, placed)
             step = self._live_step = step + 1
             if pending:
                 # Step t is queued; wait for step t-1 so that at most two steps are in
