@@ -121,21 +121,24 @@ def test_prefetch_depths_train_the_same(trainer):
         px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, prefetch=-1)
 
 
-def test_a_map_dataset_resumes_at_its_position_reading_nothing_again(tmp_path, caplog):
-    full = tmp_path / "full"
-    full.mkdir()
-    straight = grain_run.run(grain_run.parse([str(full), "--form", "map", "--steps", "8"]))
+@pytest.fixture(scope="module")
+def map_straight(tmp_path_factory):
+    """The uninterrupted 10-step run on a grain.MapDataset, in this process on 8 devices."""
+    out = tmp_path_factory.mktemp("map-straight")
+    return grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "10"]))
+
+
+def test_a_map_dataset_resumes_at_its_position_reading_nothing_again(tmp_path, caplog, map_straight):
     out = tmp_path / "resumed"
     out.mkdir()
     grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "5"]))
     for name in glob.glob(str(out / "reads-*.txt")):
         os.rename(name, name + ".before")
-    resumed = grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "8", "--resume"]))
-    assert max_diff(jax.device_get(resumed.state.params), jax.device_get(straight.state.params)) == 0.0
-    reads = _reads(out)
-    trained = [i for batch in grain_run.order("map")[5:8] for i in batch]
+    resumed = grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "10", "--resume"]))
+    assert max_diff(jax.device_get(resumed.state.params), jax.device_get(map_straight.state.params)) == 0.0
+    trained = [i for batch in grain_run.order("map")[5:10] for i in batch]
     probe = [0]  # MapData reads example 0 once, for the batch's shapes
-    assert sorted(reads) == sorted(trained + probe), "a resumed MapDataset reads only the batches it trains on"
+    assert sorted(_reads(out)) == sorted(trained + probe), "a resumed MapDataset reads only the batches it trains on"
     # A plain iterable keeps skipping ahead, and says so.
     ckpt = str(tmp_path / "plain")
     px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, max_steps=3, progress=False, checkpoint_dir=ckpt).fit(BATCHES)
@@ -261,3 +264,37 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
     lists = [EXAMPLES[i:i + 16] for i in range(0, 80, 16)]
     with pytest.raises(ValueError, match=r"is a Python list of 16 dicts, where parallax reads a batch.*np.stack"):
         no_size.fit(lists)
+
+
+def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one(tmp_path, map_straight):
+    out = tmp_path / "two"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "4",
+                           "--timeout", "240", SCRIPT, str(out), "--form", "map", "--steps", "6"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    straight = {row["step"]: row["loss"] for row in map_straight.history.train}
+    for index in (0, 1):
+        losses = json.load(open(out / f"result{index}.json"))["losses"]
+        assert max(abs(loss - straight[int(step)]) for step, loss in losses.items()) <= TOL
+    shares = [[int(line) for line in open(name)] for name in sorted(glob.glob(str(out / "reads-*.txt")))]
+    assert len(shares) == 2
+    shares = [sorted(share)[1:] if 0 in share else share for share in shares]  # each read example 0 for shapes
+    trained = sorted(i for batch in grain_run.order("map")[:6] for i in batch)
+    assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == trained
+    # Their checkpoint (step 6), resumed here in one process: the same data order on.
+    resumed = grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "10", "--resume"]))
+    assert [row["step"] for row in resumed.history.train] == [7, 8, 9, 10]
+    assert max(abs(row["loss"] - straight[row["step"]]) for row in resumed.history.train) <= TOL
+    assert max_diff(jax.device_get(resumed.state.params), jax.device_get(map_straight.state.params)) <= TOL
+
+
+def test_an_iterator_state_saved_by_other_processes_is_refused_by_name():
+    from parallax.train.feed import saved_state
+
+    record = {"data": {"processes": 2, "states": [{"epoch": 0, "iterator": {"json": {}}}] * 2}}
+    with pytest.raises(ValueError, match=r"position in each of 2 processes; this run has 1.*resume on 2 processes, "
+                                         r"or train from a grain.MapDataset with batch_size="):
+        saved_state(record)
+    assert saved_state({}) is None

@@ -9,7 +9,7 @@ processes included). ``--form iter``: Grain shuffles and batches (``MapDataset.s
 iterator's state saved in each checkpoint; ``--form map``: the ``MapDataset`` of examples with
 ``batch_size=16``, shuffled and split by parallax. A checkpoint every step in OUT_DIR/ckpt.
 ``--sigkill-at STEP`` SIGKILLs this process as step STEP's metrics are read. Each process
-writes OUT_DIR/result<index>.json (losses by step) and process 0 OUT_DIR/params.npz.
+writes OUT_DIR/result<index>.json (losses by step); a single process also OUT_DIR/params.npz.
 
 The test imports :func:`run` to train the same run in its own process.
 """
@@ -93,7 +93,7 @@ def run(args) -> px.train.config.FitResult:
     losses = {row["step"]: row["loss"] for row in result.history.train}
     with open(os.path.join(args.out, f"result{jax.process_index()}.json"), "w") as stream:
         json.dump({"losses": losses, "stop_reason": result.stop_reason}, stream)
-    if jax.process_index() == 0:
+    if jax.process_count() == 1:  # (the params of several processes are not all addressable here)
         params = jax.tree_util.tree_flatten_with_path(jax.device_get(result.state.params))[0]
         np.savez(os.path.join(args.out, "params.npz"), **{jax.tree_util.keystr(p): v for p, v in params})
     return result
