@@ -26,6 +26,8 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from tests.models import MLP, batches, classifier_loss
@@ -264,6 +266,14 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
     lists = [EXAMPLES[i:i + 16] for i in range(0, 80, 16)]
     with pytest.raises(ValueError, match=r"is a Python list of 16 dicts, where parallax reads a batch.*np.stack"):
         no_size.fit(lists)
+    # A batch placed on another mesh, given to a step after its first call (JAX's jit refused it).
+    state = px.init_state(MLP(), optax.sgd(0.1), BATCHES[0], strategy=STRATEGY, loss_fn=classifier_loss)
+    step = px.make_train_step(classifier_loss, STRATEGY)
+    state, _ = step(state, BATCHES[0])
+    elsewhere = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[4:])
+    with pytest.raises(ValueError, match=r"batch\['x'\] is placed on a mesh with axes \{'fsdp': 4\}, other devices "
+                                         r"than the state's mesh \{'fsdp': 8\}. Pass host \(numpy\) arrays"):
+        step(state, jax.device_put(BATCHES[1], NamedSharding(elsewhere, P("fsdp"))))
 
 
 def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one(tmp_path, map_straight):

@@ -47,11 +47,14 @@ def check_batch(batch: Any, strategy: Strategy, mesh: Mesh, grad_accum: int = 1)
 
 
 def check_batch_devices(batch: Any, mesh: Mesh) -> None:
-    """Raises ``ValueError`` for a batch array that lives on devices outside the state's mesh."""
+    """Raises ``ValueError`` for a batch array placed on other devices than the state's mesh (a
+    committed array on a subset of them too: ``jit`` would refuse it)."""
     mesh_devices = set(mesh.devices.flat)
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(leaf, jax.Array) and sharding is not None and not set(sharding.device_set) <= mesh_devices:
+        devices = set(getattr(sharding, "device_set", ()))
+        if isinstance(leaf, jax.Array) and sharding is not None and (
+                not devices <= mesh_devices or (leaf.committed and devices != mesh_devices)):
             where = (f"a mesh with axes {dict(sharding.mesh.shape)}" if isinstance(sharding, NamedSharding)
                      else f"{len(sharding.device_set)} device(s)")
             raise ValueError(

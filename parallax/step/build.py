@@ -201,8 +201,8 @@ class Step:
         # Fast path for the loop: the same state layout and batch shapes as a previous call.
         leaves, treedef = jax.tree.flatten(state)
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
-        fast_key = (treedef, tuple(getattr(x, "sharding", None) for x in leaves),
-                    batch_treedef, tuple(getattr(x, "shape", None) for x in batch_leaves))
+        fast_key = (treedef, tuple(getattr(x, "sharding", None) for x in leaves), batch_treedef,
+                    tuple((getattr(x, "shape", None), getattr(x, "sharding", None)) for x in batch_leaves))
         found = self._fast.get(fast_key)
         if found is not None:
             return found
