@@ -7,6 +7,7 @@ from ml_collections.config_dict import placeholder
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.dataset = "digits"  # or "fashion_mnist" (Debian package dataset-fashion-mnist)
+    config.pipeline = "arrays"  # or "grain": a grain.MapDataset of examples, batched and shuffled by parallax
     config.strategy = "fsdp"
     config.learning_rate = 3e-3
     config.weight_decay = 1e-4
