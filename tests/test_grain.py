@@ -147,7 +147,7 @@ def test_a_map_dataset_resumes_at_its_position_reading_nothing_again(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="parallax"):
         result = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, max_steps=STEPS, progress=False,
                             checkpoint_dir=ckpt).fit(BATCHES, resume=True)
-    assert "re-reading and skipping the 3 batches already trained on" in caplog.text
+    assert "Resuming an iterable (it keeps no state): re-reading and skipping the 3 batches" in caplog.text
     assert [row["step"] for row in result.history.train] == [4, 5]
 
 
@@ -227,7 +227,7 @@ def _running_in_group(group: int) -> list[int]:
     return running
 
 
-def test_grain_workers_end_with_fit_when_it_ends_or_raises():
+def test_grain_workers_end_with_fit_when_it_ends_raises_or_is_preempted():
     def pipeline():
         return (grain.MapDataset.source(EXAMPLES).batch(16).to_iter_dataset()
                 .mp_prefetch(grain.MultiprocessingOptions(num_workers=1)))
@@ -244,6 +244,16 @@ def test_grain_workers_end_with_fit_when_it_ends_or_raises():
                          callbacks=[Boom()])
     with pytest.raises(RuntimeError, match="boom"):
         failing.fit(pipeline())
+    assert multiprocessing.active_children() == []
+
+    class Preempt:  # SIGTERM's handler, as the signal would call it at step 2
+        def on_step(self, info):
+            if info.step == 2:
+                info.trainer._preemption._handler(signal.SIGTERM, None)
+
+    preempted = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy=STRATEGY, max_steps=3, progress=False,
+                           callbacks=[Preempt()], on_preemption="return", fetch_every=1)
+    assert preempted.fit(pipeline()).stop_reason == "preempted"
     assert multiprocessing.active_children() == []
 
 

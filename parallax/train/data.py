@@ -145,6 +145,7 @@ class IterableData:
         self.steps_per_epoch: int | None = len(data) if hasattr(data, "__len__") else None
         self.dropped_per_epoch = 0
         self.one_shot = isinstance(data, Iterator)
+        self.kind = "an iterable"  # what the data is, in errors ("a grain.IterDataset")
         self._live: Iterator | None = None  # the iterator being read, once one is
         self._peeked: list = []  # batches read from _live by peek(), handed out again first
         self._state_before_peek: dict | None = None
@@ -206,9 +207,11 @@ class IterableData:
         self._untouched = False
         skip = 0 if saved is not None else position
         if skip and not self.one_shot:
-            log.warning("Resuming an iterable that keeps no state: re-reading and skipping the %d batches already "
-                        "trained on. A Grain IterDataset or DataLoader (get_state()/set_state()), or a "
-                        "grain.MapDataset with batch_size=, resumes without re-reading.", skip)
+            why = ("the checkpoint holds no position of its iterator" if self.stateful else
+                   "it keeps no state")
+            log.warning("Resuming %s (%s): re-reading and skipping the %d batches already trained on. A Grain "
+                        "IterDataset or DataLoader (get_state()/set_state()), or a grain.MapDataset with batch_size=, "
+                        "resumes without re-reading.", self.kind, why, skip)
         mid_epoch = saved is not None  # a resumed epoch may have nothing left: the next one follows
         while True:
             count = 0
