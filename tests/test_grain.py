@@ -286,7 +286,7 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
         step(state, jax.device_put(BATCHES[1], NamedSharding(elsewhere, P("fsdp"))))
 
 
-def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one(tmp_path, map_straight):
+def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_on_fewer_devices(tmp_path, map_straight):
     out = tmp_path / "two"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -303,11 +303,23 @@ def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one(
     shares = [sorted(share)[1:] if 0 in share else share for share in shares]  # each read example 0 for shapes
     trained = sorted(i for batch in grain_run.order("map")[:6] for i in batch)
     assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == trained
-    # Their checkpoint (step 6), resumed here in one process: the same data order on.
-    resumed = grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "10", "--resume"]))
+    # Their checkpoint (step 6), resumed here in one process on 4 devices: the same global batches, in order.
+    resumed = grain_run.run(grain_run.parse([str(out), "--form", "map", "--steps", "10", "--resume", "--devices", "4"]))
     assert [row["step"] for row in resumed.history.train] == [7, 8, 9, 10]
     assert max(abs(row["loss"] - straight[row["step"]]) for row in resumed.history.train) <= TOL
     assert max_diff(jax.device_get(resumed.state.params), jax.device_get(map_straight.state.params)) <= TOL
+
+
+def test_evaluate_reads_grain_datasets_like_arrays(trainer):
+    arrays = {k: np.concatenate([b[k] for b in BATCHES])[:72] for k in BATCHES[0]}  # a last partial batch of 8
+    if trainer.state is None:
+        trainer.fit(list(BATCHES))
+    trainer.config = dataclasses.replace(trainer.config, eval_batch_size=32)
+    expected = trainer.evaluate(arrays)
+    assert trainer.evaluate(grain.MapDataset.source(EXAMPLES[:72])) == expected
+    batched = grain.MapDataset.source(EXAMPLES[:72]).batch(32).to_iter_dataset()
+    got = trainer.evaluate(batched)
+    assert got.keys() == expected.keys() and all(abs(got[k] - expected[k]) <= 1e-6 for k in got)
 
 
 def test_an_iterator_state_saved_by_other_processes_is_refused_by_name():

@@ -1,6 +1,7 @@
 """One training run on a Grain pipeline, for ``tests/test_grain.py`` (alone, or under ``python -m parallax.launch``).
 
 usage: grain_run.py OUT_DIR [--form iter|map] [--steps N] [--workers N] [--resume] [--sigkill-at STEP]
+           [--devices N]
 
 An MLP (tests.models.MLP, Adam, FSDP, ``compile="jit"``) on 256 random examples read from a
 random-access source that appends each index it reads to OUT_DIR/reads-<pid>.txt (worker
@@ -81,15 +82,17 @@ class KillAt:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def trainer(out: str, steps: int, callbacks=()) -> px.Trainer:
+def trainer(out: str, steps: int, callbacks=(), devices=None) -> px.Trainer:
     return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0), max_steps=steps,
                       batch_size=BATCH, seed=0, compile="jit", checkpoint_dir=os.path.join(out, "ckpt"),
-                      checkpoint_every=1, async_checkpoints=False, progress=False, callbacks=callbacks)
+                      checkpoint_every=1, async_checkpoints=False, progress=False, callbacks=callbacks,
+                      devices=None if devices is None else jax.devices()[:devices])
 
 
 def run(args) -> px.train.config.FitResult:
     callbacks = [KillAt(args.sigkill_at)] if args.sigkill_at is not None else []
-    result = trainer(args.out, args.steps, callbacks).fit(data(args.form, args.out, args.workers), resume=args.resume)
+    result = trainer(args.out, args.steps, callbacks, args.devices).fit(data(args.form, args.out, args.workers),
+                                                                        resume=args.resume)
     losses = {row["step"]: row["loss"] for row in result.history.train}
     with open(os.path.join(args.out, f"result{jax.process_index()}.json"), "w") as stream:
         json.dump({"losses": losses, "stop_reason": result.stop_reason}, stream)
@@ -107,6 +110,7 @@ def parse(argv):
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--sigkill-at", type=int, default=None)
+    parser.add_argument("--devices", type=int, default=None, help="train on this process's first N devices")
     return parser.parse_args(argv)
 
 
