@@ -235,6 +235,9 @@ def test_grain_workers_end_with_fit_when_it_ends_raises_or_is_preempted():
     trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy=STRATEGY, max_steps=3, progress=False)
     trainer.fit(pipeline())
     assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="yields batches of 16 examples"):  # refused before step one
+        px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, max_steps=3, batch_size=32, progress=False).fit(pipeline())
+    assert multiprocessing.active_children() == []
 
     class Boom:
         def on_step(self, info):

@@ -80,6 +80,7 @@ class MapData(ArrayData):
         leaves = jax.tree.leaves(self.example)
         if not leaves:
             raise ValueError(f"The grain.MapDataset's first element holds no arrays: {self.example!r}.")
+        # ArrayData's order, epochs and per-process slices over `rows` examples; `read` fetches them.
         super().__init__(np.zeros((rows, 0), np.int8), batch_size, shuffle=shuffle, seed=seed,
                          drop_remainder=drop_remainder)
         self.arrays = None  # read from the dataset, never held whole

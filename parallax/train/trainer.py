@@ -180,8 +180,10 @@ class Trainer:
         """Trains until ``max_steps`` / ``epochs``, evaluating and checkpointing on the way.
 
         Args:
-            train_data: arrays (``(x, y)`` or a dict; needs ``batch_size``) or an iterable of
-                batches (re-iterated each epoch; a function returning one also works).
+            train_data: arrays (``(x, y)`` or a dict) or a ``grain.MapDataset`` of examples, both
+                with ``batch_size``; or an iterable of batches (a Grain ``IterDataset`` or
+                ``DataLoader``, a list, a generator; re-iterated each epoch; a function returning
+                one also works). See :mod:`parallax.train.sources`.
             eval_data: the same kinds; evaluated every ``eval_every`` steps and at the end.
             resume: continue from the newest checkpoint in ``checkpoint_dir`` (same data
                 order and rngs: the same training, on another number of devices too: ``elastic``).
@@ -191,6 +193,36 @@ class Trainer:
         """
         cfg = self.config
         source = as_data(train_data, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, drop_remainder=True)
+        self.feed = None
+        try:
+            self._prepare(source, eval_data, resume)
+        except BaseException:
+            source.close()  # a Grain loader it already started (its workers) ends with the error
+            raise
+        try:
+            with self._preemption:
+                check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.mesh,
+                                                              self.config.step.grad_accum)
+                self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
+                                 cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
+                stop_reason = self._loop(source)
+        finally:
+            if self.feed is not None:
+                self.feed.close()  # a Grain loader's workers end with fit, however it ends
+            for callback in self.callbacks:
+                if hasattr(callback, "on_fit_end"):
+                    callback.on_fit_end(self)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        self.adapter.write_back(self.state.params, self.state.model_state)
+        if stop_reason == "preempted":
+            saving = self.hook(Checkpointing)
+            self._preemption.report(saving.last_saved if saving is not None else None, cfg.on_preemption)
+        return FitResult(self.state, self.history, stop_reason)
+
+    def _prepare(self, source: Any, eval_data: Any, resume: bool) -> None:
+        """Everything before step one: the first batch, the checks, the plan, the state (fresh or resumed)."""
+        cfg = self.config
         resume_step = resume_step_of(self.checkpointer, resume)
         metadata = self.checkpointer.read_metadata(resume_step) if resume_step is not None else {}
         self.saved_data = saved_state(metadata)  # an iterator's own position: a resume re-reads nothing
@@ -215,26 +247,6 @@ class Trainer:
         self._stop_reason = None
         self.hooks = ([Evaluation(eval_data, cfg.eval_every)] if eval_data is not None else []) + (
             [Checkpointing(self.checkpointer)] if self.checkpointer is not None else [])
-        try:
-            with self._preemption:
-                check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.mesh,
-                                                              self.config.step.grad_accum)
-                self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
-                                 cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
-                stop_reason = self._loop(source)
-        finally:
-            if self.feed is not None:
-                self.feed.close()  # a Grain loader's workers end with fit, however it ends
-            for callback in self.callbacks:
-                if hasattr(callback, "on_fit_end"):
-                    callback.on_fit_end(self)
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-        self.adapter.write_back(self.state.params, self.state.model_state)
-        if stop_reason == "preempted":
-            saving = self.hook(Checkpointing)
-            self._preemption.report(saving.last_saved if saving is not None else None, cfg.on_preemption)
-        return FitResult(self.state, self.history, stop_reason)
 
     def _start(self, example_batch: Any, step: int | None, metadata: dict) -> int:
         """The state to train from: checkpoint ``step`` (its ``metadata`` read), or a fresh one."""
