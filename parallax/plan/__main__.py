@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     options = {name: value for name, value in (("min_weight_size", args.min_weight_size), ("split", args.split))
                if value is not None}
     try:
-        strategies = [_with_fsdp_options(parse_strategy(s), options) for s in args.strategies.split(",") if s]
-        if options and not any(part.gathers_params for s in strategies for part in s.parts):
+        strategies = [parse_strategy(s) for s in args.strategies.split(",") if s]
+        with_fsdp = [any(part.gathers_params for part in s.parts) for s in strategies]
+        strategies = [with_options(s, **options) if fsdp else s for s, fsdp in zip(strategies, with_fsdp)]
+        if options and not any(with_fsdp):
             raise ValueError(f"--{next(iter(options)).replace('_', '-')} is an FSDP option, and none of the strategies "
                              f"{args.strategies!r} has an FSDP part (add fsdp, e.g. --strategies dp,fsdp).")
         report = plan(args.model, args.optimizer, args.batch, loss_fn=args.loss, strategies=strategies, devices=devices,
@@ -51,11 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(report.as_dict(), indent=1) if args.json else report)
     return 0
-
-
-def _with_fsdp_options(strategy, options: dict):
-    """The FSDP options given on the command line, set on the strategy's FSDP part (if it has one)."""
-    return with_options(strategy, **options) if any(part.gathers_params for part in strategy.parts) else strategy
 
 
 if __name__ == "__main__":

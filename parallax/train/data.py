@@ -109,8 +109,9 @@ class ArrayData:
     def close(self) -> None:
         """Nothing to release."""
 
-    def iter_from(self, position: int) -> Iterator[Any]:
-        """Batches from global batch number ``position`` on, across epochs, forever."""
+    def iter_from(self, position: int, saved: None = None) -> Iterator[Any]:
+        """Batches from global batch number ``position`` on, across epochs, forever (no state
+        beyond the position: ``saved`` is always ``None``)."""
         epoch, offset = divmod(position, self.steps_per_epoch)
         while True:
             order = self._order(epoch)

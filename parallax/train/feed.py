@@ -46,7 +46,7 @@ class Feed:
         self.source, self.sharding, self.depth = source, sharding, depth
         self._check, self._step = check, first_step
         self.state: dict | None = source.state() if saved is None else saved
-        self._batches: Iterator = source.iter_from(position, saved) if saved is not None else source.iter_from(position)
+        self._batches: Iterator = source.iter_from(position, saved)
         self._left = count
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
