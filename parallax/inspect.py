@@ -89,14 +89,60 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:
-    """Per-device bytes of a compiled computation: arguments, outputs, temporaries."""
+    """Per-device bytes of a compiled computation in device memory: ``arguments``, ``outputs``,
+    ``temporaries``, ``aliased`` (donated); and ``host``: the largest of its arguments and outputs
+    in host memory (state offloaded to ``pinned_host``).
+
+    A GPU or TPU backend reports host bytes apart; the CPU backend has one memory and reports
+    them with the rest, so there the host-resident arguments and outputs (memory space
+    ``S(5)`` in the compiled program's entry layout) are subtracted here.
+    """
     analysis = compiled.memory_analysis()
-    return {
+    memory = {
         "arguments": int(analysis.argument_size_in_bytes),
         "outputs": int(analysis.output_size_in_bytes),
         "temporaries": int(analysis.temp_size_in_bytes),
         "aliased": int(analysis.alias_size_in_bytes),
     }
+    reported = (int(getattr(analysis, "host_argument_size_in_bytes", 0) or 0),
+                int(getattr(analysis, "host_output_size_in_bytes", 0) or 0))
+    if any(reported):
+        return {**memory, "host": max(reported)}
+    args, outs, aliases = _entry_layout(compiled.as_text().split("\n", 1)[0])
+    host_aliased = sum(outs[out] for out, param in aliases if out < len(outs) and param < len(args) and args[param])
+    return {"arguments": memory["arguments"] - sum(args), "outputs": memory["outputs"] - sum(outs),
+            "temporaries": memory["temporaries"], "aliased": memory["aliased"] - host_aliased,
+            "host": max(sum(args), sum(outs))}
+
+
+_LAYOUT_SHAPE = re.compile(r"\b(?P<dtype>" + "|".join(_DTYPE_BYTES) + r")\[(?P<dims>[\d,]*)\](?:\{(?P<layout>[^}]*)\})?")
+
+
+def _entry_layout(header: str) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """From an HLO module's header line: per argument and per output, its bytes if it lives in
+    host memory (``S(5)``) else 0; and the (output, parameter) pairs that alias."""
+    start = header.find("entry_computation_layout={")
+    if start < 0:
+        return [], [], []
+    depth, index = 0, start + len("entry_computation_layout=")
+    for index in range(index, len(header)):
+        depth += {"{": 1, "}": -1}.get(header[index], 0)
+        if depth == 0:
+            break
+    layout = header[start + len("entry_computation_layout={"):index]
+    args_text, _, outs_text = layout.partition(")->")
+
+    def host_sizes(text: str) -> list[int]:
+        sizes = []
+        for match in _LAYOUT_SHAPE.finditer(text):
+            if "S(5)" in (match.group("layout") or ""):
+                sizes.extend(_shape_sizes(match.group(0)))
+            else:
+                sizes.append(0)
+        return sizes
+
+    aliases = [(int(out or 0), int(param)) for out, param in re.findall(r"\{(\d*)\}: \((\d+), \{\}", header)]
+    return host_sizes(args_text), host_sizes(outs_text), aliases
 
 
 def peak_bytes(memory: dict[str, int]) -> int:

@@ -35,7 +35,8 @@ class ModelRun:
             evaluation nothing is mutable, as a model called with ``train=False`` expects.
         batch_stats_axes: BatchNorm reduces its statistics over these mesh axes (inside
             ``shard_map``); ``None`` leaves each call with its own batch's statistics.
-        remat: module classes (or class names) whose activations are recomputed.
+        remat: module classes (or class names) whose activations are recomputed, and at most
+            one JAX checkpoint policy applied to them.
         constraint_axes: the mesh axes the model's own sharding constraints may name.
         compute_dtype: the forward/backward dtype (mixed precision); ``None`` leaves the
             model's own dtypes. Floating outputs are cast back to float32 for the loss.

@@ -34,6 +34,7 @@ from parallax._tree import unbox
 
 from parallax.models.adapter import LossFn, ModelRun, ParamGather
 from parallax.models.precision import Float32Outputs, cast_floating
+from parallax.models.remat_policy import remat_parts
 from parallax.sharding.gather import all_gather_mean_grad, gather_dim
 
 __all__ = ["NNXModel", "is_nnx_model"]
@@ -279,22 +280,25 @@ def _gathered_on_read(cls: type, dim: int, axis: str, dtype: Any) -> type:
                                        "__qualname__": cls.__qualname__})
 
 
-def _rematerialise(module: nnx.Module, targets: Sequence[type | str]) -> None:
-    """Calls of the submodules whose class is (or is named) one of ``targets`` run under
-    ``nnx.remat``: their activations are recomputed in the backward pass. Only this step's merged
-    copy of the module changes class; the user's module and its graph definition do not."""
+def _rematerialise(module: nnx.Module, remat: Sequence) -> None:
+    """Calls of the submodules whose class is (or is named) one of ``remat``'s targets run under
+    ``nnx.remat`` (with its checkpoint policy): their activations are recomputed in the backward
+    pass. Only this step's merged copy of the module changes class; the user's module and its
+    graph definition do not."""
+    targets, policy = remat_parts(remat)
     if not targets:
         return
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Module) and any(
                 (isinstance(t, str) and type(node).__name__ == t) or (isinstance(t, type) and isinstance(node, t))
                 for t in targets):
-            object.__setattr__(node, "__class__", _rematerialised(type(node)))
+            object.__setattr__(node, "__class__", _rematerialised(type(node), policy))
 
 
 @functools.cache
-def _rematerialised(cls: type) -> type:
-    """``cls`` with its ``__call__`` under ``nnx.remat`` (array arguments traced, the rest static)."""
+def _rematerialised(cls: type, policy: Any = None) -> type:
+    """``cls`` with its ``__call__`` under ``nnx.remat`` with ``policy`` (array arguments traced,
+    the rest static)."""
 
     def __call__(self, *args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -307,7 +311,7 @@ def _rematerialised(cls: type) -> type:
             call_args, call_kwargs = jax.tree.unflatten(treedef, merged)
             return cls.__call__(module, *call_args, **call_kwargs)
 
-        return nnx.remat(body)(self, *[leaves[i] for i in dynamic])
+        return nnx.remat(body, policy=policy)(self, *[leaves[i] for i in dynamic])
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})

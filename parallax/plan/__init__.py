@@ -36,6 +36,7 @@ import jax
 from parallax._units import format_bytes, parse_bytes
 from parallax.plan import isolated
 from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate, parse_strategy
+from parallax.plan.fixes import find_fix, repeated_blocks
 from parallax.plan.refs import resolve
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions
@@ -51,20 +52,24 @@ class PlanReport:
     Attributes:
         rows: one dict per candidate and device count: ``strategy``, ``devices``, ``mesh``,
             ``compile`` (the path the step takes), ``state`` (per-device bytes: ``params``,
-            ``opt_state``, ``gradients``, ``model_state``, ``other``, ``total``),
-            ``compiled`` (``arguments``, ``outputs``, ``temporaries``, ``aliased``), ``peak``,
-            ``collectives`` (count and bytes by kind), ``collective_bytes``, ``backend``,
-            ``note`` (why an FSDP candidate splits almost nothing, else ``None``), or ``error``
-            for a candidate that does not apply.
+            ``opt_state``, ``gradients``, ``model_state``, ``other``, ``total``, and ``host``:
+            of ``total``, the bytes offloaded to host memory), ``compiled`` (device memory:
+            ``arguments``, ``outputs``, ``temporaries``, ``aliased``; ``host``: host memory),
+            ``peak`` (device memory), ``collectives`` (count and bytes by kind),
+            ``collective_bytes``, ``backend``, ``note`` (why an FSDP candidate splits almost
+            nothing, else ``None``), or ``error`` for a candidate that does not apply.
         budgets: the memory budgets in bytes.
         labels: the budgets as given (``"16GB"``).
         target: the backend the plan is for.
+        fixes: for each budget label no candidate fits, the options tried to make the
+            smallest one fit (:mod:`parallax.plan.fixes`): the last fits if any does.
     """
 
     rows: tuple[dict, ...]
     budgets: tuple[int, ...]
     labels: tuple[str, ...]
     target: str
+    fixes: dict = dataclasses.field(default_factory=dict)
 
     def fits(self, row: dict, budget: int = 0) -> bool:
         """Whether ``row``'s peak fits budget number ``budget`` (an index into ``budgets``)."""
@@ -76,7 +81,8 @@ class PlanReport:
     @property
     def notes(self) -> list[str]:
         notes = ["Per device. State bytes and collective bytes are exact; the grads column is the gradient "
-                 "sharded like the params, held within temps. peak = arguments + outputs - donated + temps."]
+                 "sharded like the params, held within temps. peak = arguments + outputs - donated + temps, in "
+                 "device memory; host: the state offloaded to host memory (offload=)."]
         planned_on = sorted({row["backend"] for row in self.rows})
         if planned_on != [self.target]:
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
@@ -85,11 +91,27 @@ class PlanReport:
 
     def as_dict(self) -> dict:
         return {"rows": [dict(row) for row in self.rows], "budgets": dict(zip(self.labels, self.budgets)),
-                "target": self.target, "notes": self.notes}
+                "target": self.target, "notes": self.notes,
+                "fixes": {label: [fix.as_dict() for fix in tried] for label, tried in self.fixes.items()}}
+
+    def fix_lines(self) -> list[str]:
+        """For each budget nothing fits: the option that would, with its numbers, or that none does."""
+        lines = []
+        for label, tried in self.fixes.items():
+            base = tried[0].row.get("strategy", "?") if tried else "?"
+            numbers = [f"{fix.change}: peak {format_bytes(fix.row['peak'])}"
+                       + (f" + {format_bytes(fix.row['compiled']['host'])} in host memory"
+                          if fix.row["compiled"].get("host") else "") + (" (fits)" if fix.fits else "")
+                       if not fix.row.get("error") else f"{fix.change}: does not apply ({fix.row['error']})"
+                       for fix in tried]
+            verdict = (f"use {tried[-1].change}" if tried and tried[-1].fits else "none of these fits")
+            lines.append(f"Nothing fits {label}; for {base}: {verdict}. Tried " + "; ".join(numbers) + ".")
+        return lines
 
     def __str__(self) -> str:
+        host = any(row.get("compiled", {}).get("host") for row in self.rows if not row.get("error"))
         header = ["devices", "strategy", "compile", "params", "opt state", "grads", "model st", "temps", "peak",
-                  "moved", *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels)]
+                  *(["host"] if host else []), "moved", *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels)]
         cells, skipped = [], []
         for row in self.rows:
             if row.get("error"):
@@ -98,14 +120,16 @@ class PlanReport:
             state, kinds = row["state"], row["collectives"]
             cells.append([str(row["devices"]), row["strategy"], row["compile"], *(format_bytes(state[k]) for k in (
                 "params", "opt_state", "gradients", "model_state")), format_bytes(row["compiled"]["temporaries"]),
-                format_bytes(row["peak"]), format_bytes(row["collective_bytes"]),
+                format_bytes(row["peak"]), *([format_bytes(row["compiled"]["host"])] if host else []),
+                format_bytes(row["collective_bytes"]),
                 *(format_bytes(kinds[kind]["bytes"]) if kinds[kind]["count"] else "-" for kind, _ in _KINDS),
                 *("yes" if self.fits(row, i) else "no" for i in range(len(self.budgets)))])
         widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                  for r in [header, *cells]]
         said = [f"{row['devices']} devices: {row['note']}" for row in self.rows if not row.get("error") and row.get("note")]
-        return "\n".join(lines + [f"  {s}" for s in skipped + said] + [f"note: {n}" for n in self.notes])
+        return "\n".join(lines + [f"  {s}" for s in skipped + said + self.fix_lines()]
+                         + [f"note: {n}" for n in self.notes])
 
 
 def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
@@ -150,16 +174,31 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         raise ValueError(f"devices={max(counts)} but this process has {len(local)}; let it plan in a subprocess "
                          "(isolate=None or True).")
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
-    rows: list[dict] = []
-    resolved: dict | None = None
-    for count in counts:
+    resolved: dict = {}
+
+    def rows_for(strategies: list[Strategy], count: int, opts: StepOptions) -> list[dict]:
         if isolate or (isolate is None and count > len(local)):
-            rows += isolated.run({**args, "strategies": parsed, "options": options, "rng": rng}, count)
-        else:
-            resolved = resolved or {kind: resolve(kind, value) for kind, value in args.items()}
-            rows += [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
-                              strategy, local[:count], options, rng) for strategy in parsed]
-    return PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())
+            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng}, count)
+        if "model" not in resolved:
+            resolved.update({kind: resolve(kind, value) for kind, value in args.items()})
+        return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
+                         strategy, local[:count], opts, rng) for strategy in strategies]
+
+    rows = [row for count in counts for row in rows_for(parsed, count, options)]
+    report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())
+    fixes = {}
+    for index, (budget, label) in enumerate(zip(budgets, report.labels)):
+        planned = [(row, parsed[i % len(parsed)]) for i, row in enumerate(rows)
+                   if row["devices"] == max(counts) and not row.get("error")]
+        if not planned or any(report.fits(row, index) for row, _ in planned):
+            continue
+        row, strategy = min(planned, key=lambda pair: pair[0]["peak"])
+        if "blocks" not in resolved:
+            here = {kind: resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")}
+            resolved["blocks"] = repeated_blocks(here["model"], here["batch"], here["loss_fn"])
+        fixes[label] = find_fix(lambda opts, count: rows_for([strategy], count, opts)[0], options, max(counts),
+                                budget, resolved["blocks"])
+    return dataclasses.replace(report, fixes=fixes)
 
 
 class _CallableModule(types.ModuleType):

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from parallax.models.remat_policy import NAMED_POLICIES, named_policy
 from parallax.plan import plan
 from parallax.plan.candidates import DEFAULT_STRATEGIES, parse_strategy, with_options
 
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="FSDP option: params with at most this many elements stay replicated (default 2**18)")
     parser.add_argument("--split", default=None, choices=("largest", "output", "input", "auto"),
                         help="FSDP option: the dim each param is split on (default largest)")
+    parser.add_argument("--offload", default=None, choices=("optimizer", "optimizer+params"),
+                        help="keep the optimizer state (and the params) in host memory between steps")
+    parser.add_argument("--remat", default=None,
+                        help="comma-separated module class names whose activations are recomputed, e.g. Block")
+    parser.add_argument("--remat-policy", default=None, choices=sorted(NAMED_POLICIES),
+                        help="what the --remat modules keep instead of recomputing")
     parser.add_argument("--devices", default=None, help="comma-separated device counts (default: this machine's)")
     parser.add_argument("--budget", default=None, help="comma-separated memory budgets per device, e.g. 16GB,80GB")
     parser.add_argument("--target", default=None, help="the backend the plan is for: gpu, tpu or cpu")
@@ -46,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         if options and not any(with_fsdp):
             raise ValueError(f"--{next(iter(options)).replace('_', '-')} is an FSDP option, and none of the strategies "
                              f"{args.strategies!r} has an FSDP part (add fsdp, e.g. --strategies dp,fsdp).")
+        remat = tuple(name for name in (args.remat or "").split(",") if name)
+        if args.remat_policy and not remat:
+            raise ValueError("--remat-policy applies to the module classes named by --remat (e.g. --remat Block).")
+        step_options = {"offload": args.offload, "remat": remat + ((named_policy(args.remat_policy),)
+                                                                    if args.remat_policy else ())}
         report = plan(args.model, args.optimizer, args.batch, loss_fn=args.loss, strategies=strategies, devices=devices,
-                      memory_budget=None if args.budget is None else args.budget.split(","), target=args.target)
+                      memory_budget=None if args.budget is None else args.budget.split(","), target=args.target,
+                      **step_options)
     except ValueError as err:
         print(f"python -m parallax.plan: {err}", file=sys.stderr)
         return 2

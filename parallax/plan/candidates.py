@@ -80,7 +80,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         strategy.check_batch_size(int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0]), mesh,
                                   multiple=options.grad_accum)
         plan = plan_state(model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
-                          rng_streams=options.rng_streams)
+                          rng_streams=options.rng_streams, offload=options.offload)
         totals = summarize(plan).totals
         step = make_train_step(loss_fn, plan.strategy, options)
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
@@ -93,7 +93,8 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         strategy=plan.strategy.describe(mesh), compile=step.mode(), error=None,
         state={"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
                "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
-               "other": totals["other"]["per_device"], "total": totals["total"]["per_device"]},
+               "other": totals["other"]["per_device"], "total": totals["total"]["per_device"],
+               "host": totals["total"]["host"]},
         compiled=memory,
         peak=inspect.peak_bytes(memory),
         collectives={kind: {"count": stat.count, "bytes": stat.bytes} for kind, stat in traffic.items()},

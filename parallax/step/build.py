@@ -26,8 +26,6 @@ import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import mesh_context
@@ -36,16 +34,17 @@ from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.mesh import describe_axis_types, is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
-from parallax.step import metrics as metric_lib
 from parallax.step.choice import Choice, choose, memory_budget
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
 from parallax.step.jit import jit_gradients, jit_run
 from parallax.step.loss import loss_closure
 from parallax.step.options import StepOptions
+from parallax.step.offload import moved, placement, with_memory_kinds
 from parallax.step.per_example import is_per_example_loss
 from parallax.step.per_example_proof import Proof, prove_loss
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.state import TrainState
+from parallax.step.update import step_bodies
 
 log = logging.getLogger("parallax")
 
@@ -83,6 +82,7 @@ class Step:
         self.proof: Proof | None = None  # read from the loss's trace at the first call
         self.auto_strategy = strategy == AUTO
         self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
+        self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
 
     def modes(self) -> tuple[str, ...]:
         """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
@@ -171,7 +171,8 @@ class Step:
         self._check_mode(mesh)
         with mesh_context(mesh):
             self.prove(state, batch)
-            functions = {mode: self._function(mode, mesh, specs) for mode in self.modes()}
+            parts = self._placed(state)[1]
+            functions = {mode: self._function(mode, mesh, specs, parts) for mode in self.modes()}
             compiled, failed = {}, None
             for mode, fn in functions.items():
                 try:
@@ -187,15 +188,29 @@ class Step:
         return choice, {mode: functions[mode] for mode in compiled}, compiled
 
     def __call__(self, state: TrainState, batch: Any):
+        state, _ = self._placed(state)
         function, mesh = self._jitted(state, batch)
         with mesh_context(mesh):  # the state's mesh, whatever mesh the caller has set
             return function(state, batch)
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
+        state, _ = self._placed(state)
         function, mesh = self._jitted(state, batch)
         with mesh_context(mesh):
             return function.lower(state, batch)
+
+    def _placed(self, state: TrainState) -> tuple[TrainState, tuple[str, ...]]:
+        """``state`` in the memory the step keeps each part in, and the parts in host memory
+        (:func:`parallax.step.offload.placement`; the answer is kept per memory layout)."""
+        key = tuple(getattr(getattr(x, "sharding", None), "memory_kind", None) for x in jax.tree.leaves(state))
+        if key not in self._placement:
+            self._placement[key] = placement(state, self.options.offload)
+        placed, parts = self._placement[key]
+        if not placed:
+            log.info("Moving the state to the memory offload=%r keeps it in (%s in host memory); pass the step "
+                     "options to init_state to build it there.", self.options.offload, ", ".join(parts) or "nothing")
+        return (state if placed else moved(state, parts)), parts
 
     def _jitted(self, state: TrainState, batch: Any):
         # Fast path for the loop: the same state layout and batch shapes as a previous call.
@@ -216,7 +231,8 @@ class Step:
             leading_dims(batch)
         else:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
-        key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh)
+        parts = self._placed(state)[1]
+        key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh, parts)
         if key not in self._cache:
             with mesh_context(mesh):
                 self.prove(state, batch)
@@ -225,7 +241,7 @@ class Step:
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
                 self._cache[key] = functions[self.choice.picked], mesh
             else:
-                self._cache[key] = self._function(self.mode(), mesh, specs), mesh
+                self._cache[key] = self._function(self.mode(), mesh, specs, parts), mesh
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
 
@@ -269,35 +285,16 @@ class Step:
         log.info("Loss as written: %s", self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
         return self.proof
 
-    def _function(self, mode: str, mesh: Mesh, specs: TrainState):
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    def _function(self, mode: str, mesh: Mesh, specs: TrainState, offloaded: tuple[str, ...]):
+        shardings = with_memory_kinds(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec),
+                                      offloaded)
         replicated = NamedSharding(mesh, PartitionSpec())
         batch_sharding = replicated if self.replicated_batch else NamedSharding(mesh, self.strategy.batch_spec())
         if mode == "shard_map":
             gradients = shard_map_gradients(self.loss_fn, self.strategy, self.options, mesh, specs, self.train)
         else:
             gradients = jit_gradients(self.loss_fn, self.strategy, self.options, mesh, self.train, specs.params)
-        skip_nonfinite = self.options.skip_nonfinite
-
-        def train_step(state: TrainState, batch):
-            key = jax.random.fold_in(state.rng, state.step)
-            grads, sums, model_state = gradients(state, batch, key)
-            updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
-            metrics = metric_lib.means(sums)
-            if skip_nonfinite:
-                finite = jnp.isfinite(metrics["loss"])
-                for grad in jax.tree.leaves(grads):
-                    finite &= jnp.isfinite(grad).all()
-                kept = state.replace(step=state.step + 1)
-                new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
-                metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-            return new_state, metrics
-
-        def eval_step(state: TrainState, batch):
-            key = jax.random.fold_in(state.rng, state.step)
-            return gradients(state, batch, key)
+        train_step, eval_step = step_bodies(gradients, shardings, self.options.skip_nonfinite, offloaded)
 
         if self.train:
             return jax.jit(

@@ -63,7 +63,10 @@ def init_state(
         devices: the devices ``strategy="auto"`` searches meshes over (all by default).
         options: the :class:`parallax.StepOptions` the train step will use: the candidates
             of an ``"auto"`` search are compiled and priced with them (``memory_budget``,
-            ``grad_accum``, ``precision``...).
+            ``grad_accum``, ``precision``...), and its ``offload`` parts are built straight into
+            host memory (with ``strategy="auto"``, the offload level the search needed to fit
+            ``memory_budget`` when nothing fits without: a step with ``offload=None`` keeps the
+            state where it was built).
         params: pretrained params to start from instead of initialising: a pytree of host or
             device arrays, or an orbax checkpoint path (see :mod:`parallax.step.pretrained`);
             checked against the model's shapes, placed shard by shard.
@@ -84,6 +87,7 @@ def init_state(
     found = resolve(model, optimizer, example_batch, strategy, loss_fn=loss_fn, devices=devices, mesh=mesh,
                     options=options, rng=rng, rng_streams=rng_streams)
     plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
-                      mesh=found.mesh, rng_streams=rng_streams, params=params, sharding_mode=sharding_mode)
+                      mesh=found.mesh, rng_streams=rng_streams, params=params, sharding_mode=sharding_mode,
+                      offload=found.offload)
     warn_if_unsharded(plan)
     return plan.build()

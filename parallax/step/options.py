@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from parallax._units import parse_bytes
+from parallax.models.remat_policy import check_remat, is_policy
+from parallax.step.offload import check_offload
 from parallax.step.precision import Precision
 from parallax.step.precision import resolve as resolve_precision
 
@@ -32,7 +34,17 @@ class StepOptions:
         precision: ``None``/``"fp32"``, or ``"bf16"``: float32 params and optimizer
             state, bfloat16 forward and backward, float32 loss and gradient reductions.
         remat: module classes (or class names) whose activations are recomputed in the
-            backward pass instead of stored, e.g. ``("Block",)``.
+            backward pass instead of stored, e.g. ``("Block",)``; beside them, at most one
+            JAX checkpoint policy saying what those calls keep instead of recomputing, e.g.
+            ``("Block", jax.checkpoint_policies.dots_saveable)`` (matmul outputs kept,
+            elementwise work recomputed) or ``offload_dot_with_no_batch_dims("device",
+            "pinned_host")`` (matmul outputs kept in host memory).
+        offload: state kept in host memory (``pinned_host``) between steps, sharded as on
+            the devices: ``"optimizer"`` (the optimizer state) or ``"optimizer+params"``
+            (also the params: the float32 master copy under ``precision="bf16"``). The step
+            moves each to the devices where it is used and back, inside the compiled
+            program; the update is unchanged (any optax transformation). ``None``: all on
+            the devices.
         donate: donate the state's buffers to the train step.
         skip_nonfinite: if the loss or any gradient is NaN/Inf, keep the old params,
             optimizer and model state (the step still counts); metrics gain ``skipped``.
@@ -60,6 +72,7 @@ class StepOptions:
     rng_streams: tuple[str, ...] = ("dropout",)
     precision: str | Precision | None = None
     remat: tuple = ()
+    offload: str | None = None
     donate: bool = True
     skip_nonfinite: bool = False
     memory_budget: int | str | None = None
@@ -68,6 +81,8 @@ class StepOptions:
     def __post_init__(self):
         for name in ("rng_streams", "remat"):
             value = getattr(self, name)
+            if name == "remat" and is_policy(value):  # a lone policy: check_remat says what it needs
+                value = (value,)
             if isinstance(value, (str, type)):
                 raise ValueError(f"{name}={value!r}; pass a tuple, e.g. {name}=({value!r},).")
             object.__setattr__(self, name, tuple(value))
@@ -83,9 +98,8 @@ class StepOptions:
         if self.batch_stats == "local" and self.compile == "jit":
             raise ValueError("batch_stats='local' needs compile='shard_map' (or 'auto'): under jit the "
                              "compiler computes BatchNorm statistics over the global batch.")
-        for target in self.remat:
-            if not isinstance(target, (str, type)):
-                raise ValueError(f"remat takes module classes or class names, got {target!r}.")
+        check_remat(self.remat)
+        check_offload(self.offload)
         for stream in self.rng_streams:
             if not isinstance(stream, str):
                 raise ValueError(f"rng_streams takes rng names such as 'dropout', got {stream!r}.")

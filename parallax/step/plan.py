@@ -22,6 +22,7 @@ from parallax.sharding.strategy import Strategy
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.pretrained import place_params
+from parallax.step.offload import check_offload, with_memory_kinds
 from parallax.step.state import TrainState, as_key, model_rngs
 
 
@@ -109,10 +110,12 @@ def plan_state(
     rng_streams: Sequence[str] = ("dropout",),
     params: Any = None,
     sharding_mode: str = DETECT,
+    offload: str | None = None,
 ) -> StatePlan:
     """Plans the sharded train state from shapes: ``eval_shape`` → specs → ``jit``.
 
-    Takes the same arguments as :func:`init_state`, which is ``plan_state(...).build()``.
+    Takes the same arguments as :func:`init_state`, which is ``plan_state(...).build()``, and
+    ``offload`` (:class:`parallax.StepOptions`' ``offload``: the parts kept in host memory).
 
     Example:
         >>> plan = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0),
@@ -126,6 +129,7 @@ def plan_state(
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), got {strategy!r}.")
     check_sharding_mode(sharding_mode)
+    check_offload(offload)
     mesh = strategy.make_mesh() if mesh is None else mesh
     strategy.check_mesh(mesh)
     key = as_key(rng)
@@ -164,7 +168,7 @@ def plan_state(
         return abstract, fitted, specs
 
     mesh, (abstract, strategy, specs), note = planned_in_mode(attempt, mesh, sharding_mode)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    shardings = with_memory_kinds(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec), offload)
     plain = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
                          adapter.unbox(abstract.params))
 

@@ -55,6 +55,9 @@ class Resolved:
         seconds: what the search took (planning and compiling every candidate, and timing).
         timed: the candidates run on the devices to settle a close call, by label: their
             median step time in seconds (empty when none was run).
+        offload: the step's ``offload`` the candidates were compiled with: the one given, or,
+            when no candidate fits the memory budget with all state on the devices, the first
+            level with which one does (build the state and step with it).
     """
 
     strategy: Strategy
@@ -63,6 +66,7 @@ class Resolved:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     timed: dict[str, float] = dataclasses.field(default_factory=dict)
+    offload: str | None = None
 
     def describe(self) -> str:
         """One line: what was chosen, its estimate, the runner-up, and what the search cost."""
@@ -72,6 +76,8 @@ class Resolved:
         if self.timed:
             text += "; timed the closest on the devices: " + ", ".join(
                 f"{label} {1e3 * seconds:.1f} ms" for label, seconds in sorted(self.timed.items(), key=lambda x: x[1]))
+        if self.offload:
+            text += f"; with offload={self.offload!r}"
         text += f"; {len(self.choice.estimates)} candidates compiled in {self.seconds:.1f} s"
         return text + (f", {len(self.skipped)} skipped" if self.skipped else "")
 
@@ -107,7 +113,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             devices (e.g. ``candidates(8, fsdp=px.FSDP(min_weight_size=2**14))``).
     """
     if not is_auto(strategy):
-        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
+        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices),
+                        offload=StepOptions.create(options).offload)
     if loss_fn is None:
         raise ValueError(f"strategy={strategy!r} compiles each candidate's train step to price it: pass loss_fn=.")
     if strategy == AUTO and mesh is not None:
@@ -118,6 +125,41 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     budget = memory_budget(options.memory_budget, devices)
     splitting = strategy != AUTO
     pool = split_candidates(strategy) if splitting else list(among or candidates(len(devices)))
+    price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
+                                splitting, rng, rng_streams)
+    estimates, found, skipped, runnable = price(options)
+    offload = options.offload
+    if budget is not None and offload is None and not any(e.peak <= budget for e in estimates.values()):
+        for level in ("optimizer", "optimizer+params"):  # only when nothing fits without it
+            trial = price(dataclasses.replace(options, offload=level))
+            if any(e.peak <= budget for e in trial[0].values()):
+                log.info("No candidate fits the memory budget of %s per device with all state on the devices; "
+                         "with offload=%r some do.", format_bytes(budget), level)
+                (estimates, found, skipped, runnable), offload = trial, level
+                break
+    if not estimates:
+        reasons = "; ".join(f"{label}: {why}" for label, why in skipped.items())
+        if budget is not None and all("over the budget" in why for why in skipped.values()):
+            raise ValueError(f"strategy={strategy!r}: no candidate fits the memory budget of {format_bytes(budget)} "
+                             f"per device on {len(devices)} devices, with all state on the devices or offloaded to host "
+                             f"memory ({reasons}). Raise memory_budget, use more devices, rematerialise the model's "
+                             "blocks (remat=), or shrink the model or optimizer state.")
+        raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
+    choice = rank(estimates, budget, what="FSDP split" if splitting else "strategy")
+    timed = _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
+    if timed:
+        choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
+    picked, picked_mesh = found[choice.picked]
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed, offload)
+    log.info("%s", resolved.describe())
+    return resolved
+
+
+def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
+           loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool,
+           rng: Any, rng_streams: Sequence[str]) -> tuple[dict, dict, dict, dict]:
+    """Plans and compiles each candidate with ``options``: the cost model's estimates, the strategies
+    and meshes, the skipped with their reasons, and what timing needs, by label."""
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
     estimates, found, skipped, runnable = {}, {}, {}, {}
     for candidate in pool:
@@ -127,8 +169,9 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             label = _label(candidate, candidate_mesh, splitting)
             candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
             planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
-                                 mesh=candidate_mesh, rng_streams=rng_streams)
-            state_bytes = summarize(planned).totals["total"]["per_device"]
+                                 mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
+            total = summarize(planned).totals["total"]
+            state_bytes = total["per_device"] - total["host"]  # in device memory
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
@@ -144,21 +187,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         found[label] = (planned.strategy, candidate_mesh)
         runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
                            state_bytes)
-    if not estimates:
-        reasons = "; ".join(f"{label}: {why}" for label, why in skipped.items())
-        if budget is not None and all("over the budget" in why for why in skipped.values()):
-            raise ValueError(f"strategy={strategy!r}: no candidate fits the memory budget of {format_bytes(budget)} "
-                             f"per device on {len(devices)} devices ({reasons}). Raise memory_budget, use more "
-                             "devices, or shrink the model or optimizer state.")
-        raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
-    choice = rank(estimates, budget, what="FSDP split" if splitting else "strategy")
-    timed = _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
-    if timed:
-        choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
-    picked, picked_mesh = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed)
-    log.info("%s", resolved.describe())
-    return resolved
+    return estimates, found, skipped, runnable
 
 
 def _time_closest(choice: Choice, runnable: dict[str, tuple], example_batch: Any, budget: int | None, limit: int,

@@ -55,6 +55,8 @@ class LeafRow:
         spec: the ``PartitionSpec`` entries, one per dim (``None``: not split).
         bytes_global: bytes of the whole array.
         bytes_per_device: bytes of one device's shard.
+        memory_kind: where the shards live: ``"device"``, or ``"pinned_host"`` for state
+            offloaded to host memory (``StepOptions.offload``).
     """
 
     path: str
@@ -63,6 +65,7 @@ class LeafRow:
     spec: tuple
     bytes_global: int
     bytes_per_device: int
+    memory_kind: str = "device"
 
     @property
     def sharded(self) -> bool:
@@ -118,7 +121,8 @@ class Summary:
         params: one :class:`LeafRow` per param.
         totals: per part (``params``, ``opt_state``, ``model_state``, ``other``: the step
             counter and rng key, and ``total``): ``count`` (global elements), ``global`` and
-            ``per_device`` bytes.
+            ``per_device`` bytes, and ``host``: of ``per_device``, the bytes each device's shards
+            keep in host memory (offloaded state; 0 without offload).
         lint: the :class:`Lint`.
     """
 
@@ -142,13 +146,18 @@ class Summary:
                 for row in self.params]
 
     def _total_cells(self) -> list[tuple[str, ...]]:
-        return [(part, f"{t['count']:,}", format_bytes(t["global"]), format_bytes(t["per_device"]))
-                for part, t in self.totals.items()]
+        host = self.totals["total"]["host"] > 0
+        return [(part, f"{t['count']:,}", format_bytes(t["global"]), format_bytes(t["per_device"]),
+                 *((format_bytes(t["host"]),) if host else ())) for part, t in self.totals.items()]
+
+    def _total_header(self) -> tuple[str, ...]:
+        return ("state", "elements", "global", "per device") + (
+            ("of which in host memory",) if self.totals["total"]["host"] else ())
 
     def __str__(self) -> str:
         out = [f"{self.strategy} on mesh {self.mesh}"]
         out += _columns(("param", "shape", "dtype", "spec", "per device"), self._param_cells())
-        out += [""] + _columns(("state", "elements", "global", "per device"), self._total_cells())
+        out += [""] + _columns(self._total_header(), self._total_cells())
         return "\n".join(out + ["", str(self.lint)])
 
     def print(self, file: TextIO | None = None) -> None:
@@ -163,10 +172,10 @@ class Summary:
         console = Console(file=file)
         for title, header, cells in ((f"{self.strategy} on mesh {self.mesh}",
                                       ("param", "shape", "dtype", "spec", "per device"), self._param_cells()),
-                                     ("state", ("state", "elements", "global", "per device"), self._total_cells())):
+                                     ("state", self._total_header(), self._total_cells())):
             table = Table(title=title)
             for name in header:
-                table.add_column(name, justify="right" if name in ("per device", "global", "elements") else "left")
+                table.add_column(name, justify="left" if name in ("param", "shape", "dtype", "spec", "state") else "right")
             for row in cells:
                 table.add_row(*row)
             console.print(table)
@@ -203,7 +212,7 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     rows = {part: _rows(getattr(arrays, part)) for part in PARTS}
     totals = {part: _total(part_rows) for part, part_rows in rows.items()}
     totals["other"] = _total(_rows((arrays.step, arrays.rng)))
-    totals["total"] = {k: sum(t[k] for t in totals.values()) for k in ("count", "global", "per_device")}
+    totals["total"] = {k: sum(t[k] for t in totals.values()) for k in ("count", "global", "per_device", "host")}
     all_rows = [row for part_rows in rows.values() for row in part_rows]
     state_bytes = sum(row.bytes_global for row in all_rows)
     sizes = {name: int(size) for name, size in mesh.shape.items()}
@@ -237,13 +246,15 @@ def _rows(tree: Any) -> list[LeafRow]:
         sharding = leaf.sharding
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         rows.append(LeafRow(path_str(key_path), shape, dtype.name, spec, math.prod(shape) * dtype.itemsize,
-                            math.prod(sharding.shard_shape(shape)) * dtype.itemsize))
+                            math.prod(sharding.shard_shape(shape)) * dtype.itemsize,
+                            getattr(sharding, "memory_kind", None) or "device"))
     return rows
 
 
 def _total(rows: list[LeafRow]) -> dict[str, int]:
     return {"count": sum(math.prod(row.shape) for row in rows), "global": sum(row.bytes_global for row in rows),
-            "per_device": sum(row.bytes_per_device for row in rows)}
+            "per_device": sum(row.bytes_per_device for row in rows),
+            "host": sum(row.bytes_per_device for row in rows if row.memory_kind != "device")}
 
 
 def _why_whole(strategy: Strategy | None, row: LeafRow, sizes: dict[str, int]) -> str:

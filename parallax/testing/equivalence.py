@@ -214,7 +214,9 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     level, the optimizer rerun on the reference's gradients turns that into each param's
     allowance, and its drift beyond those allowances (losses, state) is the floor.
     """
-    shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.model_state, state.opt_state))
+    # the sharded run's layout, in device memory (its offloaded parts are placed on the devices here)
+    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"),
+                             (state.params, state.model_state, state.opt_state))
     batch_sharding = NamedSharding(mesh, strategy.batch_spec())
 
     def place(tree, kind):

@@ -134,6 +134,9 @@ class Trainer:
             self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
                                   devices=self.devices, mesh=self.mesh, options=self.config.step,
                                   rng=self.config.seed, rng_streams=self.config.step.rng_streams)
+            if self.search.offload != self.config.step.offload:  # nothing fitted the budget without offload
+                self.config = dataclasses.replace(self.config, step=dataclasses.replace(
+                    self.config.step, offload=self.search.offload))
             self._use(self.search.strategy, self.search.mesh)
             if self.config.progress and _multihost.is_primary():
                 print(self.search.describe())
@@ -141,7 +144,7 @@ class Trainer:
             self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
                                    rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
                                    rng_streams=self.config.step.rng_streams, params=self.pretrained,
-                                   sharding_mode=self.config.sharding_mode)
+                                   sharding_mode=self.config.sharding_mode, offload=self.config.step.offload)
             changed = self.plan.mesh is not self.mesh or is_explicit(self.plan.mesh)  # axis types follow the model
             self._use(self.strategy.resolved(self.plan.mesh), self.plan.mesh)
             warn_if_unsharded(self.plan)

@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from parallax.models.remat_policy import remat_parts
+
 
 def _matches(module: nn.Module, targets: Sequence[type | str]) -> bool:
     return any(
@@ -24,11 +26,12 @@ def _matches(module: nn.Module, targets: Sequence[type | str]) -> bool:
 
 
 @contextlib.contextmanager
-def remat_modules(targets: Sequence[type | str]) -> Iterator[None]:
-    """Within this context, calls of modules in ``targets`` are rematerialised.
+def remat_modules(remat: Sequence) -> Iterator[None]:
+    """Within this context, calls of modules in ``remat`` are rematerialised.
 
     Args:
-        targets: module classes, or class names, e.g. ``("Block",)``.
+        remat: module classes, or class names, e.g. ``("Block",)``, and at most one JAX
+            checkpoint policy (what those calls keep instead of recomputing).
 
     Example:
         >>> x = jnp.ones((4, 16))
@@ -41,6 +44,7 @@ def remat_modules(targets: Sequence[type | str]) -> Iterator[None]:
         >>> recomputes(()), recomputes(("Dense",))
         (False, True)
     """
+    targets, policy = remat_parts(remat)
     if not targets:
         yield
         return
@@ -63,7 +67,7 @@ def remat_modules(targets: Sequence[type | str]) -> Iterator[None]:
             finally:
                 inside.pop()
 
-        return nn.remat(body)(context.module, *[leaves[i] for i in dynamic])
+        return nn.remat(body, policy=policy)(context.module, *[leaves[i] for i in dynamic])
 
     with nn.intercept_methods(interceptor):
         yield

@@ -1,0 +1,74 @@
+"""What ``remat=`` names: module classes to rematerialise, and at most one JAX checkpoint policy.
+
+A policy (``jax.checkpoint_policies.dots_saveable``, ``offload_dot_with_no_batch_dims(...)``,
+or any function of that form) decides which of a rematerialised call's intermediates are kept
+(or moved to host memory) for the backward pass instead of recomputed. It applies to every
+module class named beside it; without one, a named module keeps nothing (``nn.remat``'s default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+
+NAMED_POLICIES = {
+    "nothing": "jax.checkpoint_policies.nothing_saveable: keep nothing, recompute the whole call (the default)",
+    "dots": "jax.checkpoint_policies.dots_saveable: keep matmul outputs, recompute elementwise work",
+    "dots_no_batch": "jax.checkpoint_policies.dots_with_no_batch_dims_saveable: keep matmuls without batch dims "
+                     "(weight matmuls, not attention scores)",
+    "offload_dots": "jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'): those "
+                    "matmul outputs kept in host memory",
+}
+
+
+def named_policy(name: str) -> Callable[..., bool]:
+    """The JAX checkpoint policy of a short name (:data:`NAMED_POLICIES`), for command lines.
+
+    Example:
+        >>> named_policy("dots") is jax.checkpoint_policies.dots_saveable
+        True
+    """
+    policies = jax.checkpoint_policies
+    made = {"nothing": lambda: policies.nothing_saveable, "dots": lambda: policies.dots_saveable,
+            "dots_no_batch": lambda: policies.dots_with_no_batch_dims_saveable,
+            "offload_dots": lambda: policies.offload_dot_with_no_batch_dims("device", "pinned_host")}
+    if name not in made:
+        raise ValueError(f"remat policy {name!r}; use one of {sorted(made)} (or pass a JAX checkpoint policy).")
+    return made[name]()
+
+
+def is_policy(entry: Any) -> bool:
+    """Whether a ``remat`` entry is a checkpoint policy (a callable that is not a class)."""
+    return callable(entry) and not isinstance(entry, type)
+
+
+def remat_parts(remat: Sequence[Any]) -> tuple[tuple[type | str, ...], Callable[..., bool] | None]:
+    """``remat`` split into its module targets and its checkpoint policy (``None``: keep nothing).
+
+    Example:
+        >>> remat_parts(("Block", jax.checkpoint_policies.dots_saveable))[0]
+        ('Block',)
+        >>> remat_parts(("Block",))[1] is None
+        True
+    """
+    targets = tuple(entry for entry in remat if not is_policy(entry))
+    policies = [entry for entry in remat if is_policy(entry)]
+    return targets, (policies[0] if policies else None)
+
+
+def check_remat(remat: Sequence[Any]) -> None:
+    """Raises for entries that are neither module classes, class names nor one checkpoint policy,
+    and for a policy with no module class to apply it to."""
+    for entry in remat:
+        if not isinstance(entry, (str, type)) and not is_policy(entry):
+            raise ValueError(f"remat takes module classes, class names and one JAX checkpoint policy, got {entry!r}.")
+    targets, policy = remat_parts(remat)
+    if sum(is_policy(entry) for entry in remat) > 1:
+        raise ValueError("remat takes at most one checkpoint policy; it applies to every module class named in remat.")
+    if policy is not None and not targets:
+        name = getattr(policy, "__name__", repr(policy))
+        raise ValueError(
+            f"remat has the checkpoint policy {name} but no module class to apply it to; name the model's "
+            "repeated block beside it, e.g. remat=('Block', policy). (A policy over the whole model keeps "
+            "every activation the backward pass needs at once, so it saves no memory.)")
