@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import types
 from typing import Any, Sequence
@@ -41,6 +42,7 @@ from parallax.plan.refs import resolve
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions
 
+log = logging.getLogger("parallax")
 _KINDS = (("all-gather", "AG"), ("all-reduce", "AR"), ("reduce-scatter", "RS"), ("all-to-all", "A2A"),
           ("collective-permute", "CP"))
 
@@ -195,7 +197,12 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         row, strategy = min(planned, key=lambda pair: pair[0]["peak"])
         if "blocks" not in resolved:
             here = {kind: resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")}
-            resolved["blocks"] = repeated_blocks(here["model"], here["batch"], here["loss_fn"])
+            try:
+                resolved["blocks"] = repeated_blocks(here["model"], here["batch"], here["loss_fn"])
+            except Exception as err:  # noqa: BLE001 - a model this cannot trace still gets the other options
+                log.info("Could not read the model's repeated blocks (%s); remat is not among the options tried.",
+                         str(err).splitlines()[0] if str(err) else type(err).__name__)
+                resolved["blocks"] = ()
         fixes[label] = find_fix(lambda opts, count: rows_for([strategy], count, opts)[0], options, max(counts),
                                 budget, resolved["blocks"])
     return dataclasses.replace(report, fixes=fixes)

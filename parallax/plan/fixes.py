@@ -51,7 +51,7 @@ def repeated_blocks(model: Any, example_batch: Any, loss_fn: Any = None) -> tupl
     calls recorded); an NNX module (or a function that builds one, from shapes) is walked.
 
     Example:
-        >>> repeated_blocks(model, batch)  # an MLP: its Dense layers hold no modules
+        >>> repeated_blocks(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
         ()
     """
     calls: set[tuple[str, tuple]] = set()
