@@ -1,12 +1,13 @@
 """Bigger than the devices: the largest transformer LM that fits a per-device budget, by option.
 
     python -m benchmarks.offload                      # 8 simulated CPU devices, FSDP, AdamW
-    python -m benchmarks.offload --budget 96MiB --width 512 --rounds 5
+    python -m benchmarks.offload --regimes state --budget 128MiB --rounds 5
     python -m benchmarks.offload --smoke              # a tiny model, one round: checks it still runs
 
-For the benchmark transformer LM (``benchmarks/models.py``: ``--width`` features, ``--width //
-64`` heads, vocabulary 512, ``--seq`` tokens, ``--batch`` sequences per step) under FSDP with
-AdamW on 8 devices, each option is given the largest layer count whose compiled train step
+For the benchmark transformer LM (``benchmarks/models.py``: width features, width / 64 heads,
+vocabulary 512) in two regimes (``REGIMES``: width 256 with 16 sequences of 64 tokens per step,
+where the state and the gathered weights fill the devices; width 128 with 32 sequences of 256
+tokens, where the activations do) under FSDP with AdamW on 8 devices, each option is given the largest layer count whose compiled train step
 peaks within ``--budget`` per device, by the step's own ``memory_analysis()`` (device memory;
 the state offloaded to host memory apart, see :func:`parallax.inspect.memory_bytes`): exact
 bytes, no run needed. The options:
@@ -21,6 +22,10 @@ The peak is affine in the layer count, so two compiles give the slope and a few 
 exact boundary. Then each option's step time is measured on one model that fits them all (the
 largest ``none`` fits), in interleaved rounds, as a ratio to ``none`` in the same round
 (median, min-max). Results go to ``benchmarks/results/offload.{json,md}``.
+
+The published results were measured with jax 0.12 (``.venv-latest``): jax 0.10.2's XLA:CPU
+schedules a rematerialised block's recomputation early and keeps as much as without remat (the
+temporaries are unchanged), so there remat saves nothing on this backend.
 
 On the CPU backend the devices and the host share one memory: the transfers cost a copy, not a
 PCIe trip, and XLA:CPU keeps an ``offload_dots`` activation where ``dots`` keeps it (it has no
@@ -39,6 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import RESULTS, simulate_cpu_devices, write_results  # noqa: E402
 
 POLICIES = ("nothing", "dots", "dots_no_batch", "offload_dots")
+# Two regimes: short sequences, where the state and the gathered weights fill the devices, and
+# long ones, where the activations do. Each option pays where its part of the memory dominates.
+REGIMES = {"state": {"width": 256, "seq": 64, "batch": 16}, "activations": {"width": 128, "seq": 256, "batch": 32}}
+SMOKE = {"width": 64, "seq": 16, "batch": 8}
 
 
 def options_grid() -> dict[str, dict]:
@@ -54,19 +63,35 @@ def options_grid() -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="64MiB", help="device memory per device")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated, of {sorted(REGIMES)}")
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
+    regimes = {"smoke": SMOKE} if args.smoke else {name: REGIMES[name] for name in args.regimes.split(",") if name}
     if args.smoke:
-        args.width, args.seq, args.batch, args.budget, args.rounds, args.steps = 64, 16, 8, "1MiB", 1, 2
+        args.budget, args.rounds, args.steps = "1MiB", 1, 2
     simulate_cpu_devices(args.devices)
+    import jax
 
+    results, text = [], ("# Bigger than the devices: offload and remat policies (`python -m benchmarks.offload`)\n\n"
+                          "Exact bytes from each compiled step's `memory_analysis()`; step times on this machine.\n\n")
+    for name, shape in regimes.items():
+        rows, table = run_regime(name, args, **shape)
+        results += rows
+        text += table + "\n"
+    print(text)
+    meta = {"budget_label": args.budget, "devices": args.devices, "rounds": args.rounds, "steps": args.steps,
+            "regimes": regimes, "strategy": "FSDP(min_weight_size=0)", "optimizer": "adamw",
+            "backend": jax.default_backend(), "jax": jax.__version__}
+    if not args.smoke:
+        write_results(args.out, "offload", meta, results, text)
+
+
+def run_regime(regime: str, args: argparse.Namespace, width: int, seq: int, batch: int) -> tuple[list[dict], str]:
+    """Each option's largest model and step-time cost in one regime: JSON rows and a markdown table."""
     import jax
     import numpy as np
     import optax
@@ -77,22 +102,22 @@ def main() -> None:
     from parallax._units import format_bytes, parse_bytes
 
     budget = parse_bytes(args.budget)
-    heads = max(1, args.width // 64)
+    heads = max(1, width // 64)
     rng = np.random.default_rng(0)
-    batch = {"x": rng.integers(0, 512, (args.batch, args.seq + 1)).astype(np.int32)}
+    example = {"x": rng.integers(0, 512, (batch, seq + 1)).astype(np.int32)}
     strategy = px.FSDP(min_weight_size=0)
     optimizer = optax.adamw(1e-3)
 
     def model(layers):
-        return TransformerLM(features=args.width, layers=layers, heads=heads)
+        return TransformerLM(features=width, layers=layers, heads=heads)
 
     def compiled_peak(layers: int, options: dict) -> tuple[int, int, int]:
         """Device peak, host bytes and param count of the step compiled for ``layers`` layers."""
         step_options = px.StepOptions(compile="jit", **options)
-        plan = px.plan_state(model(layers), optimizer, batch, strategy=strategy, loss_fn=lm_loss,
+        plan = px.plan_state(model(layers), optimizer, example, strategy=strategy, loss_fn=lm_loss,
                              offload=step_options.offload)
         step = px.make_train_step(lm_loss, strategy, step_options)
-        memory = inspect.memory_bytes(step.lower(plan.abstract_arrays(), batch).compile())
+        memory = inspect.memory_bytes(step.lower(plan.abstract_arrays(), example).compile())
         return inspect.peak_bytes(memory), memory["host"], px.summarize(plan).totals["params"]["count"]
 
     def largest(options: dict) -> dict:
@@ -119,20 +144,20 @@ def main() -> None:
     for label, options in grid.items():
         start = time.perf_counter()
         fits[label] = largest(options)
-        print(f"{label}: {fits[label]['layers']} layers, {fits[label]['params']:,} params, peak "
+        print(f"{regime}, {label}: {fits[label]['layers']} layers, {fits[label]['params']:,} params, peak "
               f"{format_bytes(fits[label]['peak'])} + {format_bytes(fits[label]['host'])} host "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
 
     # Step time of each option on one model that fits them all.
     layers = max(1, fits["none"]["layers"])
-    data = [batch] * args.steps
+    data = [example] * args.steps
     runs = {}
     for label, options in grid.items():
         step_options = px.StepOptions(compile="jit", **options)
-        state = px.init_state(model(layers), optimizer, batch, strategy=strategy, loss_fn=lm_loss,
+        state = px.init_state(model(layers), optimizer, example, strategy=strategy, loss_fn=lm_loss,
                               options=step_options)
         step = px.make_train_step(lm_loss, strategy, step_options)
-        state, metrics = step(state, batch)  # compile
+        state, metrics = step(state, example)  # compile
         jax.block_until_ready(metrics["loss"])
         runs[label] = [step, state, []]
     order = np.random.default_rng(0)
@@ -151,19 +176,16 @@ def main() -> None:
     for label in grid:
         times = np.array(runs[label][2])
         ratio = times / base
-        results.append({"option": label, **fits[label], "timed_layers": layers,
+        results.append({"regime": regime, "width": width, "seq": seq, "batch": batch, "option": label,
+                        **fits[label], "timed_layers": layers,
                         "step_ms": {"median": 1e3 * float(np.median(times)), "min": 1e3 * float(times.min()),
                                     "max": 1e3 * float(times.max())},
                         "ratio_to_none": {"median": float(np.median(ratio)), "min": float(ratio.min()),
                                           "max": float(ratio.max())}})
-    meta = {"budget": budget, "budget_label": args.budget, "width": args.width, "heads": heads, "seq": args.seq,
-            "batch": args.batch, "devices": args.devices, "rounds": args.rounds, "steps": args.steps,
-            "strategy": strategy.describe(), "optimizer": "adamw", "backend": jax.default_backend(),
-            "jax": jax.__version__}
-    lines = [f"# Largest transformer LM within {args.budget} per device: {args.devices} {jax.default_backend()} "
-             f"devices, FSDP, AdamW",
+    lines = [f"## {regime}: the largest transformer LM within {args.budget} per device, {args.devices} "
+             f"{jax.default_backend()} devices, FSDP, AdamW",
              "",
-             f"Width {args.width}, {heads} heads, vocabulary 512, {args.seq} tokens x {args.batch} sequences per "
+             f"Width {width}, {heads} heads, vocabulary 512, {seq} tokens x {batch} sequences per "
              f"step. Layers and peak from the compiled step's `memory_analysis()` (device memory; host memory "
              f"apart). Step time on {layers} layers (the largest that fits with all state on the devices), "
              f"{args.rounds} interleaved rounds of {args.steps} steps; ratio to `none` in the same round, "
@@ -176,10 +198,7 @@ def main() -> None:
         lines.append(f"| `{row['option']}` | {row['layers']} | {row['params']:,} | {format_bytes(row['peak'])} | "
                      f"{format_bytes(row['host'])} | {t['median']:.0f} | {r['median']:.2f} ({r['min']:.2f}-"
                      f"{r['max']:.2f}) |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.smoke:
-        write_results(args.out, "offload", meta, results, text)
+    return results, "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

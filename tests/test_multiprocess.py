@@ -11,8 +11,9 @@ several things:
   steps later; then this process resumes B's checkpoint and trains to the end;
 * C: DPxFSDP, the eval set given as each process's parts (the last batch split 2 and 3
   rows), process 1 raises at step 7;
-* D: resumes a checkpoint written here (1 process) in 2 processes; process 1 is SIGKILLed
-  after step 6's checkpoint committed; this process resumes that checkpoint to the end
+* D: resumes a checkpoint written here (1 process) in 2 processes that keep the optimizer
+  state and params in host memory (offload); process 1 is SIGKILLed after step 6's checkpoint
+  committed; this process resumes that checkpoint (without offload) to the end
   (one process killed the same way: ``tests/test_faults.py``, whose SIGKILL runs no longer
   wait for the checksums before the kill);
 * E: process 1's batches are one token shorter: an error before anything compiles;
@@ -164,8 +165,11 @@ def test_a_process_that_raises_ends_the_launch_within_seconds_naming_it(referenc
 def test_written_by_one_resumed_by_two_then_sigkilled_after_a_commit_resumes_verified(reference, tmp_path, caplog):
     losses, _ = reference["fsdp"]
     here(tmp_path, "--steps", 4)
-    proc, _ = launch(tmp_path, "--steps", STEPS, "--resume", "--sigkill", "1:7")
+    # The two processes keep the optimizer state and params in host memory; the checkpoint they
+    # write from there resumes here with all state on the devices.
+    proc, _ = launch(tmp_path, "--steps", STEPS, "--resume", "--sigkill", "1:7", "--offload", "optimizer+params")
     assert proc.returncode == 128 + 9, proc.stdout[-4000:]
+    assert [json.load(open(tmp_path / f"memory{i}.json")) for i in range(2)] == [["pinned_host"]] * 2
     assert "[launch] process 1 was killed by SIGKILL" in proc.stdout
     assert_no_process_left(tmp_path)
     train, _ = logged(tmp_path)

@@ -3,6 +3,7 @@ a plan that says what would fit. Each option trains like a plain one-device opta
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import flax.linen as nn
@@ -169,6 +170,26 @@ def test_the_plan_names_the_option_that_fits_and_it_does(lm_steps):
     roomy = resolve(TinyLM(), optax.adamw(1e-2), data[0], "auto", loss_fn=lm_loss, among=among,
                     options=px.StepOptions(memory_budget=peaks[None] * 4, compile="jit", timed_candidates=0))
     assert roomy.offload is None
+
+
+LM_BATCH = batches("lm", 1)[0]
+TWO_BLOCK_LM = TwoBlockLM()
+
+
+def test_the_cli_takes_offload_and_remat_options(capsys):
+    from parallax.plan.__main__ import main
+
+    args = ["tests.test_offload:TWO_BLOCK_LM", "--batch", "tests.test_offload:LM_BATCH", "--loss", "tests.models:lm_loss",
+            "--devices", "8", "--strategies", "fsdp", "--min-weight-size", "0"]
+    assert main([*args, "--json"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)["rows"]
+    assert main([*args, "--offload", "optimizer", "--remat", "Block", "--remat-policy", "dots", "--json"]) == 0
+    (offloaded,) = json.loads(capsys.readouterr().out)["rows"]
+    assert offloaded["compiled"]["host"] == offloaded["state"]["opt_state"] == plain["state"]["opt_state"] > 0
+    assert offloaded["state"]["host"] == offloaded["state"]["opt_state"] and plain["compiled"]["host"] == 0
+    assert offloaded["peak"] < plain["peak"], (offloaded["peak"], plain["peak"])
+    assert main([*args, "--remat-policy", "dots"]) == 2
+    assert "--remat-policy applies to the module classes named by --remat" in capsys.readouterr().err
 
 
 def test_the_plan_finds_the_repeated_blocks_to_remat():

@@ -188,7 +188,7 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())
-    fixes = {}
+    fixes, memo = {}, {}
     for index, (budget, label) in enumerate(zip(budgets, report.labels)):
         planned = [(row, parsed[i % len(parsed)]) for i, row in enumerate(rows)
                    if row["devices"] == max(counts) and not row.get("error")]
@@ -203,8 +203,13 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
                 log.info("Could not read the model's repeated blocks (%s); remat is not among the options tried.",
                          str(err).splitlines()[0] if str(err) else type(err).__name__)
                 resolved["blocks"] = ()
-        fixes[label] = find_fix(lambda opts, count: rows_for([strategy], count, opts)[0], options, max(counts),
-                                budget, resolved["blocks"])
+        def tried(opts: StepOptions, count: int, strategy: Strategy = strategy) -> dict:  # each compiled once
+            key = (strategy.describe(), opts, count)
+            if key not in memo:
+                memo[key] = rows_for([strategy], count, opts)[0]
+            return memo[key]
+
+        fixes[label] = find_fix(tried, options, max(counts), budget, resolved["blocks"])
     return dataclasses.replace(report, fixes=fixes)
 
 

@@ -2,10 +2,10 @@
 
 For the candidate with the smallest peak at the largest device count planned, options are
 tried in order of what they cost in speed, each by compiling the real train step again
-(exact bytes, as for every plan row): the optimizer state in host memory, the model's repeated
-blocks rematerialised (:func:`repeated_blocks`), the
-params in host memory too, both, and then 2x and 4x the devices. The first that fits ends the
-search; every one tried is reported with its numbers.
+(exact bytes, as for every plan row): the optimizer state in host memory; the model's repeated
+blocks (:func:`repeated_blocks`) rematerialised keeping their matmul outputs, then keeping
+nothing; the params in host memory too; that with the blocks rematerialised; then 2x and 4x
+the devices. The first that fits ends the search; every one tried is reported with its numbers.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class Fix:
 
 def repeated_blocks(model: Any, example_batch: Any, loss_fn: Any = None) -> tuple[str, ...]:
     """Module classes a model calls at two or more places, that hold modules themselves and are
-    not all inside another such class (its repeated blocks): the candidates for ``remat``. A linen model is traced from shapes (its
-    calls recorded); an NNX module (or a function that builds one, from shapes) is walked.
+    not all inside another such class (its repeated blocks): the candidates for ``remat``. A
+    linen model is traced from shapes (its calls recorded); an NNX module (or a function that
+    builds one, from shapes) is walked.
 
     Example:
         >>> repeated_blocks(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
@@ -86,12 +87,21 @@ def options_to_try(options: StepOptions, blocks: Sequence[str]) -> list[tuple[st
     if options.offload is None:
         tries.append(("offload='optimizer'", {"offload": "optimizer"}))
     if remat:
-        tries.append((f"remat={remat!r}", {"remat": remat}))
+        tries.append((_remat_text(remat, "jax.checkpoint_policies.dots_saveable"),
+                      {"remat": (*remat, jax.checkpoint_policies.dots_saveable)}))
+        tries.append((_remat_text(remat), {"remat": remat}))
     if options.offload != "optimizer+params":
         tries.append(("offload='optimizer+params'", {"offload": "optimizer+params"}))
     if remat:
-        tries.append((f"offload='optimizer+params', remat={remat!r}", {"offload": "optimizer+params", "remat": remat}))
+        tries.append((f"offload='optimizer+params', {_remat_text(remat)}",
+                      {"offload": "optimizer+params", "remat": remat}))
     return [(change, dataclasses.replace(options, **fields)) for change, fields in tries]
+
+
+def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
+    """``remat=('Block',)`` or ``remat=('Block', jax.checkpoint_policies.dots_saveable)``, as written."""
+    entries = [repr(target) for target in targets] + ([policy] if policy else [])
+    return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
 
 
 def find_fix(evaluate: Callable[[StepOptions, int], dict], options: StepOptions, devices: int, budget: int,

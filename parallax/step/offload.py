@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 from parallax.step.state import TrainState
@@ -58,7 +57,7 @@ def host_parts(state: Any) -> tuple[str, ...]:
 
 def with_memory_kinds(shardings: TrainState, offload: str | tuple[str, ...] | None) -> TrainState:
     """``shardings`` (a tree of ``NamedSharding`` s shaped like a state) with the offloaded parts'
-    in host memory and the rest in device memory.
+    in host memory and the rest in device memory (unchanged when nothing is offloaded).
 
     Example:
         >>> shardings = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(), loss_fn=loss_fn).shardings
@@ -67,6 +66,8 @@ def with_memory_kinds(shardings: TrainState, offload: str | tuple[str, ...] | No
         ({'pinned_host'}, {'device'})
     """
     parts = offloaded_parts(offload)
+    if not parts:  # nothing offloaded: the shardings as they are (the default memory)
+        return shardings
     kinds = {field: HOST if field in parts else DEVICE for field in ("step", "params", "opt_state", "rng", "model_state")}
     return shardings.replace(**{field: _kind(getattr(shardings, field), kind) for field, kind in kinds.items()})
 
@@ -119,12 +120,3 @@ def to_memory(tree: Any, shardings: Any, kind: str) -> Any:
         return tree
     return jax.device_put(tree, _kind(shardings, kind))
 
-
-def host_bytes(state: Any) -> int:
-    """Per-device bytes of a state's arrays (or abstract arrays) that live in host memory."""
-    total = 0
-    for leaf in jax.tree.leaves(state):
-        sharding = getattr(leaf, "sharding", None)
-        if getattr(sharding, "memory_kind", None) == HOST:
-            total += int(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-    return total

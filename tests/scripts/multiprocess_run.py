@@ -3,6 +3,7 @@
 usage: multiprocess_run.py OUT_DIR [--strategy fsdp|dp+fsdp] [--steps N] [--every N] [--resume]
            [--signal P:STEP]... [--raise P:STEP] [--sigkill P:STEP] [--slow SECONDS]
            [--warm-cache P] [--eval-rows N] [--iterable-eval] [--short-rows P] [--progress]
+           [--offload optimizer|optimizer+params]
 
 A small transformer LM (tests.models.TinyLM, AdamW) on 96 sequences, global batch 16, eval
 on ``--eval-rows`` sequences (odd by default) every 2 steps, checkpoints in OUT_DIR/ckpt
@@ -11,7 +12,8 @@ stopped at and why, the compile path it chose, its history (process 0's also in
 OUT_DIR/log.jsonl as it goes, through px.JSONLogger). ``--iterable-eval`` gives the eval set
 as a list of each process's parts of every batch, split unevenly where a batch does not
 divide (the last one: 3 rows and 2). ``--short-rows P`` gives process P sequences one token
-shorter than the others'.
+shorter than the others'. ``--offload`` keeps that state in host memory (each process writes
+OUT_DIR/memory<index>.json: the optimizer state's memory kinds after its first step).
 
 Faults, at a step as its metrics are read (the step after it is already dispatched):
 ``--signal P:STEP`` sends SIGTERM to process P (when P stopped before STEP, as training
@@ -62,6 +64,7 @@ def parse(argv):
     parser.add_argument("--iterable-eval", action="store_true")
     parser.add_argument("--short-rows", type=int, default=None)
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--offload", default=None)
     return parser.parse_args(argv)
 
 
@@ -112,6 +115,12 @@ class Faults:
             with open(os.path.join(args.out, "raised.json"), "w") as stream:
                 json.dump({"time": time.time(), "process": self.index, "step": step}, stream)
             raise RuntimeError(f"injected failure in process {self.index} at step {step}")
+        if args.offload and step == info.trainer.start_step + 1:  # where the offloaded state lives between steps
+            import jax
+
+            kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(info.trainer.state.opt_state)})
+            with open(os.path.join(args.out, f"memory{self.index}.json"), "w") as stream:
+                json.dump(kinds, stream)
         if args.sigkill and at(args.sigkill) == (self.index, step):
             wait_for_newest_save(info.trainer.checkpointer, step)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -147,7 +156,8 @@ def run(args, index=0, count=1):
     trainer = px.Trainer(TinyLM(), optax.adamw(3e-3), lm_loss, strategy=strategy(args.strategy), max_steps=args.steps,
                          batch_size=BATCH, eval_batch_size=BATCH, eval_every=2,
                          checkpoint_dir=os.path.join(args.out, "ckpt"), checkpoint_every=args.every,
-                         callbacks=callbacks, progress=args.progress, on_preemption="return", shuffle=False)
+                         callbacks=callbacks, progress=args.progress, on_preemption="return", shuffle=False,
+                         offload=args.offload)
     result = trainer.fit(train, eval_data=held_out, resume=args.resume)
     choice = trainer.train_step.choice
     record = {"process": index, "stop_reason": result.stop_reason, "step": int(result.state.step),
