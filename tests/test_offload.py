@@ -166,10 +166,18 @@ def test_the_plan_names_the_option_that_fits_and_it_does(lm_steps):
     options = px.StepOptions(memory_budget=budget, compile="jit", timed_candidates=0)
     among = [FSDP, px.DataParallel()]
     found = resolve(TinyLM(), optax.adamw(1e-2), data[0], "auto", loss_fn=lm_loss, options=options, among=among)
-    assert found.offload == "optimizer" and "with offload='optimizer'" in found.describe(), found.describe()
+    assert found.changes == {"offload": "optimizer"}, found.describe()
+    assert "with offload='optimizer' to fit the memory budget" in found.describe()
+    from parallax.step.search import _fallbacks
+
+    assert list(_fallbacks(px.StepOptions(), lambda: ("Block",))) == [  # the order auto tries, cheapest first
+        {"offload": "optimizer"}, {"remat": ("Block",)}, {"offload": "optimizer+params"},
+        {"offload": "optimizer+params", "remat": ("Block",)}]
+    assert list(_fallbacks(px.StepOptions(remat=("Block",)), lambda: ("Block",))) == [
+        {"offload": "optimizer"}, {"offload": "optimizer+params"}]
     roomy = resolve(TinyLM(), optax.adamw(1e-2), data[0], "auto", loss_fn=lm_loss, among=among,
                     options=px.StepOptions(memory_budget=peaks[None] * 4, compile="jit", timed_candidates=0))
-    assert roomy.offload is None
+    assert roomy.changes == {}
 
 
 LM_BATCH = batches("lm", 1)[0]
@@ -193,7 +201,7 @@ def test_the_cli_takes_offload_and_remat_options(capsys):
 
 
 def test_the_plan_finds_the_repeated_blocks_to_remat():
-    from parallax.plan.fixes import repeated_blocks
+    from parallax.models.blocks import repeated_blocks
 
     batch = batches("lm", 1)[0]
     assert repeated_blocks(TwoBlockLM(), batch, lm_loss) == ("Block",)

@@ -66,6 +66,11 @@ class ModelAdapter(Protocol):
         """Params without metadata boxes: plain arrays, as the state holds them."""
         ...
 
+    def module_calls(self, batch: Any, loss_fn: LossFn | None) -> set[tuple[str, tuple]]:
+        """``(class name, path)`` of every module the model runs (traced from shapes, nothing
+        allocated): what :func:`parallax.models.blocks.repeated_blocks` reads."""
+        ...
+
     def values(self) -> tuple[Any, dict] | None:
         """``(params, model_state)`` a model already holds (an NNX instance, e.g. pretrained),
         unboxed, to be placed on the mesh as they are; ``None`` when the state is initialised."""

@@ -34,7 +34,7 @@ from parallax._tree import unbox
 
 from parallax.models.adapter import LossFn, ModelRun, ParamGather
 from parallax.models.precision import Float32Outputs, cast_floating
-from parallax.models.remat_policy import remat_parts
+from parallax.models.nnx_remat import rematerialise
 from parallax.sharding.gather import all_gather_mean_grad, gather_dim
 
 __all__ = ["NNXModel", "is_nnx_model"]
@@ -152,6 +152,12 @@ class NNXModel:
     def unbox(self, params: Any) -> Any:
         return unbox(params)
 
+    def module_calls(self, batch: Any, loss_fn: LossFn | None) -> set[tuple[str, tuple]]:
+        """The submodules of the module (built from shapes for a function), each with its path."""
+        module = self.source if isinstance(self.source, nnx.Module) else nnx.eval_shape(lambda: _build(self.source))
+        return {(type(node).__name__, tuple(path)) for path, node in nnx.iter_graph(module)
+                if isinstance(node, nnx.Module)}
+
     def values(self) -> tuple[dict, dict] | None:
         """An instance's own values (kept, e.g. pretrained weights); ``None`` for a function."""
         if not isinstance(self.source, nnx.Module):
@@ -196,7 +202,7 @@ class NNXModel:
             batch = cast_floating(batch, run.compute_dtype)
         module = nnx.merge(self.model, params, model_state)
         _gather_on_read(module, gathered, run.compute_dtype)
-        _rematerialise(module, run.remat)
+        rematerialise(module, run.remat)
         keys = _reseed(module, rngs)
         _set_batch_stats_axes(module, run.batch_stats_axes)
         if run.train:
@@ -277,43 +283,6 @@ def _gathered_on_read(cls: type, dim: int, axis: str, dtype: Any) -> type:
         return full if index is ... else full[index]
 
     return type(cls.__name__, (cls,), {"get_value": get_value, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
-
-
-def _rematerialise(module: nnx.Module, remat: Sequence) -> None:
-    """Calls of the submodules whose class is (or is named) one of ``remat``'s targets run under
-    ``nnx.remat`` (with its checkpoint policy): their activations are recomputed in the backward
-    pass. Only this step's merged copy of the module changes class; the user's module and its
-    graph definition do not."""
-    targets, policy = remat_parts(remat)
-    if not targets:
-        return
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Module) and any(
-                (isinstance(t, str) and type(node).__name__ == t) or (isinstance(t, type) and isinstance(node, t))
-                for t in targets):
-            object.__setattr__(node, "__class__", _rematerialised(type(node), policy))
-
-
-@functools.cache
-def _rematerialised(cls: type, policy: Any = None) -> type:
-    """``cls`` with its ``__call__`` under ``nnx.remat`` with ``policy`` (array arguments traced,
-    the rest static)."""
-
-    def __call__(self, *args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
-
-        def body(module, *values):
-            merged = list(leaves)
-            for index, value in zip(dynamic, values):
-                merged[index] = value
-            call_args, call_kwargs = jax.tree.unflatten(treedef, merged)
-            return cls.__call__(module, *call_args, **call_kwargs)
-
-        return nnx.remat(body, policy=policy)(self, *[leaves[i] for i in dynamic])
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
 

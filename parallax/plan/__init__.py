@@ -37,7 +37,8 @@ import jax
 from parallax._units import format_bytes, parse_bytes
 from parallax.plan import isolated
 from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate, parse_strategy
-from parallax.plan.fixes import find_fix, repeated_blocks
+from parallax.models.blocks import repeated_blocks
+from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions

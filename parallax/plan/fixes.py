@@ -3,22 +3,18 @@
 For the candidate with the smallest peak at the largest device count planned, options are
 tried in order of what they cost in speed, each by compiling the real train step again
 (exact bytes, as for every plan row): the optimizer state in host memory; the model's repeated
-blocks (:func:`repeated_blocks`) rematerialised keeping their matmul outputs, then keeping
+blocks (:func:`parallax.models.blocks.repeated_blocks`) rematerialised keeping their matmul outputs, then keeping
 nothing; the params in host memory too; that with the blocks rematerialised; then 2x and 4x
 the devices. The first that fits ends the search; every one tried is reported with its numbers.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-import flax.linen as nn
 import jax
-from flax import nnx
 
-from parallax.models import adapter_for
 from parallax.step.options import StepOptions
 
 
@@ -43,41 +39,6 @@ class Fix:
         return {"change": self.change, "devices": self.devices, "fits": self.fits, "peak": self.row.get("peak"),
                 "host": (self.row.get("compiled") or {}).get("host"), "strategy": self.row.get("strategy"),
                 "error": self.row.get("error")}
-
-
-def repeated_blocks(model: Any, example_batch: Any, loss_fn: Any = None) -> tuple[str, ...]:
-    """Module classes a model calls at two or more places, that hold modules themselves and are
-    not all inside another such class (its repeated blocks): the candidates for ``remat``. A
-    linen model is traced from shapes (its calls recorded); an NNX module (or a function that
-    builds one, from shapes) is walked.
-
-    Example:
-        >>> repeated_blocks(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
-        ()
-    """
-    calls: set[tuple[str, tuple]] = set()
-    if isinstance(model, nn.Module):
-        def record(next_fun, args, kwargs, context):
-            if context.method_name == "__call__":
-                calls.add((type(context.module).__name__, tuple(context.module.path)))
-            return next_fun(*args, **kwargs)
-
-        init = lambda key: adapter_for(model).init({"params": key, "dropout": key}, example_batch, loss_fn, ())
-        with nn.intercept_methods(record):
-            jax.eval_shape(init, jax.random.key(0))
-    else:
-        module = model if isinstance(model, nnx.Module) else nnx.eval_shape(model) if callable(model) else None
-        if module is not None:
-            calls = {(type(node).__name__, tuple(path)) for path, node in nnx.iter_graph(module)
-                     if isinstance(node, nnx.Module)}
-    paths = collections.defaultdict(set)
-    for name, path in calls:
-        if any(len(other) > len(path) and other[:len(path)] == path for _, other in calls):  # holds modules
-            paths[name].add(path)
-    repeated = {name: found for name, found in paths.items() if len(found) > 1}
-    inside = lambda path, name: any(len(outer) < len(path) and path[:len(outer)] == outer  # noqa: E731
-                                    for other, found in repeated.items() if other != name for outer in found)
-    return tuple(sorted(name for name, found in repeated.items() if not all(inside(p, name) for p in found)))
 
 
 def options_to_try(options: StepOptions, blocks: Sequence[str]) -> list[tuple[str, StepOptions]]:
@@ -113,7 +74,7 @@ def find_fix(evaluate: Callable[[StepOptions, int], dict], options: StepOptions,
         options: the step options the plan was made with.
         devices: the device count of the candidate.
         budget: bytes per device.
-        blocks: module class names ``remat`` may name (:func:`repeated_blocks`).
+        blocks: module class names ``remat`` may name (:func:`parallax.models.blocks.repeated_blocks`).
         more_devices: factors of ``devices`` to try last, with ``options`` as given.
 
     Returns:

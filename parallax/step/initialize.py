@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import jax
@@ -13,8 +14,10 @@ from parallax.sharding.auto import check_strategy
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions
 from parallax.step.plan import plan_state, warn_if_unsharded
-from parallax.step.search import resolve
+from parallax.step.search import describe_changes, resolve
 from parallax.step.state import TrainState
+
+log = logging.getLogger("parallax")
 
 
 def init_state(
@@ -64,9 +67,9 @@ def init_state(
         options: the :class:`parallax.StepOptions` the train step will use: the candidates
             of an ``"auto"`` search are compiled and priced with them (``memory_budget``,
             ``grad_accum``, ``precision``...), and its ``offload`` parts are built straight into
-            host memory (with ``strategy="auto"``, the offload level the search needed to fit
-            ``memory_budget`` when nothing fits without: a step with ``offload=None`` keeps the
-            state where it was built).
+            host memory (with ``strategy="auto"``, what the search had to change to fit
+            ``memory_budget`` when nothing fits without: a warning names it, and a step with
+            ``offload=None`` keeps the state where it was built).
         params: pretrained params to start from instead of initialising: a pytree of host or
             device arrays, or an orbax checkpoint path (see :mod:`parallax.step.pretrained`);
             checked against the model's shapes, placed shard by shard.
@@ -88,6 +91,10 @@ def init_state(
                     options=options, rng=rng, rng_streams=rng_streams)
     plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
                       mesh=found.mesh, rng_streams=rng_streams, params=params, sharding_mode=sharding_mode,
-                      offload=found.offload)
+                      offload=found.changes.get("offload", StepOptions.create(options).offload))
+    if found.changes:
+        log.warning("strategy='auto' fits the memory budget only with %s: the state is built so; build the train "
+                    "step with the same options (px.make_train_step(..., %s)).", describe_changes(found.changes),
+                    describe_changes(found.changes))
     warn_if_unsharded(plan)
     return plan.build()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallax._units import format_bytes
 from parallax.models import LossFn
+from parallax.models.blocks import repeated_blocks
 from parallax.sharding.auto import AUTO, candidates, is_auto, split_candidates
 from parallax.sharding.parts import FSDP
 from parallax.sharding.strategy import Strategy
@@ -55,9 +56,10 @@ class Resolved:
         seconds: what the search took (planning and compiling every candidate, and timing).
         timed: the candidates run on the devices to settle a close call, by label: their
             median step time in seconds (empty when none was run).
-        offload: the step's ``offload`` the candidates were compiled with: the one given, or,
-            when no candidate fits the memory budget with all state on the devices, the first
-            level with which one does (build the state and step with it).
+        changes: the step options the search changed because no candidate fitted the memory
+            budget with the options given (``offload``, then ``remat`` of the model's repeated
+            blocks: :func:`_fallbacks`), as ``StepOptions`` fields; build the state and the step
+            with them (the Trainer and ``init_state`` do). Empty when nothing had to change.
     """
 
     strategy: Strategy
@@ -66,7 +68,7 @@ class Resolved:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     timed: dict[str, float] = dataclasses.field(default_factory=dict)
-    offload: str | None = None
+    changes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         """One line: what was chosen, its estimate, the runner-up, and what the search cost."""
@@ -76,8 +78,8 @@ class Resolved:
         if self.timed:
             text += "; timed the closest on the devices: " + ", ".join(
                 f"{label} {1e3 * seconds:.1f} ms" for label, seconds in sorted(self.timed.items(), key=lambda x: x[1]))
-        if self.offload:
-            text += f"; with offload={self.offload!r}"
+        if self.changes:
+            text += f"; with {describe_changes(self.changes)} to fit the memory budget"
         text += f"; {len(self.choice.estimates)} candidates compiled in {self.seconds:.1f} s"
         return text + (f", {len(self.skipped)} skipped" if self.skipped else "")
 
@@ -113,8 +115,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             devices (e.g. ``candidates(8, fsdp=px.FSDP(min_weight_size=2**14))``).
     """
     if not is_auto(strategy):
-        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices),
-                        offload=StepOptions.create(options).offload)
+        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
     if loss_fn is None:
         raise ValueError(f"strategy={strategy!r} compiles each candidate's train step to price it: pass loss_fn=.")
     if strategy == AUTO and mesh is not None:
@@ -128,14 +129,14 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
                                 splitting, rng, rng_streams)
     estimates, found, skipped, runnable = price(options)
-    offload = options.offload
-    if budget is not None and offload is None and not any(e.peak <= budget for e in estimates.values()):
-        for level in ("optimizer", "optimizer+params"):  # only when nothing fits without it
-            trial = price(dataclasses.replace(options, offload=level))
+    changes: dict = {}
+    if budget is not None and not any(e.peak <= budget for e in estimates.values()):
+        for fields in _fallbacks(options, lambda: repeated_blocks(model, example_batch, loss_fn)):
+            trial = price(dataclasses.replace(options, **fields))  # only when nothing fits without
             if any(e.peak <= budget for e in trial[0].values()):
-                log.info("No candidate fits the memory budget of %s per device with all state on the devices; "
-                         "with offload=%r some do.", format_bytes(budget), level)
-                (estimates, found, skipped, runnable), offload = trial, level
+                log.info("No candidate fits the memory budget of %s per device as given; with %s some do.",
+                         format_bytes(budget), describe_changes(fields))
+                (estimates, found, skipped, runnable), changes = trial, fields
                 break
     if not estimates:
         reasons = "; ".join(f"{label}: {why}" for label, why in skipped.items())
@@ -150,9 +151,29 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     if timed:
         choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
     picked, picked_mesh = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed, offload)
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed, changes)
     log.info("%s", resolved.describe())
     return resolved
+
+
+def _fallbacks(options: StepOptions, blocks: Callable[[], tuple[str, ...]]) -> Iterator[dict[str, Any]]:
+    """The option changes ``strategy="auto"`` tries when nothing fits, cheapest in speed first: the
+    optimizer state offloaded, the model's repeated blocks rematerialised (read only if needed),
+    the params offloaded too, and both."""
+    if options.offload is None:
+        yield {"offload": "optimizer"}
+    remat = () if options.remat else blocks()
+    if remat:
+        yield {"remat": remat}
+    if options.offload != "optimizer+params":
+        yield {"offload": "optimizer+params"}
+    if remat:
+        yield {"offload": "optimizer+params", "remat": remat}
+
+
+def describe_changes(changes: dict[str, Any]) -> str:
+    """``offload='optimizer', remat=('Block',)``: option changes as you would write them."""
+    return ", ".join(f"{name}={value!r}" for name, value in changes.items())
 
 
 def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,

@@ -134,9 +134,9 @@ class Trainer:
             self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
                                   devices=self.devices, mesh=self.mesh, options=self.config.step,
                                   rng=self.config.seed, rng_streams=self.config.step.rng_streams)
-            if self.search.offload != self.config.step.offload:  # nothing fitted the budget without offload
+            if self.search.changes:  # nothing fitted the memory budget with the options as given
                 self.config = dataclasses.replace(self.config, step=dataclasses.replace(
-                    self.config.step, offload=self.search.offload))
+                    self.config.step, **self.search.changes))
             self._use(self.search.strategy, self.search.mesh)
             if self.config.progress and _multihost.is_primary():
                 print(self.search.describe())

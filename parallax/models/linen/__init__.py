@@ -13,6 +13,7 @@ import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
+import jax
 from flax import errors as flax_errors
 
 from parallax._tree import unbox
@@ -68,6 +69,19 @@ class LinenModel:
 
     def unbox(self, params: Any) -> Any:
         return unbox(params)
+
+    def module_calls(self, batch: Any, loss_fn: LossFn | None) -> set[tuple[str, tuple]]:
+        calls: set[tuple[str, tuple]] = set()
+
+        def record(next_fun, args, kwargs, context):
+            if context.method_name == "__call__":
+                calls.add((type(context.module).__name__, tuple(context.module.path)))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            jax.eval_shape(lambda key: self.model.init({"params": key, "dropout": key}, batch,
+                                                       method=_method(batch, loss_fn)), jax.random.key(0))
+        return calls
 
     def values(self) -> None:
         return None  # a linen module holds no values: the state is always initialised
