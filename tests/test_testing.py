@@ -21,7 +21,7 @@ from flax import nnx
 
 import parallax as px
 from parallax.sharding import gather as gather_lib
-from parallax.step import build
+from parallax.step import update
 from parallax.step import shard_map as shard_map_step
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import STRATEGIES
@@ -137,7 +137,7 @@ def test_catches_updates_rounded_to_bfloat16_which_only_the_params_show(monkeypa
     def bf16_updates(params, updates):
         return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
 
-    monkeypatch.setattr(build, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
+    monkeypatch.setattr(update, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
     text = caught(MLP(), optimizer, classifier_loss, batches("mlp", 3, 32), STRATEGIES["fsdp"]())
     assert "first step whose loss differs" not in text and "optimizer state: equal within tolerance" in text, text
     assert re.search(r"params differ: [^\n]*kernel", text)
