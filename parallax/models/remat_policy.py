@@ -12,13 +12,15 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-NAMED_POLICIES = {
-    "nothing": "jax.checkpoint_policies.nothing_saveable: keep nothing, recompute the whole call (the default)",
-    "dots": "jax.checkpoint_policies.dots_saveable: keep matmul outputs, recompute elementwise work",
-    "dots_no_batch": "jax.checkpoint_policies.dots_with_no_batch_dims_saveable: keep matmuls without batch dims "
-                     "(weight matmuls, not attention scores)",
-    "offload_dots": "jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'): those "
-                    "matmul outputs kept in host memory",
+NAMED_POLICIES = {  # short name: (the policy, what it keeps)
+    "nothing": (lambda: jax.checkpoint_policies.nothing_saveable,
+                "nothing_saveable: keep nothing, recompute the whole call (the default)"),
+    "dots": (lambda: jax.checkpoint_policies.dots_saveable,
+             "dots_saveable: keep matmul outputs, recompute elementwise work"),
+    "dots_no_batch": (lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                      "dots_with_no_batch_dims_saveable: keep the weight matmuls' outputs, not attention scores"),
+    "offload_dots": (lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+                     "offload_dot_with_no_batch_dims('device', 'pinned_host'): those outputs in host memory"),
 }
 
 
@@ -29,13 +31,10 @@ def named_policy(name: str) -> Callable[..., bool]:
         >>> named_policy("dots") is jax.checkpoint_policies.dots_saveable
         True
     """
-    policies = jax.checkpoint_policies
-    made = {"nothing": lambda: policies.nothing_saveable, "dots": lambda: policies.dots_saveable,
-            "dots_no_batch": lambda: policies.dots_with_no_batch_dims_saveable,
-            "offload_dots": lambda: policies.offload_dot_with_no_batch_dims("device", "pinned_host")}
-    if name not in made:
-        raise ValueError(f"remat policy {name!r}; use one of {sorted(made)} (or pass a JAX checkpoint policy).")
-    return made[name]()
+    if name not in NAMED_POLICIES:
+        raise ValueError(f"remat policy {name!r}; use one of {sorted(NAMED_POLICIES)} (or pass a JAX checkpoint "
+                         "policy).")
+    return NAMED_POLICIES[name][0]()
 
 
 def is_policy(entry: Any) -> bool:
