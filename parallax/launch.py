@@ -10,8 +10,9 @@ Each process runs the script with ``PARALLAX_COORDINATOR`` (127.0.0.1 and a free
 :func:`parallax.distributed.initialize` reads; ``--devices-per-process`` gives each one that
 many simulated CPU devices. Every output line is prefixed with its process index
 (``[1] ...``). SIGINT and SIGTERM are forwarded to every process (a second SIGINT kills
-them). The run fails as a whole: when any process exits non-zero, the others are killed at
-once and the launcher exits with that process's code, naming it. ``--timeout`` kills
+them). The run fails as a whole: when any process exits non-zero, the others are killed (after
+up to ``FAILURE_GRACE`` seconds in which any that also fail are named too: a process whose peer
+failed may notice and exit first) and the launcher exits with the first one's code, naming it. ``--timeout`` kills
 everything after that many seconds (exit 124). No process outlives the launcher.
 
 On a cluster, start one process per host with the scheduler instead (``srun``, a
@@ -30,6 +31,8 @@ import sys
 import threading
 import time
 from typing import Sequence
+
+FAILURE_GRACE = 3.0  # seconds after a first failure in which other failing processes are named too
 
 
 def _free_port() -> int:
@@ -133,14 +136,32 @@ class Launch:
                     self.say(f"[launch] timed out after {timeout:g}s; killing every process")
                     return 124
                 finished += 1
-                if code != 0:  # the first to fail: the others' errors usually follow from it
-                    self.say(f"[launch] process {index} {_describe(code)}; ending the other processes")
+                if code != 0:  # the first to fail; the others' errors usually follow from it
+                    failed = [(index, code)] + self._failing_soon(self.count - finished)
+                    for number, (which, how) in enumerate(failed, 1):  # whichever exits first names none alone
+                        self.say(f"[launch] process {which} {_describe(how)}"
+                                 + ("; ending the other processes" if number == len(failed) else ""))
                     return 128 - code if code < 0 else code
             return 0
         finally:
             self.kill()
             for reader in self._readers:
                 reader.join(timeout=5)
+
+
+    def _failing_soon(self, running: int, grace: float = FAILURE_GRACE) -> list[tuple[int, int]]:
+        """The processes of ``running`` that exit with an error within ``grace`` seconds of a first
+        failure: a process whose peer failed may notice and exit before the one that failed does."""
+        failed, end = [], time.monotonic() + grace
+        while running:
+            try:
+                index, code = self._exits.get(timeout=max(end - time.monotonic(), 0))
+            except queue.Empty:
+                break
+            running -= 1
+            if code != 0:
+                failed.append((index, code))
+        return failed
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
