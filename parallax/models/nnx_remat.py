@@ -9,11 +9,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-import jax
-import numpy as np
 from flax import nnx
 
-from parallax.models.remat_policy import remat_parts
+from parallax.models.remat_policy import array_arguments, remat_parts
 
 
 def rematerialise(module: nnx.Module, remat: Sequence) -> None:
@@ -37,17 +35,13 @@ def _rematerialised(cls: type, policy: Any = None) -> type:
     the rest static)."""
 
     def __call__(self, *args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+        arrays, rebuild = array_arguments(args, kwargs)
 
         def body(module, *values):
-            merged = list(leaves)
-            for index, value in zip(dynamic, values):
-                merged[index] = value
-            call_args, call_kwargs = jax.tree.unflatten(treedef, merged)
+            call_args, call_kwargs = rebuild(values)
             return cls.__call__(module, *call_args, **call_kwargs)
 
-        return nnx.remat(body, policy=policy)(self, *[leaves[i] for i in dynamic])
+        return nnx.remat(body, policy=policy)(self, *arrays)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 NAMED_POLICIES = {  # short name: (the policy, what it keeps)
     "nothing": (lambda: jax.checkpoint_policies.nothing_saveable,
@@ -35,6 +36,27 @@ def named_policy(name: str) -> Callable[..., bool]:
         raise ValueError(f"remat policy {name!r}; use one of {sorted(NAMED_POLICIES)} (or pass a JAX checkpoint "
                          "policy).")
     return NAMED_POLICIES[name][0]()
+
+
+def array_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[Sequence], tuple[tuple, dict]]]:
+    """A call's array arguments (what a rematerialised call traces), and ``rebuild(arrays)`` giving
+    ``(args, kwargs)`` back with those arrays replaced and every other argument as it was (static).
+
+    Example:
+        >>> arrays, rebuild = array_arguments((np.ones(2), "tanh"), {"train": True})
+        >>> rebuild([np.zeros(2)])
+        ((array([0., 0.]), 'tanh'), {'train': True})
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+    def rebuild(arrays: Sequence) -> tuple[tuple, dict]:
+        merged = list(leaves)
+        for index, value in zip(dynamic, arrays):
+            merged[index] = value
+        return jax.tree.unflatten(treedef, merged)
+
+    return [leaves[i] for i in dynamic], rebuild
 
 
 def is_policy(entry: Any) -> bool:

@@ -12,10 +12,8 @@ import contextlib
 from typing import Iterator, Sequence
 
 import flax.linen as nn
-import jax
-import numpy as np
 
-from parallax.models.remat_policy import remat_parts
+from parallax.models.remat_policy import array_arguments, remat_parts
 
 
 def _matches(module: nn.Module, targets: Sequence[type | str]) -> bool:
@@ -53,21 +51,17 @@ def remat_modules(remat: Sequence) -> Iterator[None]:
     def interceptor(next_fun, args, kwargs, context):
         if inside or context.method_name != "__call__" or not _matches(context.module, targets):
             return next_fun(*args, **kwargs)
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+        arrays, rebuild = array_arguments(args, kwargs)
 
-        def body(module, *dynamic_leaves):
-            merged = list(leaves)
-            for index, value in zip(dynamic, dynamic_leaves):
-                merged[index] = value
-            call_args, call_kwargs = jax.tree.unflatten(treedef, merged)
+        def body(module, *values):
+            call_args, call_kwargs = rebuild(values)
             inside.append(1)
             try:
                 return type(module).__call__(module, *call_args, **call_kwargs)
             finally:
                 inside.pop()
 
-        return nn.remat(body, policy=policy)(context.module, *[leaves[i] for i in dynamic])
+        return nn.remat(body, policy=policy)(context.module, *arrays)
 
     with nn.intercept_methods(interceptor):
         yield
