@@ -161,8 +161,8 @@ def assert_equivalent(
     Example:
         >>> report = px.testing.assert_equivalent(model, optax.adam(1e-3), loss_fn, [batch] * 3,
         ...                                       px.FSDP(min_weight_size=0))
-        >>> report.passed, report.mode
-        (True, 'jit')
+        >>> report.passed, report.mode in ("jit", "shard_map")  # the mode: the cost model's pick
+        (True, True)
     """
     batches = list(batches)[:steps]
     if not batches:
