@@ -17,13 +17,17 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def side_runner_args(doc: str, *, models: str, rounds: int = 9, **lists: str) -> argparse.Namespace:
+def side_runner_args(doc: str, *, models: str, rounds: int = 9, switches: tuple[str, ...] = (),
+                     **lists: str) -> argparse.Namespace:
     """The arguments of a comparison runner (``--models``, one option per ``lists`` entry with its
-    default, ``--rounds``, ``--devices``, ``--smoke``, ``--out``); starts the simulated devices."""
+    default, one on/off flag per ``switches`` entry, ``--rounds``, ``--devices``, ``--smoke``,
+    ``--out``); starts the simulated devices."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=models)
     for name, default in lists.items():
         parser.add_argument(f"--{name}", default=default)
+    for name in switches:
+        parser.add_argument(f"--{name}", action="store_true")
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny models, one round")

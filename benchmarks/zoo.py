@@ -1,0 +1,284 @@
+"""The zoo: does each default hold on models it was never tuned on?
+
+    python -m benchmarks.zoo                         # 22 models x 5 kinds, 8 simulated CPU devices (~40 min)
+    python -m benchmarks.zoo --models mlp_square_a,lm_0 --kinds fsdp --rounds 5
+    python -m benchmarks.zoo --smoke                 # tiny widths, one round: checks it still runs
+
+For each zoo member (``benchmarks/zoo_models.py``, drawn from ``--seed``) and each kind (DP,
+FSDP, TP, DP×FSDP 2×4, FSDP×TP 4×2), every parallax configuration of that kind is compiled:
+both compile paths (``jit``, ``shard_map``) and, where FSDP is part of it, every split
+(``largest``, ``output``, ``input``). The **default** is what a user gets by writing the kind
+with no options (``px.FSDP(min_weight_size=2**14)``: the zoo's models are small, so the split
+threshold is scaled down as in every benchmark here), built by ``init_state`` and run by
+``make_train_step`` with ``compile="auto"``; after its first call it is identified with the
+configuration that has the same layout and path. Peers, where installed (``make bench-peers``)
+and where they express the same plan: google-parallax's DDP and FSDP on the NNX members,
+Keras 3's ``DataParallel`` and its FSDP-like ``ModelParallel`` layout on the MLP stacks.
+
+All configurations of one model are timed in the same rounds, in a new random order each
+round. Reported per model and kind: ``default_over_best``, the default's step time over the
+fastest parallax configuration's (by median), round by round, min/median/max; each peer's step
+time over the default's. With ``--search``: ``strategy="auto"``'s search time beside the step
+time its pick saves over 1,000 steps against the DP default. Output:
+``results/zoo.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from benchmarks import report, side_runner_args, time_interleaved
+
+KINDS = ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp")
+if __name__ == "__main__":
+    ARGS = side_runner_args(__doc__, models="all", kinds=",".join(KINDS), rounds=5, seed="0",
+                            switches=("no-peers", "no-search"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import parallax as px  # noqa: E402
+from benchmarks.run import MB, MIN_WEIGHT_SIZE, Config, round_ratios  # noqa: E402
+from benchmarks.zoo_models import Member, zoo  # noqa: E402
+
+SPLITS = ("largest", "output", "input")
+MODES = ("jit", "shard_map")
+
+
+def strategy_of(kind: str, split: str | None = None) -> px.Strategy:
+    """The strategy of ``kind`` on 8 devices; ``split=None`` leaves FSDP's split at its default."""
+    extra = {} if split is None else {"split": split}
+    fsdp = lambda size=-1: px.FSDP(size, min_weight_size=MIN_WEIGHT_SIZE, **extra)  # noqa: E731
+    return {"dp": lambda: px.DataParallel(), "fsdp": lambda: fsdp(), "tp": lambda: px.TensorParallel(),
+            "dp+fsdp": lambda: px.combine(px.DataParallel(2), fsdp(-1)),
+            "fsdp+tp": lambda: px.combine(fsdp(-1), px.TensorParallel(2))}[kind]()
+
+
+def configurations(kind: str) -> list[tuple[str, str | None, str]]:
+    """``(label, split, compile)`` of every parallax configuration of ``kind``."""
+    splits = SPLITS if "fsdp" in kind else (None,)
+    return [(f"{split}/{mode}" if split else mode, split, mode) for split in splits for mode in MODES]
+
+
+def specs_of(state) -> list:
+    return [leaf.sharding.spec for leaf in jax.tree.leaves(state.params)]
+
+
+class Default:
+    """The kind's default as a user builds it; ``label`` names the configuration it matched."""
+
+    def __init__(self, member: Member, kind: str, tx):
+        strategy = strategy_of(kind)
+        start = time.perf_counter()
+        state = px.init_state(member.build(), tx, member.batch, strategy=strategy, loss_fn=member.loss_fn)
+        step = px.make_train_step(member.loss_fn, strategy)
+        mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+        batch = px.data.to_global(member.batch, NamedSharding(mesh, strategy.batch_spec()))
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        self.setup_s = time.perf_counter() - start  # planning (and any search), compiling, one step
+        self.mode, self.specs, self.describe = step.mode(), specs_of(state), step.describe()
+
+    def matches(self, config: Config, mode: str) -> bool:
+        return mode == self.mode and specs_of(config.state) == self.specs
+
+
+def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dict]:
+    """Every configuration of ``kinds`` compiled (``label -> Config``, labels ``kind label``), the
+    default of each kind (``kind -> label``) and what could not be built (``label -> reason``)."""
+    configs, defaults, skipped = {}, {}, {}
+    for kind in kinds:
+        try:
+            default = Default(member, kind, tx)
+        except Exception as exc:  # noqa: BLE001 (reported in the results)
+            skipped[f"{kind} default"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        for label, split, mode in configurations(kind):
+            name = f"{kind} {label}"
+            try:
+                strategy = strategy_of(kind, split)
+                mesh = strategy.make_mesh()
+                state = px.init_state(member.build(), tx, member.batch, strategy=strategy, loss_fn=member.loss_fn,
+                                      mesh=mesh)
+                placed = px.data.to_global(member.batch, NamedSharding(mesh, strategy.batch_spec()))
+                configs[name] = Config(name, px.make_train_step(member.loss_fn, strategy, compile=mode), state, placed)
+            except Exception as exc:  # noqa: BLE001
+                skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                continue
+            if kind not in defaults and default.matches(configs[name], mode):
+                defaults[kind] = (name, default)
+        if kind not in defaults:
+            skipped[f"{kind} default"] = f"matched no configuration ({default.describe})"
+    return configs, defaults, skipped
+
+
+def peers_for(member: Member, kinds: list[str]) -> dict:
+    """The peers' runners that express the same plan as a kind on this member: ``label -> (kind, runner)``."""
+    from benchmarks import zoo_peers
+
+    return zoo_peers.runners(member, kinds)
+
+
+def search(member: Member, tx) -> tuple[dict, Config | None]:
+    """``strategy="auto"`` on this member: the search's time and pick, and the pick compiled for timing."""
+    from parallax.step.search import resolve
+
+    start = time.perf_counter()
+    found = resolve(member.build(), tx, member.batch, "auto", loss_fn=member.loss_fn)
+    seconds = time.perf_counter() - start
+    label = found.choice.picked
+    mode = "shard_map" if label.endswith("shard_map") else "jit"
+    state = px.init_state(member.build(), tx, member.batch, strategy=found.strategy, loss_fn=member.loss_fn,
+                          mesh=found.mesh)
+    placed = px.data.to_global(member.batch, NamedSharding(found.mesh, found.strategy.batch_spec()))
+    config = Config(f"auto {label}", px.make_train_step(member.loss_fn, found.strategy, compile=mode), state, placed)
+    return {"search_s": seconds, "pick": label, "candidates": len(found.choice.estimates),
+            "timed": len(found.timed), "search_reported_s": found.seconds}, config
+
+
+def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_search: bool) -> list[dict]:
+    tx = optax.adamw(1e-3)
+    configs, defaults, skipped = build_configs(member, kinds, tx)
+    peers = peers_for(member, kinds) if with_peers else {}
+    found, pick = search(member, tx) if with_search else ({}, None)
+    runners = list(configs.values()) + [runner for _, runner in peers.values()] + ([pick] if pick else [])
+    time_interleaved(runners, rounds)
+    results = []
+    for kind in kinds:
+        mine = {name: c for name, c in configs.items() if name.startswith(f"{kind} ")}
+        if kind not in defaults or not mine:
+            results.append({"model": member.name, "family": member.family, "api": member.api, "kind": kind,
+                            "skipped": {k: v for k, v in skipped.items() if k.startswith(f"{kind} ")}})
+            continue
+        name, default = defaults[kind]
+        best = min(mine, key=lambda n: mine[n].median_s)
+        results.append({
+            "model": member.name, "family": member.family, "api": member.api, "kind": kind,
+            "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1],
+            "default_over_best": round_ratios(configs[name], configs[best]),
+            "default_ms": 1e3 * configs[name].median_s, "best_ms": 1e3 * configs[best].median_s,
+            "default_setup_s": default.setup_s, "default_describe": default.describe,
+            "configs": {n.split(" ", 1)[1]: {"ms": 1e3 * c.median_s, "vs_default": round_ratios(c, configs[name]),
+                                             "collective_mb": c.collective_total() / MB,
+                                             "temp_mb": c.memory["temporaries"] / MB, "compile_s": c.compile_s}
+                        for n, c in mine.items()},
+            "peers": {label: {"ms": 1e3 * runner.median_s, "over_default": round_ratios(runner, configs[name]),
+                              "notes": runner.notes}
+                      for label, (peer_kind, runner) in peers.items() if peer_kind == kind},
+            "skipped": {k: v for k, v in skipped.items() if k.startswith(f"{kind} ")},
+        })
+    if pick is not None:
+        dp = configs.get(defaults["dp"][0]) if "dp" in defaults else None
+        saved = 1000 * (dp.median_s - pick.median_s) if dp else None
+        fastest = min(configs.values(), key=lambda c: c.median_s)
+        results.append({"model": member.name, "family": member.family, "api": member.api, "kind": "auto", **found,
+                        "pick_ms": 1e3 * pick.median_s, "dp_default_ms": 1e3 * dp.median_s if dp else None,
+                        "saves_s_per_1000_steps": saved, "fastest_measured": fastest.label,
+                        "pick_over_fastest": round_ratios(pick, fastest)})
+    return results
+
+
+def distribution(results: list[dict]) -> dict:
+    """Per kind: how many defaults are within 10% of the best, the worst, and the median ratio."""
+    out = {}
+    for kind in KINDS:
+        ratios = [r["default_over_best"]["median"] for r in results if r["kind"] == kind and "default_over_best" in r]
+        if ratios:
+            out[kind] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
+                         "worst": max(ratios), "median": float(np.median(ratios)),
+                         "over_1.3": sum(x > 1.3 for x in ratios)}
+    ratios = [r["default_over_best"]["median"] for r in results if "default_over_best" in r]
+    if ratios:
+        out["all"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios), "worst": max(ratios),
+                      "median": float(np.median(ratios)), "over_1.3": sum(x > 1.3 for x in ratios)}
+    return out
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"# The zoo: default over best, per model and kind ({meta['devices']} {meta['platform']} devices, "
+             f"jax {meta['jax']}, {meta['rounds']} rounds, AdamW, seed {meta['seed']})", "",
+             "Each ratio: the default's step time over the fastest parallax configuration of the same kind, "
+             "round by round, median (min–max). Peers: their step time over parallax's default.", "",
+             "| kind | models | default within 10% of best | over 1.3× | median | worst |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for kind, d in meta["distribution"].items():
+        lines.append(f"| {kind} | {d['models']} | {d['within_10pct']} ({100 * d['within_10pct'] / d['models']:.0f}%) "
+                     f"| {d['over_1.3']} | {d['median']:.2f} | {d['worst']:.2f} |")
+    lines += ["", "| model | kind | default | best | default ÷ best | default ms | peers (÷ default) | setup s |",
+              "| --- | --- | --- | --- | --- | ---: | --- | ---: |"]
+    for r in results:
+        if r["kind"] == "auto" or "default_over_best" not in r:
+            continue
+        v = r["default_over_best"]
+        peers = "; ".join(f"{label} {p['over_default']['median']:.2f} ({p['over_default']['min']:.2f}–"
+                          f"{p['over_default']['max']:.2f})" for label, p in r["peers"].items())
+        lines.append(f"| {r['model']} | {r['kind']} | {r['default']} | {r['best']} | {v['median']:.2f} "
+                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {peers} | {r['default_setup_s']:.1f} |")
+    searched = [r for r in results if r["kind"] == "auto"]
+    if searched:
+        lines += ["", "## strategy=\"auto\": what the search costs and what it saves", "",
+                  "| model | search s | candidates (timed) | pick | pick ms | DP default ms | saved over 1,000 steps, s "
+                  "| pick ÷ fastest measured |", "| --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]
+        for r in searched:
+            v = r["pick_over_fastest"]
+            lines.append(f"| {r['model']} | {r['search_s']:.1f} | {r['candidates']} ({r['timed']}) | {r['pick']} "
+                         f"| {r['pick_ms']:.1f} | {r['dp_default_ms']:.1f} | {r['saves_s_per_1000_steps']:.1f} "
+                         f"| {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) |")
+    skipped = [(r["model"], r["kind"], k, why) for r in results for k, why in r.get("skipped", {}).items()]
+    if skipped:
+        lines += ["", "Not built:", ""] + [f"- {model} {label}: {why}" for model, _, label, why in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for x, kind in enumerate(KINDS):
+        rows = [r for r in results if r["kind"] == kind and "default_over_best" in r]
+        ys = [r["default_over_best"]["median"] for r in rows]
+        jitter = np.random.default_rng(x).uniform(-0.2, 0.2, len(ys))
+        ax.scatter(x + jitter, ys, s=18, alpha=0.8)
+        for r, j in zip(rows, jitter):
+            ax.plot([x + j] * 2, [r["default_over_best"]["min"], r["default_over_best"]["max"]], lw=0.6, alpha=0.4,
+                    color="gray")
+    ax.axhline(1.1, ls="--", color="orange", lw=1, label="1.1: within 10%")
+    ax.axhline(1.3, ls="--", color="red", lw=1, label="1.3: never beyond")
+    ax.set_xticks(range(len(KINDS)), KINDS)
+    ax.set_ylabel("default ÷ best parallax config (median; bar: min–max)")
+    ax.set_title("parallax defaults on the zoo")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> None:
+    members = zoo(int(args.seed), args.scale)
+    if args.models != "all":
+        wanted = args.models.split(",")
+        members = [m for m in members if m.name in wanted or m.family in wanted]
+    kinds = args.kinds.split(",")
+    with_peers, with_search = not args.no_peers, not args.no_search
+    results = []
+    for member in members:
+        start = time.perf_counter()
+        results.extend(bench(member, kinds, args.rounds, with_peers, with_search))
+        mine = [r for r in results if r["model"] == member.name and "default_over_best" in r]
+        print(f"{member.name}: " + ", ".join(f"{r['kind']} {r['default_over_best']['median']:.2f}" for r in mine)
+              + f" ({time.perf_counter() - start:.0f} s)", flush=True)
+    report(args, "zoo", results, markdown, seed=int(args.seed), distribution=distribution(results))
+    if not args.smoke:
+        chart(results, os.path.join(args.out, "zoo.png"))
+
+
+if __name__ == "__main__":
+    main(ARGS)
