@@ -25,7 +25,7 @@ def side_runner_args(doc: str, *, models: str, rounds: int = 9, switches: tuple[
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=models)
     for name, default in lists.items():
-        parser.add_argument(f"--{name}", default=default)
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=default)
     for name in switches:
         parser.add_argument(f"--{name}", action="store_true")
     parser.add_argument("--rounds", type=int, default=rounds)

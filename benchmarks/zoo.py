@@ -34,6 +34,7 @@ from benchmarks import report, side_runner_args, time_interleaved
 KINDS = ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp")
 if __name__ == "__main__":
     ARGS = side_runner_args(__doc__, models="all", kinds=",".join(KINDS), rounds=5, seed="0",
+                            search_models="mlp_square_a,mlp_megatron,lm_0,lm_scan,nnx_lm_1,cnn_0,moe",
                             switches=("no-peers", "no-search"))
 
 import jax  # noqa: E402
@@ -84,6 +85,7 @@ class Default:
         jax.block_until_ready(metrics)
         self.setup_s = time.perf_counter() - start  # planning (and any search), compiling, one step
         self.mode, self.specs, self.describe = step.mode(), specs_of(state), step.describe()
+        self.reshardings = [r.describe() for r in step.reshardings.get(self.mode, [])]
 
     def matches(self, config: Config, mode: str) -> bool:
         return mode == self.mode and specs_of(config.state) == self.specs
@@ -118,6 +120,20 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
     return configs, defaults, skipped
 
 
+def split_search(member: Member, kind: str, tx) -> dict:
+    """What ``FSDP(split="auto")`` (the cost model's pick among the compiled splits) would run for
+    this kind, and what picking cost: ``{"label", "search_s"}`` (label as :func:`configurations` names it)."""
+    from parallax.step.search import resolve
+
+    strategy = strategy_of(kind, "auto")
+    start = time.perf_counter()
+    found = resolve(member.build(), tx, member.batch, strategy, loss_fn=member.loss_fn, mesh=strategy.make_mesh())
+    seconds = time.perf_counter() - start
+    split = next(p.split for p in found.strategy.parts if isinstance(p, px.FSDP))
+    mode = "shard_map" if found.choice.picked.endswith("shard_map") else "jit"
+    return {"label": f"{split}/{mode}", "search_s": seconds, "timed": len(found.timed)}
+
+
 def peers_for(member: Member, kinds: list[str]) -> dict:
     """The peers' runners that express the same plan as a kind on this member: ``label -> (kind, runner)``."""
     from benchmarks import zoo_peers
@@ -145,6 +161,13 @@ def search(member: Member, tx) -> tuple[dict, Config | None]:
 def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_search: bool) -> list[dict]:
     tx = optax.adamw(1e-3)
     configs, defaults, skipped = build_configs(member, kinds, tx)
+    auto_splits = {}
+    for kind in kinds:
+        if "fsdp" in kind:
+            try:
+                auto_splits[kind] = split_search(member, kind, tx)
+            except Exception as exc:  # noqa: BLE001
+                skipped[f"{kind} split=auto"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     peers = peers_for(member, kinds) if with_peers else {}
     found, pick = search(member, tx) if with_search else ({}, None)
     runners = list(configs.values()) + [runner for _, runner in peers.values()] + ([pick] if pick else [])
@@ -158,12 +181,16 @@ def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_
             continue
         name, default = defaults[kind]
         best = min(mine, key=lambda n: mine[n].median_s)
+        auto = auto_splits.get(kind)
+        if auto and f"{kind} {auto['label']}" in configs:
+            auto["over_best"] = round_ratios(configs[f"{kind} {auto['label']}"], configs[best])
         results.append({
             "model": member.name, "family": member.family, "api": member.api, "kind": kind,
             "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1],
             "default_over_best": round_ratios(configs[name], configs[best]),
             "default_ms": 1e3 * configs[name].median_s, "best_ms": 1e3 * configs[best].median_s,
             "default_setup_s": default.setup_s, "default_describe": default.describe,
+            "default_reshardings": default.reshardings, "split_auto": auto,
             "configs": {n.split(" ", 1)[1]: {"ms": 1e3 * c.median_s, "vs_default": round_ratios(c, configs[name]),
                                              "collective_mb": c.collective_total() / MB,
                                              "temp_mb": c.memory["temporaries"] / MB, "compile_s": c.compile_s}
@@ -193,6 +220,13 @@ def distribution(results: list[dict]) -> dict:
             out[kind] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
                          "worst": max(ratios), "median": float(np.median(ratios)),
                          "over_1.3": sum(x > 1.3 for x in ratios)}
+    for kind in KINDS:
+        ratios = [r["split_auto"]["over_best"]["median"] for r in results
+                  if r["kind"] == kind and (r.get("split_auto") or {}).get("over_best")]
+        if ratios:
+            out[f"{kind} split=auto"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
+                                         "worst": max(ratios), "median": float(np.median(ratios)),
+                                         "over_1.3": sum(x > 1.3 for x in ratios)}
     ratios = [r["default_over_best"]["median"] for r in results if "default_over_best" in r]
     if ratios:
         out["all"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios), "worst": max(ratios),
@@ -210,16 +244,25 @@ def markdown(results: list[dict], meta: dict) -> str:
     for kind, d in meta["distribution"].items():
         lines.append(f"| {kind} | {d['models']} | {d['within_10pct']} ({100 * d['within_10pct'] / d['models']:.0f}%) "
                      f"| {d['over_1.3']} | {d['median']:.2f} | {d['worst']:.2f} |")
-    lines += ["", "| model | kind | default | best | default ÷ best | default ms | peers (÷ default) | setup s |",
-              "| --- | --- | --- | --- | --- | ---: | --- | ---: |"]
+    lines += ["", "Where FSDP is part of the kind, `split=auto` is what `FSDP(split=\"auto\")` picks (the cost model "
+              "among the compiled splits; its search time beside it) over the best. *Replicated* counts the tensors "
+              "the compiler replicated to reshard them in the default's program (involuntary full "
+              "rematerialization; `default_reshardings` in the JSON names each).", "",
+              "| model | kind | default | best | default ÷ best | default ms | split=auto ÷ best (search s) "
+              "| peers (÷ default) | replicated | setup s |",
+              "| --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: |"]
     for r in results:
         if r["kind"] == "auto" or "default_over_best" not in r:
             continue
         v = r["default_over_best"]
         peers = "; ".join(f"{label} {p['over_default']['median']:.2f} ({p['over_default']['min']:.2f}–"
                           f"{p['over_default']['max']:.2f})" for label, p in r["peers"].items())
+        auto = r.get("split_auto") or {}
+        auto_text = (f"{auto['label']} {auto['over_best']['median']:.2f} ({auto['over_best']['min']:.2f}–"
+                     f"{auto['over_best']['max']:.2f}; {auto['search_s']:.1f} s)" if "over_best" in auto else "")
         lines.append(f"| {r['model']} | {r['kind']} | {r['default']} | {r['best']} | {v['median']:.2f} "
-                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {peers} | {r['default_setup_s']:.1f} |")
+                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {auto_text} | {peers} "
+                     f"| {len(r['default_reshardings'])} | {r['default_setup_s']:.1f} |")
     searched = [r for r in results if r["kind"] == "auto"]
     if searched:
         lines += ["", "## strategy=\"auto\": what the search costs and what it saves", "",
@@ -271,7 +314,8 @@ def main(args) -> None:
     results = []
     for member in members:
         start = time.perf_counter()
-        results.extend(bench(member, kinds, args.rounds, with_peers, with_search))
+        searching = with_search and (args.search_models == "all" or member.name in args.search_models.split(","))
+        results.extend(bench(member, kinds, args.rounds, with_peers, searching))
         mine = [r for r in results if r["model"] == member.name and "default_over_best" in r]
         print(f"{member.name}: " + ", ".join(f"{r['kind']} {r['default_over_best']['median']:.2f}" for r in mine)
               + f" ({time.perf_counter() - start:.0f} s)", flush=True)

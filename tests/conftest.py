@@ -15,6 +15,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
 
@@ -43,3 +44,17 @@ def pytest_terminal_summary(terminalreporter):
             for name, value in getattr(report, "user_properties", ()):
                 if name == "faults_survived" and getattr(report, "when", "call") == "call":
                     terminalreporter.write_line(f"faults survived {value}")
+
+
+@pytest.fixture
+def fresh_compiles():
+    """Compiles within the test bypass the persistent compilation cache: the compiler reports
+    what it did (an involuntary resharding) only when it really compiles a program."""
+    from jax._src import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()

@@ -195,3 +195,11 @@ def params_bound(params, ref: PlainRun, floor) -> tuple[float, float]:
         return diff, TOL
     drift = floor()
     return max(px.testing.excess(params, ref.params, drift.allowance).values(), default=0.0), max(TOL, 2 * drift.params)
+
+
+def assert_named(step, log_text: str) -> None:
+    """Whatever the compiler replicated in the path ``step`` took is named in ``describe()`` and the log."""
+    for resharding in step.reshardings.get(step.mode(), []):
+        assert resharding.suspects or "/" in resharding.op, resharding
+        assert resharding.describe() in step.describe()
+        assert resharding.describe() in log_text

@@ -10,13 +10,15 @@ computed here.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import numpy as np
 import pytest
 
 import parallax as px
-from tests.reference import OPTIMIZERS, TOL, bound, drift_floor, max_diff, params_bound, run_plain, run_steps, with_params
+from tests.reference import (OPTIMIZERS, TOL, assert_named, bound, drift_floor, max_diff, params_bound, run_plain,
+                             run_steps, with_params)
 from tests.third_party import MODELS, batches
 
 STEPS = 6
@@ -54,7 +56,7 @@ GRID = [(s, "sgd") for s in STRATEGIES] + [("dp+fsdp+tp", "adamw")]
 
 @pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_third_party_model_matches_one_device(model_name, strategy_name, opt_name):
+def test_third_party_model_matches_one_device(model_name, strategy_name, opt_name, fresh_compiles, caplog):
     _, loss_fn, kind = MODELS[model_name]
     data = batches(kind, STEPS)
     init_params, ref = reference(model_name, opt_name)
@@ -67,7 +69,10 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
     # DP and FSDP take the default (the cost model's path where the loss's trace is per-example);
     # the hybrids take jit, the path exact for any loss, to keep one compile per test.
     options = {"compile": "jit"} if "+" in strategy_name else {}
-    state, losses = run_steps(px.make_train_step(loss_fn, strategy, **options), start(), data)
+    caplog.set_level(logging.WARNING, logger="parallax")
+    step = px.make_train_step(loss_fn, strategy, **options)
+    state, losses = run_steps(step, start(), data)
+    assert_named(step, caplog.text)  # any tensor the compiler replicated to reshard it is named
     loss_diff = float(np.abs(losses - ref.losses).max())
     floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start(), data,
                                                 strategy, ref))

@@ -31,17 +31,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._compat import mesh_context
 from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
-from parallax.sharding.mesh import describe_axis_types, is_explicit
+from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.step.choice import Choice, choose, memory_budget
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
 from parallax.step.jit import jit_gradients, jit_run
 from parallax.step.loss import loss_closure
+from parallax.step.mesh_mode import check_jit_only
 from parallax.step.options import StepOptions
 from parallax.step.offload import moved, placement, with_memory_kinds
 from parallax.step.per_example import is_per_example_loss
 from parallax.step.per_example_proof import Proof, prove_loss
+from parallax.step.resharding import Resharding, compile_reporting, describe_all
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.state import TrainState
 from parallax.step.update import step_bodies
@@ -63,6 +65,8 @@ class Step:
         proof: for a loss as written, whether its trace showed a mean of per-example terms
             (``None`` until the first call reads it).
         auto_strategy: built with ``strategy="auto"``.
+        reshardings: per compiled path, the tensors the compiler replicated to reshard them
+            (:mod:`parallax.step.resharding`; logged as a warning when the path taken has any).
     """
 
     def __init__(self, loss_fn: LossFn, strategy: Strategy | str, options: StepOptions, *, train: bool,
@@ -83,6 +87,7 @@ class Step:
         self.auto_strategy = strategy == AUTO
         self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
+        self.reshardings: dict[str, list[Resharding]] = {}
 
     def modes(self) -> tuple[str, ...]:
         """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
@@ -147,11 +152,16 @@ class Step:
         """
         if self.choice is not None:
             basis = "marked px.per_example_loss" if is_per_example_loss(self.loss_fn) else self.proof.reason
-            return f"{self.choice.describe()}; both paths exact: {basis}"
+            return f"{self.choice.describe()}; both paths exact: {basis}{self._resharded()}"
         if self.strategy is None:
             return "strategy auto: read from the state's mesh at the first call, then the compile path"
         modes, why = self._paths()
-        return f"compile path {modes[0] if len(modes) == 1 else 'auto'}: {why}"
+        return f"compile path {modes[0] if len(modes) == 1 else 'auto'}: {why}{self._resharded()}"
+
+    def _resharded(self) -> str:
+        found = self.reshardings.get(self.mode(), []) if self.strategy is not None else []
+        return (f"; the compiler replicated {len(found)} tensor(s) to reshard them (involuntary full "
+                f"rematerialization): {describe_all(found)}") if found else ""
 
     def choose(self, state: TrainState, batch: Any) -> Choice:
         """Compiles every path of :meth:`modes` for this state and batch (real or abstract
@@ -173,10 +183,10 @@ class Step:
             self.prove(state, batch)
             parts = self._placed(state)[1]
             functions = {mode: self._function(mode, mesh, specs, parts) for mode in self.modes()}
-            compiled, failed = {}, None
+            compiled, failed, found = {}, None, (state.params, specs.params, mesh)
             for mode, fn in functions.items():
                 try:
-                    compiled[mode] = fn.lower(state, batch).compile()
+                    compiled[mode], self.reshardings[mode] = compile_reporting(fn.lower(state, batch), *found)
                 except (ValueError, TypeError, NotImplementedError) as err:  # a path may not support this model
                     log.info("Compile path %s does not apply here (%s); not a candidate.", mode,
                              str(err).splitlines()[0])
@@ -241,23 +251,20 @@ class Step:
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
                 self._cache[key] = functions[self.choice.picked], mesh
             else:
-                self._cache[key] = self._function(self.mode(), mesh, specs, parts), mesh
+                self._cache[key] = function, _ = self._function(self.mode(), mesh, specs, parts), mesh
+                with mesh_context(mesh):  # compiled here to read the compiler's report; the call reuses it
+                    self.reshardings[self.mode()] = compile_reporting(function.lower(state, batch), state.params,
+                                                                        specs.params, mesh)[1]
+            if self.reshardings.get(self.mode()):
+                log.warning("Step (%s, %s)%s", self.strategy.describe(mesh), self.mode(), self._resharded())
         self._fast[fast_key] = self._cache[key]
         return self._cache[key]
 
     def _check_mode(self, mesh: Mesh) -> None:
         """A state on Explicit axes (a model that shards itself) compiles with ``jit`` only."""
         self.explicit = is_explicit(mesh)
-        if not self.explicit:
-            return
-        forced = ("compile='shard_map'" if self.options.compile == "shard_map" else
-                  "batch_stats='local'" if self.options.batch_stats == "local" else None)
-        if forced:
-            raise ValueError(
-                f"{forced} needs the shard_map path, but this state lives on a mesh with Explicit axes "
-                f"({describe_axis_types(mesh)}: the model shards itself with reshard / out_sharding), which "
-                "only the jit path compiles; use compile='auto' or 'jit', or build the state with "
-                "sharding_mode='auto' if the model runs with Auto axes.")
+        if self.explicit:
+            check_jit_only(mesh, self.options.compile, self.options.batch_stats)
 
     def prove(self, state: TrainState, batch: Any) -> Proof | None:
         """Reads once, from the loss's trace (nothing compiles or runs), whether a loss as written

@@ -138,3 +138,16 @@ def _note(given: Mesh, used: Mesh, mode: str, refused: list) -> str:
     note = f"Sharding mode: {kind} axes, {why}{changed}."
     log.info(note)
     return note
+
+
+def check_jit_only(mesh: Mesh, compile_path: str, batch_stats: str) -> None:
+    """A clear error for step options that need the ``shard_map`` path on a mesh with Explicit
+    axes (a model that shards itself), which only the ``jit`` path compiles."""
+    forced = ("compile='shard_map'" if compile_path == "shard_map" else
+              "batch_stats='local'" if batch_stats == "local" else None)
+    if forced:
+        raise ValueError(
+            f"{forced} needs the shard_map path, but this state lives on a mesh with Explicit axes "
+            f"({describe_axis_types(mesh)}: the model shards itself with reshard / out_sharding), which "
+            "only the jit path compiles; use compile='auto' or 'jit', or build the state with "
+            "sharding_mode='auto' if the model runs with Auto axes.")
