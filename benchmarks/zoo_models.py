@@ -266,8 +266,9 @@ def _width(value: float, scale: float, multiple: int = 16) -> int:
 
 def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
     """The 22 members, their sizes drawn from ``seed`` (``scale`` < 1 shrinks every width)."""
-    rng = np.random.default_rng(seed)
-    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    draws = np.random.default_rng(seed)  # the members' sizes: the same draws at every scale
+    rng = np.random.default_rng([seed, 1])  # their batches
+    pick = lambda options: options[int(draws.integers(len(options)))]  # noqa: E731
     w = lambda value, multiple=16: _width(value, scale, multiple)  # noqa: E731
     members: list[Member] = []
 
@@ -300,7 +301,9 @@ def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
     # Transformer LMs: widths, heads, vocabularies, tied and untied; one scanned; NNX.
     for index, (width, tied) in enumerate([(128, False), (128, True), (192, False), (256, True), (256, False), (384, False)]):
         width = w(width, 32)
-        heads = int(pick([h for h in (2, 4, 8) if width % (8 * h) == 0] or [2]))
+        heads = int(pick([2, 4, 8]))  # drawn whatever the scale (the same draws at every scale), then fitted
+        while heads > 1 and width % (8 * heads):
+            heads //= 2
         vocab = int(pick([256, 1024, 4096]))
         add(f"lm_{index}", "lm", "linen", lambda v=vocab, d=width, h=heads, t=tied: LM(v, d, h, tied=t), lm_loss,
             _tokens(rng, 16, 32, vocab), width=width, heads=heads, vocab=vocab, tied=tied)

@@ -220,6 +220,25 @@ def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_
         px.StepOptions(timed_candidates=-1)
 
 
+def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time():
+    """A run of one step cannot win back more than one step: after the first candidate the search
+    stops; so it does once ``search_seconds`` are spent. What was not tried is said."""
+    data = batches("mlp", 1, batch_size=32)
+    pool = [px.DataParallel(4), px.FSDP(4), px.TensorParallel(4)]
+    search = lambda steps=None, **options: resolve(  # noqa: E731
+        MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED, devices=jax.devices()[:4], among=pool,
+        options=px.StepOptions(timed_candidates=0, **options), steps=steps)
+    short = search(steps=1)
+    assert len(short.choice.estimates) == 1 and short.strategy == px.DataParallel(4)
+    assert all("more than 1 steps of the best so far" in why for why in short.skipped.values()), short.skipped
+    assert len(short.skipped) == 2 and "2 not tried (the search had spent" in short.describe()
+    hurried = search(search_seconds=1e-9)
+    assert len(hurried.choice.estimates) == 1 and "(search_seconds)" in next(iter(hurried.skipped.values()))
+    assert len(search(steps=10**9).choice.estimates) == 3  # a long run: every candidate priced
+    with pytest.raises(ValueError, match="search_seconds=0; use a number of seconds > 0, or None"):
+        px.StepOptions(search_seconds=0)
+
+
 def test_trainer_with_strategy_auto(capsys):
     data = batches("mlp", 1, batch_size=64)[0]
     trainer = px.Trainer(MLP(), optax.adam(1e-2), MARKED, strategy="auto", max_steps=3, batch_size=32,

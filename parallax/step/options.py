@@ -56,6 +56,14 @@ class StepOptions:
             for a few steps on the devices (a freshly built state and the example batch),
             the measured fastest kept (:mod:`parallax.step.timing`; cached per machine).
             ``0`` keeps the cost model's pick and runs nothing.
+        search_seconds: for ``strategy="auto"`` and ``FSDP(split="auto")``: the most seconds the
+            search spends planning, compiling and timing candidates (simplest meshes first);
+            once spent, the candidates not yet tried are skipped (the search's ``skipped`` says
+            so) and the best so far is kept. ``None``: no limit. The search also stops once it
+            has spent more than the run could save: ``resolve(steps=)`` (the Trainer passes
+            ``max_steps``) times the best estimated step time so far, since no plan saves more
+            than a whole step. With several processes the search is not cut short (every process
+            must compile the same candidates).
 
     Example:
         >>> StepOptions(grad_accum=2, precision="bf16").grad_accum
@@ -77,6 +85,7 @@ class StepOptions:
     skip_nonfinite: bool = False
     memory_budget: int | str | None = None
     timed_candidates: int = 3
+    search_seconds: float | None = 120.0
 
     def __post_init__(self):
         for name in ("rng_streams", "remat"):
@@ -93,6 +102,9 @@ class StepOptions:
         if isinstance(self.timed_candidates, bool) or not isinstance(self.timed_candidates, int) \
                 or self.timed_candidates < 0:
             raise ValueError(f"timed_candidates={self.timed_candidates!r}; use an integer >= 0 (0: no timing).")
+        if self.search_seconds is not None and (isinstance(self.search_seconds, bool) or not isinstance(
+                self.search_seconds, (int, float)) or not self.search_seconds > 0):
+            raise ValueError(f"search_seconds={self.search_seconds!r}; use a number of seconds > 0, or None (no limit).")
         if self.batch_stats not in BATCH_STATS_MODES:
             raise ValueError(f"batch_stats={self.batch_stats!r}; use one of {BATCH_STATS_MODES}.")
         if self.batch_stats == "local" and self.compile == "jit":

@@ -81,7 +81,11 @@ class Resolved:
         if self.changes:
             text += f"; with {describe_changes(self.changes)} to fit the memory budget"
         text += f"; {len(self.choice.estimates)} candidates compiled in {self.seconds:.1f} s"
-        return text + (f", {len(self.skipped)} skipped" if self.skipped else "")
+        untried = [why for why in self.skipped.values() if why.startswith("not tried")]
+        if untried:
+            text += f", {len(untried)} not tried ({untried[0][len('not tried: '):]})"
+        others = len(self.skipped) - len(untried)
+        return text + (f", {others} skipped" if others else "")
 
 
 def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
@@ -99,7 +103,7 @@ def _label(strategy: Strategy, mesh: Mesh, searching_splits: bool) -> str:
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
             devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
             options: StepOptions | None = None, rng: Any = 0, rng_streams: Sequence[str] = ("dropout",),
-            among: Sequence[Strategy] | None = None) -> Resolved:
+            among: Sequence[Strategy] | None = None, steps: int | None = None) -> Resolved:
     """The concrete strategy for ``strategy``: itself unless it is ``"auto"`` or has ``FSDP(split="auto")``.
 
     Args:
@@ -113,6 +117,9 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             ``precision``... the candidates are compiled with them).
         among: for ``"auto"``, the strategies to choose from instead of every mesh of the
             devices (e.g. ``candidates(8, fsdp=px.FSDP(min_weight_size=2**14))``).
+        steps: how many steps the run will train, if known: the search stops once it has spent
+            more than ``steps`` times the best estimated step time so far (what the rest could
+            at most save). ``options.search_seconds`` bounds it in any case.
     """
     if not is_auto(strategy):
         return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
@@ -126,8 +133,9 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     budget = memory_budget(options.memory_budget, devices)
     splitting = strategy != AUTO
     pool = split_candidates(strategy) if splitting else list(among or candidates(len(devices)))
+    spent = _spent(start, options.search_seconds, steps)
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
-                                splitting, rng, rng_streams)
+                                splitting, rng, rng_streams, spent)
     estimates, found, skipped, runnable = price(options)
     changes: dict = {}
     if budget is not None and not any(e.peak <= budget for e in estimates.values()):
@@ -147,7 +155,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                              "blocks (remat=), or shrink the model or optimizer state.")
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP split" if splitting else "strategy")
-    timed = _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
+    stopped = spent(estimates)
+    timed = {} if stopped else _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
     if timed:
         choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
     picked, picked_mesh = found[choice.picked]
@@ -176,15 +185,39 @@ def describe_changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in changes.items())
 
 
+def _spent(start: float, seconds: float | None, steps: int | None) -> Callable[[dict], str | None]:
+    """Why the search must stop now, given the estimates so far (``None``: it may go on)."""
+
+    def spent(estimates: dict) -> str | None:
+        if jax.process_count() > 1:  # every process must compile the same candidates: no clock decides
+            return None
+        elapsed = time.perf_counter() - start
+        if seconds is not None and elapsed > seconds:
+            return f"not tried: the search had spent its {seconds:g} s (search_seconds)"
+        best = min((e.seconds for e in estimates.values()), default=None)
+        if steps and best is not None and elapsed > steps * best:
+            return (f"not tried: the search had spent {elapsed:.1f} s, more than {steps} steps of the best "
+                    f"so far ({1e3 * best:.1f} ms each) take, and no plan saves more than a whole step")
+        return None
+
+    return spent
+
+
 def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
            loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool,
-           rng: Any, rng_streams: Sequence[str]) -> tuple[dict, dict, dict, dict]:
-    """Plans and compiles each candidate with ``options``: the cost model's estimates, the strategies
-    and meshes, the skipped with their reasons, and what timing needs, by label."""
+           rng: Any, rng_streams: Sequence[str],
+           spent: Callable[[dict], str | None] = lambda _: None) -> tuple[dict, dict, dict, dict]:
+    """Plans and compiles each candidate with ``options``, in order, until ``spent`` says stop: the
+    cost model's estimates, the strategies and meshes, the skipped with their reasons, and what
+    timing needs, by label."""
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
     estimates, found, skipped, runnable = {}, {}, {}, {}
     for candidate in pool:
         label = candidate.describe()
+        stop = spent(estimates) if estimates else None  # the first candidate is always priced
+        if stop:
+            skipped[label] = stop
+            continue
         try:
             candidate_mesh = mesh if mesh is not None else candidate.make_mesh(devices)
             label = _label(candidate, candidate_mesh, splitting)

@@ -132,8 +132,8 @@ class Trainer:
     def _plan(self, example_batch: Any) -> StatePlan:
         if self.plan is None and is_auto(self.strategy):
             self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
-                                  devices=self.devices, mesh=self.mesh, options=self.config.step,
-                                  rng=self.config.seed, rng_streams=self.config.step.rng_streams)
+                                  devices=self.devices, mesh=self.mesh, options=self.config.step, rng=self.config.seed,
+                                  rng_streams=self.config.step.rng_streams, steps=self.config.max_steps)
             if self.search.changes:  # nothing fitted the memory budget with the options as given
                 self.config = dataclasses.replace(self.config, step=dataclasses.replace(
                     self.config.step, **self.search.changes))

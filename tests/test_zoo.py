@@ -1,0 +1,90 @@
+"""The performance zoo's smallest members (``benchmarks/zoo_models.py``) train like one device.
+
+The zoo is where the defaults are measured for speed (``benchmarks/zoo.py``); here its linen
+members, shrunk (widths x0.25), the smallest of each family (MLP, transformer LM, CNN with
+BatchNorm, mixture of experts) and the ``nn.scan``-stacked LM, run under every strategy of the
+zoo against a plain one-device optax loop from the same initial variables: SGD under each
+strategy, AdamW under FSDP and FSDP x TP (the optimizer state split). Defaults under one axis;
+the hybrids compile with ``jit`` as the zoo's hybrids do when the loss sees the global batch.
+(The zoo's NNX members are twins of these networks; NNX itself is checked in ``tests/test_nnx.py``.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import parallax as px
+from benchmarks.zoo_models import zoo
+from tests.reference import OPTIMIZERS, bound, drift_floor, params_bound, run_plain, run_steps, with_params
+
+STEPS = 3
+MIN = 256  # FSDP splits params above this many elements (the shrunk zoo's kernels)
+STRATEGIES = {
+    "dp": lambda: px.DataParallel(),
+    "fsdp": lambda: px.FSDP(min_weight_size=MIN),
+    "tp": lambda: px.TensorParallel(),
+    "dp+fsdp": lambda: px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=MIN)),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN), px.TensorParallel(2)),
+}
+GRID = [(s, "sgd") for s in STRATEGIES] + [("fsdp", "adamw"), ("fsdp+tp", "adamw")]
+
+
+def _params(member) -> int:
+    shapes = jax.eval_shape(lambda: member.build().init(jax.random.key(0), member.batch["x"][:1]))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
+
+
+@functools.cache
+def members() -> dict:
+    """The smallest linen member of each family, and the scanned LM, at a quarter of the widths."""
+    linen = [m for m in zoo(0, scale=0.25) if m.api == "linen"]
+    chosen = {m.name: m for m in linen if m.name == "lm_scan"}
+    for family in sorted({m.family for m in linen}):
+        smallest = min((m for m in linen if m.family == family), key=_params)
+        chosen[smallest.name] = smallest
+    return chosen
+
+
+@functools.cache
+def reference(name: str, opt_name: str):
+    member = members()[name]
+    single = px.DataParallel(1)
+    state = px.init_state(member.build(), OPTIMIZERS[opt_name](), member.batch, strategy=single, rng=0,
+                          loss_fn=member.loss_fn, mesh=single.make_mesh(jax.devices()[:1]))
+    data = [member.batch] * STEPS
+    return jax.device_get(state.params), run_plain(member.build(), OPTIMIZERS[opt_name](), member.loss_fn, state, data)
+
+
+def test_the_smallest_members_are_one_per_family_and_the_scanned_lm():
+    assert sorted(m.family for m in members().values()) == ["cnn", "lm", "lm", "mlp", "moe"]
+    assert "lm_scan" in members()
+
+
+@pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
+@pytest.mark.parametrize("name", ["mlp_square_b", "lm_0", "lm_scan", "cnn_0", "moe"])
+def test_zoo_member_trains_like_one_device(name, strategy_name, opt_name):
+    member = members().get(name)
+    assert member is not None, f"{name} is no longer among the smallest: {sorted(members())}"
+    init_params, ref = reference(name, opt_name)
+    strategy = STRATEGIES[strategy_name]()
+    data = [member.batch] * STEPS
+
+    def start():
+        return with_params(px.init_state(member.build(), OPTIMIZERS[opt_name](), member.batch, strategy=strategy,
+                                         rng=0, loss_fn=member.loss_fn), init_params)
+
+    options = {"compile": "jit"} if "+" in strategy_name else {}
+    state, losses = run_steps(px.make_train_step(member.loss_fn, strategy, **options), start(), data)
+    loss_diff = float(np.abs(losses - ref.losses).max())
+    floor = functools.cache(lambda: drift_floor(member.build(), OPTIMIZERS[opt_name](), member.loss_fn, start(), data,
+                                                strategy, ref))
+    loss_tol = bound(loss_diff, lambda: floor().losses)
+    params_diff, params_tol = params_bound(jax.device_get(state.params), ref, floor)
+    print(f"{name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
+          f"params diff {params_diff:.2e} (bound {params_tol:.1e})")
+    assert loss_diff <= loss_tol, (losses.tolist(), ref.losses.tolist())
+    assert params_diff <= params_tol
