@@ -30,6 +30,11 @@ import tempfile
 import threading
 from typing import Any, Iterator
 
+import jax
+
+from parallax._tree import path_str
+from parallax.sharding.specs import is_spec
+
 MARKER = "Involuntary full rematerialization"
 _MESSAGE = re.compile(r"cannot go from sharding (\{.*?\}) to (\{.*?\}) efficiently for HLO operation "
                       r"%?(\S+) = (\w+\[[^\]]*\])")
@@ -88,11 +93,6 @@ def _shape_dims(shape: str) -> list[int]:
 
 def suspects(found: Resharding, params: Any, specs: Any, mesh: Any) -> tuple[str, ...]:
     """The params whose split matches what ``found``'s target asks of a dim (see :class:`Resharding`)."""
-    import jax
-
-    from parallax._tree import path_str
-    from parallax.sharding.specs import is_spec
-
     if found.shape == "?":
         return ()
     local = _shape_dims(found.shape)
@@ -147,18 +147,20 @@ def compile_reporting(lowered: Any, params: Any = None, specs: Any = None,
     """``lowered.compile()``, and the reshardings the compiler reported while compiling it
     (with their :func:`suspects` among ``params`` laid out by ``specs`` on ``mesh``, when given).
 
-    What else the compiler wrote to stderr is written back to stderr once it is done. A
-    program the persistent compilation cache already holds is not partitioned again, so it
-    reports nothing: the cache only holds programs that were reported when first compiled.
+    What else the compiler wrote to stderr is written back to stderr once it is done (also when
+    compiling fails). A program served from JAX's persistent compilation cache, or compiled
+    before in this process, is not partitioned again and reports nothing.
     """
     with _LOCK, tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "stderr")
-        with _stderr_to(path):
-            compiled = lowered.compile()
-        with open(path, "rb") as written:
-            text = written.read().decode(errors="replace")
-    if text:
-        sys.stderr.write(text)
+        try:
+            with _stderr_to(path):
+                compiled = lowered.compile()
+        finally:
+            with open(path, "rb") as written:
+                text = written.read().decode(errors="replace")
+            if text:
+                sys.stderr.write(text)
     found = parse(text)
     if params is not None:
         found = [dataclasses.replace(r, suspects=suspects(r, params, specs, mesh)) for r in found]
