@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pathlib
 import re
 import sys
 import tempfile
@@ -131,7 +132,11 @@ def parse(text: str) -> list[Resharding]:
 @contextlib.contextmanager
 def _stderr_to(path: str) -> Iterator[None]:
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to read (a daemon): compile without reading the report
+        yield
+        return
     with open(path, "wb") as sink:
         os.dup2(sink.fileno(), 2)
     try:
@@ -157,8 +162,7 @@ def compile_reporting(lowered: Any, params: Any = None, specs: Any = None,
             with _stderr_to(path):
                 compiled = lowered.compile()
         finally:
-            with open(path, "rb") as written:
-                text = written.read().decode(errors="replace")
+            text = pathlib.Path(path).read_bytes().decode(errors="replace") if os.path.exists(path) else ""
             if text:
                 sys.stderr.write(text)
     found = parse(text)
