@@ -62,6 +62,19 @@ def lm_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["x"][:, 1:]).mean()
 
 
+def train_step(loss_fn):
+    """The plain NNX train step the peers' runners time: ``value_and_grad`` and ``optimizer.update``
+    under ``nnx.jit``; ``step(model, optimizer, batch) -> loss``."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
 def build(kind: str, scale: float = 1.0):
     """``(function that builds the NNX model, loss_fn)``: the NNX twin of ``models.build(kind, scale)``."""
     if kind == "mlp":

@@ -61,13 +61,7 @@ class NNXJit:
         nnx.update(self.model, placed)
         self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
 
-        @nnx.jit
-        def step(model, optimizer, batch):
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        self.step = step
+        self.step = step = nnx_models.train_step(loss_fn)
         start = time.perf_counter()
         self.first_loss = float(step(self.model, self.optimizer, batch))
         self.compile_s = time.perf_counter() - start

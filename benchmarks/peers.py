@@ -407,13 +407,7 @@ class Google(Runner):
                                                  strategy=gp.ShardingStrategy[strategy], **kwargs)
             self.optimizer = nnx.Optimizer(self.model, optax.adam(LR, eps=EPS), wrt=nnx.Param)
 
-            @nnx.jit
-            def step(model, optimizer, batch):
-                loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-                optimizer.update(model, grads)
-                return loss
-
-            self.step = step
+            self.step = step = nnx_models.train_step(loss_fn)
             self.batch = jax.device_put(batch, NamedSharding(self.mesh, P(names[0])))
             split = sum(1 for leaf in jax.tree.leaves(nnx.state(self.model, nnx.Param))
                         if any(leaf.sharding.spec))

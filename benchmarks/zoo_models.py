@@ -21,17 +21,11 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-
-def classifier_loss(model, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
-
-
-def lm_loss(model, batch):
-    logits = model(batch["x"][:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["x"][:, 1:]).mean()
+from benchmarks.models import Block
+from benchmarks.nnx_models import Block as NNXBlock
+from benchmarks.nnx_models import classifier_loss, lm_loss
 
 
 # --- linen -------------------------------------------------------------------------------------
@@ -62,18 +56,6 @@ class Megatron(nn.Module):
         for index in range(self.pairs):
             x = x + nn.Dense(self.features, name=f"down_{index}")(nn.relu(nn.Dense(self.hidden, name=f"up_{index}")(x)))
         return nn.Dense(10, name="head")(x)
-
-
-class Block(nn.Module):
-    heads: int
-
-    @nn.compact
-    def __call__(self, x):
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, name="attn")(h, h, mask=mask)
-        h = nn.LayerNorm()(x)
-        return x + nn.Dense(x.shape[-1], name="down")(nn.gelu(nn.Dense(4 * x.shape[-1], name="up")(h)))
 
 
 class LM(nn.Module):
@@ -171,20 +153,6 @@ class NNXStack(nnx.Module):
         for layer in self.layers:
             x = nnx.relu(layer(x))
         return self.head(x)
-
-
-class NNXBlock(nnx.Module):
-    def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
-        self.norm_0 = nnx.LayerNorm(width, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, width, decode=False, rngs=rngs)
-        self.norm_1 = nnx.LayerNorm(width, rngs=rngs)
-        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
-        self.down = nnx.Linear(4 * width, width, rngs=rngs)
-
-    def __call__(self, x):
-        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        x = x + self.attn(self.norm_0(x), mask=mask)
-        return x + self.down(nnx.gelu(self.up(self.norm_1(x))))
 
 
 class NNXLM(nnx.Module):

@@ -25,7 +25,9 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.peers import Runner, collectives_of, fsdp_dim, first_shard_bytes, import_google_parallax, import_keras  # noqa: E402
+from benchmarks import nnx_models  # noqa: E402
+from benchmarks.peers import (Google, Runner, collectives_of, first_shard_bytes, fsdp_dim,  # noqa: E402
+                             import_google_parallax, import_keras)
 from benchmarks.zoo_models import Member  # noqa: E402
 
 _GOOGLE: list = []  # the google-parallax module, imported once per process (a module swap)
@@ -41,11 +43,11 @@ def _inputs(member: Member):
     return member.batch["x"][:, :-1] if member.family in ("lm", "moe") else member.batch["x"]
 
 
-class GoogleZoo(Runner):
-    framework = "google-parallax"
+class GoogleZoo(Google):
+    """google-parallax on a zoo member: ``peers.Google``'s step and timing, the member's model and loss."""
 
     def __init__(self, gp, member: Member, kind: str):
-        super().__init__()
+        Runner.__init__(self)
         strategy, kwargs = {"dp": ("DDP", {}), "fsdp": ("FSDP", {"model_axis_name": "data"})}[kind]
         self.kind, self.label = kind, f"google-parallax {strategy}"
         self.mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -53,30 +55,12 @@ class GoogleZoo(Runner):
             self.model = gp.create_sharded_model(member.build, sample_inputs=(jnp.asarray(_inputs(member)),),
                                                  strategy=gp.ShardingStrategy[strategy], **kwargs)
             self.optimizer = nnx.Optimizer(self.model, optax.adamw(1e-3), wrt=nnx.Param)
-            loss_fn = member.loss_fn
-
-            @nnx.jit
-            def step(model, optimizer, batch):
-                loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-                optimizer.update(model, grads)
-                return loss
-
-            self.step = step
+            self.step = nnx_models.train_step(member.loss_fn)
             self.batch = jax.device_put(member.batch, NamedSharding(self.mesh, P("data")))
             start = time.perf_counter()
-            self.first_loss = float(step(self.model, self.optimizer, self.batch))
+            self.first_loss = float(self.step(self.model, self.optimizer, self.batch))
             self.compile_s = time.perf_counter() - start
         self.notes = f"{sum(1 for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)) if any(x.sharding.spec))} params split"
-
-    def run(self) -> float:
-        with jax.set_mesh(self.mesh):
-            start = time.perf_counter()
-            loss = self.step(self.model, self.optimizer, self.batch)
-            jax.block_until_ready((loss, nnx.state(self.model)))
-            return time.perf_counter() - start
-
-    def state_bytes(self) -> int:
-        return first_shard_bytes((nnx.state(self.model), nnx.state(self.optimizer)))
 
 
 def keras_stack(keras, inputs: int, widths):

@@ -208,3 +208,17 @@ def assert_named(step, log_text: str) -> None:
     if found:
         assert describe_all(found) in step.describe()
         assert describe_all(found) in log_text
+
+
+def assert_like_reference(label: str, params, losses: np.ndarray, ref: PlainRun, floor) -> float:
+    """The loss trajectory and final ``params`` equal the one-device run ``ref``: within ``TOL``, or
+    past it within twice the drift ``floor()`` measures (computed only then). Prints both
+    differences under ``label``; returns the losses' bound."""
+    loss_diff = float(np.abs(losses - ref.losses).max())
+    loss_tol = bound(loss_diff, lambda: floor().losses)
+    params_diff, params_tol = params_bound(params, ref, floor)
+    print(f"{label}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
+          f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
+    assert loss_diff <= loss_tol, (losses.tolist(), ref.losses.tolist())
+    assert params_diff <= params_tol
+    return loss_tol

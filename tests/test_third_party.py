@@ -13,11 +13,10 @@ import functools
 import logging
 
 import jax
-import numpy as np
 import pytest
 
 import parallax as px
-from tests.reference import (OPTIMIZERS, TOL, assert_named, bound, drift_floor, max_diff, params_bound, run_plain,
+from tests.reference import (OPTIMIZERS, TOL, assert_like_reference, assert_named, drift_floor, max_diff, run_plain,
                              run_steps, with_params)
 from tests.third_party import MODELS, batches
 
@@ -73,15 +72,10 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
     step = px.make_train_step(loss_fn, strategy, **options)
     state, losses = run_steps(step, start(), data)
     assert_named(step, caplog.text)  # any tensor the compiler replicated to reshard it is named
-    loss_diff = float(np.abs(losses - ref.losses).max())
     floor = functools.cache(lambda: drift_floor(module(model_name), OPTIMIZERS[opt_name](), loss_fn, start(), data,
                                                 strategy, ref))
-    loss_tol = bound(loss_diff, lambda: floor().losses)
-    params_diff, params_tol = params_bound(jax.device_get(state.params), ref, floor)
-    print(f"{model_name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
-          f"final params diff {params_diff:.2e} (bound {params_tol:.1e})")
-    assert loss_diff <= loss_tol, (losses.tolist(), ref.losses.tolist())
-    assert params_diff <= params_tol
+    loss_tol = assert_like_reference(f"{model_name}/{strategy_name}/{opt_name}", jax.device_get(state.params), losses,
+                                     ref, floor)
     if ref.model_state:  # BatchNorm statistics
         assert max_diff(jax.device_get(state.model_state), ref.model_state) <= 10 * max(loss_tol, TOL)
     # Every non-data axis really splits something.

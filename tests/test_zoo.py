@@ -21,7 +21,7 @@ import pytest
 
 import parallax as px
 from benchmarks.zoo_models import zoo
-from tests.reference import OPTIMIZERS, bound, drift_floor, params_bound, run_plain, run_steps, with_params
+from tests.reference import OPTIMIZERS, assert_like_reference, drift_floor, run_plain, run_steps, with_params
 
 STEPS = 2
 MIN = 256  # FSDP splits params above this many elements (the shrunk zoo's kernels)
@@ -80,12 +80,6 @@ def test_zoo_member_trains_like_one_device(name, strategy_name, opt_name):
                                          rng=0, loss_fn=member.loss_fn), init_params)
 
     state, losses = run_steps(px.make_train_step(member.loss_fn, strategy, compile="jit"), start(), data)
-    loss_diff = float(np.abs(losses - ref.losses).max())
     floor = functools.cache(lambda: drift_floor(member.build(), OPTIMIZERS[opt_name](), member.loss_fn, start(), data,
                                                 strategy, ref))
-    loss_tol = bound(loss_diff, lambda: floor().losses)
-    params_diff, params_tol = params_bound(jax.device_get(state.params), ref, floor)
-    print(f"{name}/{strategy_name}/{opt_name}: loss diff {loss_diff:.2e} (bound {loss_tol:.1e}), "
-          f"params diff {params_diff:.2e} (bound {params_tol:.1e})")
-    assert loss_diff <= loss_tol, (losses.tolist(), ref.losses.tolist())
-    assert params_diff <= params_tol
+    assert_like_reference(f"{name}/{strategy_name}/{opt_name}", jax.device_get(state.params), losses, ref, floor)

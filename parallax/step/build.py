@@ -183,10 +183,10 @@ class Step:
             self.prove(state, batch)
             parts = self._placed(state)[1]
             functions = {mode: self._function(mode, mesh, specs, parts) for mode in self.modes()}
-            compiled, failed, found = {}, None, (state.params, specs.params, mesh)
+            compiled, failed, params_layout = {}, None, (state.params, specs.params, mesh)
             for mode, fn in functions.items():
                 try:
-                    compiled[mode], self.reshardings[mode] = compile_reporting(fn.lower(state, batch), *found)
+                    compiled[mode], self.reshardings[mode] = compile_reporting(fn.lower(state, batch), *params_layout)
                 except (ValueError, TypeError, NotImplementedError) as err:  # a path may not support this model
                     log.info("Compile path %s does not apply here (%s); not a candidate.", mode,
                              str(err).splitlines()[0])
@@ -241,7 +241,7 @@ class Step:
             leading_dims(batch)
         else:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
-        parts = self._placed(state)[1]
+        parts, params_layout = self._placed(state)[1], (state.params, specs.params, mesh)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh, parts)
         if key not in self._cache:
             with mesh_context(mesh):
@@ -251,10 +251,10 @@ class Step:
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
                 self._cache[key] = functions[self.choice.picked], mesh
             else:
-                self._cache[key] = function, _ = self._function(self.mode(), mesh, specs, parts), mesh
+                function = self._function(self.mode(), mesh, specs, parts)
                 with mesh_context(mesh):  # compiled here to read the compiler's report; the call reuses it
-                    self.reshardings[self.mode()] = compile_reporting(function.lower(state, batch), state.params,
-                                                                        specs.params, mesh)[1]
+                    self.reshardings[self.mode()] = compile_reporting(function.lower(state, batch), *params_layout)[1]
+                self._cache[key] = function, mesh
             if self.reshardings.get(self.mode()):
                 log.warning("Step (%s, %s)%s", self.strategy.describe(mesh), self.mode(), self._resharded())
         self._fast[fast_key] = self._cache[key]
