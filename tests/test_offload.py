@@ -188,7 +188,7 @@ def test_the_cli_takes_offload_and_remat_options(capsys):
     from parallax.plan.__main__ import main
 
     args = ["tests.test_offload:TWO_BLOCK_LM", "--batch", "tests.test_offload:LM_BATCH", "--loss", "tests.models:lm_loss",
-            "--devices", "8", "--strategies", "fsdp", "--min-weight-size", "0"]
+            "--devices", "8", "--strategies", "fsdp", "--min-weight-size", "0", "--compile", "jit"]  # one path: like with like
     assert main([*args, "--json"]) == 0
     (plain,) = json.loads(capsys.readouterr().out)["rows"]
     assert main([*args, "--offload", "optimizer", "--remat", "Block", "--remat-policy", "dots", "--json"]) == 0

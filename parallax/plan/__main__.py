@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated module class names whose activations are recomputed, e.g. Block")
     parser.add_argument("--remat-policy", default=None, choices=sorted(NAMED_POLICIES),
                         help="what the --remat modules keep instead of recomputing")
+    parser.add_argument("--compile", default=None, choices=("auto", "jit", "shard_map"),
+                        help="the compile path of every step (default: the cost model's pick, as compile='auto')")
     parser.add_argument("--devices", default=None, help="comma-separated device counts (default: this machine's)")
     parser.add_argument("--budget", default=None, help="comma-separated memory budgets per device, e.g. 16GB,80GB")
     parser.add_argument("--target", default=None, help="the backend the plan is for: gpu, tpu or cpu")
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--remat-policy applies to the module classes named by --remat (e.g. --remat Block).")
         step_options = {"offload": args.offload, "remat": remat + ((named_policy(args.remat_policy),)
                                                                     if args.remat_policy else ())}
+        if args.compile:
+            step_options["compile"] = args.compile
         report = plan(args.model, args.optimizer, args.batch, loss_fn=args.loss, strategies=strategies, devices=devices,
                       memory_budget=None if args.budget is None else args.budget.split(","), target=args.target,
                       **step_options)
