@@ -22,7 +22,7 @@ import parallax as px
 from parallax.sharding.auto import candidates, from_mesh, split_candidates
 from parallax.step import cost, timing
 from parallax.step.choice import rank
-from parallax.step.search import resolve
+from parallax.step.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
 MARKED = px.per_example_loss(classifier_loss)
@@ -133,7 +133,8 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     with caplog.at_level("INFO", logger="parallax"):
         found = resolve(MLP(), optax.adam(1e-2), data[0], "auto", loss_fn=MARKED, options=jit)
     assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
-    assert len(found.choice.estimates) + len(found.skipped) == len(candidates(8))
+    # every mesh, and each split of the FSDP ones (each FSDP split on the path it is fast on under compile="auto")
+    assert len(found.choice.estimates) + len(found.skipped) == len(priced_candidates(candidates(8), "jit")) > 10
     assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
     # init_state(strategy="auto") and make_train_step("auto") through px.testing: the same search again
     # (the times of its close calls are cached: the same pick), against a one-device loop. Every plan
@@ -164,6 +165,31 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
     # checks against a one-device loop with SGD and AdamW on both paths.
     assert specs(state) == specs(same)
     assert [s.parts[0].split for s in split_candidates(strategy)] == ["largest", "output", "input"]
+
+
+def test_the_default_split_prices_each_split_on_its_path_and_the_trainer_builds_on_it(caplog):
+    """``FSDP()`` leaves the split to the cost model: under ``compile="auto"`` each split is priced on
+    the path it is fast on (one compile each, not two), and the Trainer trains the pick on that path."""
+    data = batches("lm", 2, batch_size=16)
+    assert px.FSDP().split == "auto"
+    found = resolve(TinyLM(), optax.adam(1e-2), data[0], px.FSDP(min_weight_size=0), loss_fn=lm_loss,
+                    options=px.StepOptions(timed_candidates=0))
+    assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, shard_map"}
+    assert found.choice.picked == f"split={found.strategy.parts[0].split}, {found.compile}"
+    assert found.step_options(px.StepOptions()).compile == found.compile
+    assert found.step_options(px.StepOptions(compile="jit")).compile == "jit"  # a path you chose stands
+    trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=px.FSDP(min_weight_size=0), max_steps=2,
+                         batch_size=16, progress=False, shuffle=False)
+    trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept
+    assert trainer.search.choice.picked == "split=largest, jit" and len(trainer.search.skipped) == 2
+    assert trainer.config.step.compile == "jit" and trainer.train_step.mode() == "jit"
+    with caplog.at_level("INFO", logger="parallax"):  # nothing to compile: the largest dim, said
+        state = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=px.FSDP(min_weight_size=0))
+    assert "without it each param is split along its largest dim" in caplog.text
+    largest = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=px.FSDP(min_weight_size=0,
+                                                                                         split="largest"))
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, state.params)) == jax.tree.leaves(
+        jax.tree.map(lambda x: x.sharding.spec, largest.params))
 
 
 def test_the_closest_estimates_are_the_ones_worth_timing():
@@ -224,7 +250,7 @@ def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time():
     """A run of one step cannot win back more than one step: after the first candidate the search
     stops; so it does once ``search_seconds`` are spent. What was not tried is said."""
     data = batches("mlp", 1, batch_size=32)
-    pool = [px.DataParallel(4), px.FSDP(4), px.TensorParallel(4)]
+    pool = [px.DataParallel(4), px.FSDP(4, split="largest"), px.TensorParallel(4)]
     search = lambda steps=None, **options: resolve(  # noqa: E731
         MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED, devices=jax.devices()[:4], among=pool,
         options=px.StepOptions(timed_candidates=0, **options), steps=steps)

@@ -62,12 +62,27 @@ def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: 
     return found
 
 
+def with_split(strategy: Strategy, split: str) -> Strategy:
+    """``strategy`` with each FSDP part's ``split="auto"`` set to ``split``.
+
+    Example:
+        >>> with_split(px.combine(px.DataParallel(2), px.FSDP(4)), "output").parts[1].split
+        'output'
+    """
+    return _joined([dataclasses.replace(p, split=split) if isinstance(p, FSDP) and p.split == AUTO else p
+                    for p in strategy.parts])
+
+
 def split_candidates(strategy: Strategy) -> list[Strategy]:
     """``strategy`` with each FSDP part's ``split="auto"`` replaced by each concrete split."""
     if not is_auto(strategy):
         return [strategy]
-    return [_joined([dataclasses.replace(p, split=split) if isinstance(p, FSDP) and p.split == AUTO else p
-                     for p in strategy.parts]) for split in FSDP_SPLITS if split != AUTO]
+    return [with_split(strategy, split) for split in FSDP_SPLITS if split != AUTO]
+
+
+def fsdp_split(strategy: Strategy) -> str | None:
+    """The split of ``strategy``'s FSDP part (``None`` without one)."""
+    return next((p.split for p in strategy.parts if isinstance(p, FSDP)), None)
 
 
 def from_mesh(mesh: Mesh) -> Strategy:

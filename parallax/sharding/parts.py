@@ -77,10 +77,13 @@ class FSDP(Strategy):
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
         min_weight_size: params with at most this many elements stay replicated.
-        split: the dim to prefer: ``"largest"``, ``"output"`` (the last: a kernel's output
-            features), ``"input"`` (the one before), or ``"auto"`` (the cost model's pick when the
-            state is planned: :mod:`parallax.step.search`). All train the same; they differ in
-            what the step moves (``benchmarks/fsdp_split.py``).
+        split: the dim to prefer: ``"auto"`` (the default: the cost model's pick when the state
+            is planned with a loss, each split priced on the compile path it is fast on:
+            :mod:`parallax.step.search`; without a loss to compile, ``"largest"``),
+            ``"largest"``, ``"output"`` (the last: a kernel's output features) or ``"input"``
+            (the one before). All train the same; they differ in what the step moves: an
+            ``output`` split lets the compiler move activations instead of gathering weights,
+            which wins where weights outweigh activations (``benchmarks/zoo.py``).
         scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
             not part of the strategy's identity).
 
@@ -93,7 +96,7 @@ class FSDP(Strategy):
     size: int = -1
     axis: str = "fsdp"
     min_weight_size: int = 2**18
-    split: str = "largest"
+    split: str = "auto"
     scanned: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True
@@ -127,7 +130,7 @@ class FSDP(Strategy):
         """The dims of a param in the order this strategy tries to split them (``[2, 3, 0, 1]``
         for a (3, 3, 64, 128) conv kernel and ``split="input"``)."""
         largest = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
-        if self.split in ("largest", "auto") or not shape:  # "auto" not yet resolved: the default's order
+        if self.split in ("largest", "auto") or not shape:  # "auto" not resolved (no loss to price): largest
             return largest
         first = len(shape) - 1 if self.split == "output" else max(len(shape) - 2, 0)
         return [first] + [d for d in largest if d != first]

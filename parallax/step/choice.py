@@ -27,7 +27,7 @@ class Choice:
         estimates: every candidate's :class:`Estimate`, by label, fastest first.
         budget: the memory budget in bytes per device (``None``: no limit known).
         over_budget: the labels dropped because their peak exceeds the budget.
-        what: what was chosen (``"compile path"``, ``"FSDP split"``, ``"strategy"``).
+        what: what was chosen (``"compile path"``, ``"FSDP"`` (its split), ``"strategy"``).
     """
 
     picked: str

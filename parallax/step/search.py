@@ -29,8 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
-from parallax.sharding.auto import AUTO, candidates, is_auto, split_candidates
-from parallax.sharding.parts import FSDP
+from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import Step
 from parallax.step.choice import Choice, memory_budget, rank
@@ -41,6 +40,16 @@ from parallax.step.summary import summarize
 from parallax.step.timing import Timed, closest, measure
 
 log = logging.getLogger("parallax")
+
+# The compile path each FSDP split is priced on when ``compile="auto"``: the three plans that win
+# somewhere. Under ``shard_map`` every FSDP shard is gathered by hand before use, so every split
+# moves the same bytes, and ``input`` (a kernel's leading dim: the gather is a concatenation of
+# whole rows) costs least; ``output`` under shard_map was the slowest plan on 21 of 22 zoo models.
+# Under ``jit`` the split decides what the partitioner may do: ``largest`` lets it gather weights,
+# ``output`` lets it leave each weight in place and move the activations instead (cheaper where a
+# layer's weights outweigh the activations it sees: MLPs at modest batch). Measured on the zoo
+# (``benchmarks/zoo.py``); a user's ``compile=`` prices every split on that path instead.
+SPLIT_PATHS = {"largest": "jit", "output": "jit", "input": "shard_map"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +69,9 @@ class Resolved:
             budget with the options given (``offload``, then ``remat`` of the model's repeated
             blocks: :func:`_fallbacks`), as ``StepOptions`` fields; build the state and the step
             with them (the Trainer and ``init_state`` do). Empty when nothing had to change.
+        compile: the compile path the pick was priced on (``None`` when nothing was searched);
+            with ``compile="auto"`` the Trainer builds its step on it (an FSDP split is only
+            priced on the path it is fast on: :data:`SPLIT_PATHS`).
     """
 
     strategy: Strategy
@@ -69,6 +81,15 @@ class Resolved:
     seconds: float = 0.0
     timed: dict[str, float] = dataclasses.field(default_factory=dict)
     changes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compile: str | None = None
+
+    def step_options(self, options: StepOptions) -> StepOptions:
+        """``options`` for the step that trains the pick: with :attr:`changes`, and on the compile
+        path it was priced on where ``options`` leave the path to the cost model."""
+        fields = dict(self.changes)
+        if self.compile is not None and options.compile == "auto":
+            fields["compile"] = self.compile
+        return dataclasses.replace(options, **fields) if fields else options
 
     def describe(self) -> str:
         """One line: what was chosen, its estimate, the runner-up, and what the search cost."""
@@ -94,10 +115,11 @@ def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
                                                        sharding=sharding), example_batch)
 
 
-def _label(strategy: Strategy, mesh: Mesh, searching_splits: bool) -> str:
+def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_open: bool) -> str:
+    split = f"split={fsdp_split(strategy)}"
     if searching_splits:
-        return ", ".join(f"split={p.split}" for p in strategy.parts if isinstance(p, FSDP))
-    return strategy.describe(mesh)
+        return split
+    return f"{strategy.describe(mesh)}, {split}" if split_open else strategy.describe(mesh)
 
 
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
@@ -123,6 +145,11 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     """
     if not is_auto(strategy):
         return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
+    if loss_fn is None and strategy != AUTO:  # nothing to compile: the split that needs no pricing
+        log.info("FSDP(split='auto') prices each split by compiling the train step, which needs loss_fn=; "
+                 "without it each param is split along its largest dim (split='largest').")
+        largest = with_split(strategy, "largest")
+        return Resolved(largest, mesh if mesh is not None else largest.make_mesh(devices))
     if loss_fn is None:
         raise ValueError(f"strategy={strategy!r} compiles each candidate's train step to price it: pass loss_fn=.")
     if strategy == AUTO and mesh is not None:
@@ -132,7 +159,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     devices = list(mesh.devices.flat) if mesh is not None else list(devices if devices is not None else jax.devices())
     budget = memory_budget(options.memory_budget, devices)
     splitting = strategy != AUTO
-    pool = split_candidates(strategy) if splitting else list(among or candidates(len(devices)))
+    pool = priced_candidates([strategy] if splitting else list(among or candidates(len(devices))), options.compile)
     spent = _spent(start, options.search_seconds, steps)
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
                                 splitting, rng, rng_streams, spent)
@@ -154,15 +181,30 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                              f"memory ({reasons}). Raise memory_budget, use more devices, rematerialise the model's "
                              "blocks (remat=), or shrink the model or optimizer state.")
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
-    choice = rank(estimates, budget, what="FSDP split" if splitting else "strategy")
+    choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
     stopped = spent(estimates)
     timed = {} if stopped else _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
     if timed:
         choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
-    picked, picked_mesh = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed, changes)
+    picked, picked_mesh, path = found[choice.picked]
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed, changes, path)
     log.info("%s", resolved.describe())
     return resolved
+
+
+def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Strategy, str | None, bool]]:
+    """Each candidate with the compile path to price it on (``None``: the step's own ``compile``)
+    and whether its split was left open.
+
+    A candidate whose FSDP part leaves the split open (``split="auto"``) becomes one candidate per
+    split, each priced on its path (:data:`SPLIT_PATHS`) under ``compile="auto"``.
+
+    Example:
+        >>> [(s.parts[0].split, path) for s, path, _ in priced_candidates([px.FSDP()], "auto")]
+        [('largest', 'jit'), ('output', 'jit'), ('input', 'shard_map')]
+    """
+    return [(split, SPLIT_PATHS[fsdp_split(split)] if compile == "auto" and is_auto(candidate) else None,
+             is_auto(candidate)) for candidate in pool for split in split_candidates(candidate)]
 
 
 def _fallbacks(options: StepOptions, blocks: Callable[[], tuple[str, ...]]) -> Iterator[dict[str, Any]]:
@@ -203,7 +245,7 @@ def _spent(start: float, seconds: float | None, steps: int | None) -> Callable[[
     return spent
 
 
-def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
+def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
            loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool,
            rng: Any, rng_streams: Sequence[str],
            spent: Callable[[dict], str | None] = lambda _: None) -> tuple[dict, dict, dict, dict]:
@@ -212,15 +254,15 @@ def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer
     timing needs, by label."""
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
     estimates, found, skipped, runnable = {}, {}, {}, {}
-    for candidate in pool:
-        label = candidate.describe()
+    for candidate, path, split_open in pool:
+        label = _label(candidate, None, splitting, split_open)
         stop = spent(estimates) if estimates else None  # the first candidate is always priced
         if stop:
             skipped[label] = stop
             continue
         try:
             candidate_mesh = mesh if mesh is not None else candidate.make_mesh(devices)
-            label = _label(candidate, candidate_mesh, splitting)
+            label = _label(candidate, candidate_mesh, splitting, split_open)
             candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
             planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
                                  mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
@@ -229,7 +271,8 @@ def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
-            step = Step(loss_fn, planned.strategy, options, train=True)
+            step = Step(loss_fn, planned.strategy, options if path is None else dataclasses.replace(options, compile=path),
+                        train=True)
             placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
             step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
                                                                   abstract_batch(example_batch, placement))
@@ -238,7 +281,7 @@ def _price(pool: Sequence[Strategy], options: StepOptions, model: Any, optimizer
             continue
         label = f"{label}, {step_choice.picked}"
         estimates[label] = step_choice.estimates[step_choice.picked]
-        found[label] = (planned.strategy, candidate_mesh)
+        found[label] = (planned.strategy, candidate_mesh, step_choice.picked)
         runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
                            state_bytes)
     return estimates, found, skipped, runnable

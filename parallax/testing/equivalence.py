@@ -15,10 +15,11 @@ from jax.sharding import NamedSharding
 
 from parallax._tree import path_str
 from parallax.models import LossFn, adapter_for
-from parallax.sharding.auto import AUTO, from_mesh
+from parallax.sharding.auto import AUTO, from_mesh, is_auto
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import make_train_step
 from parallax.step.initialize import init_state
+from parallax.step.search import resolve
 from parallax.step.state import TrainState
 from parallax.testing.reference import Reference, Run
 from parallax.testing.rounding import excess, rounding_allowance
@@ -169,6 +170,11 @@ def assert_equivalent(
         raise ValueError("assert_equivalent needs at least one batch.")
     step = make_train_step(loss_fn, strategy, **step_options)
     options = step.options
+    if strategy != AUTO and is_auto(strategy):  # FSDP(split="auto"): settled as for a run of len(batches) steps
+        found = resolve(model, optimizer, batches[0], strategy, loss_fn=loss_fn, mesh=mesh, options=options, rng=rng,
+                        rng_streams=options.rng_streams, steps=len(batches))
+        strategy, mesh, options = found.strategy, found.mesh, found.step_options(options)
+        step = make_train_step(loss_fn, strategy, options)
     state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
                        rng_streams=options.rng_streams, options=options)
     initial = jax.device_get(state)
@@ -193,7 +199,7 @@ def assert_equivalent(
     elif tolerance != "auto":
         report = dataclasses.replace(report, tolerance=float(tolerance), tolerance_basis="given")
     if not report.passed:
-        report = dataclasses.replace(report, grad_diffs=_gradient_diffs(loss_fn, strategy, step_options, initial,
+        report = dataclasses.replace(report, grad_diffs=_gradient_diffs(loss_fn, strategy, options, initial,
                                                                         batches[0], reference, state))
         raise NotEquivalentError(str(report))
     return report
@@ -248,12 +254,12 @@ def _by_path(tree) -> dict[str, Any]:
     return {path_str(path) or "(root)": leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _gradient_diffs(loss_fn, strategy, step_options, initial, batch, reference, layout: TrainState, top: int = 5):
+def _gradient_diffs(loss_fn, strategy, options, initial, batch, reference, layout: TrainState, top: int = 5):
     """The first step's gradient of each param, sharded and on one device, where they differ most
     (the sharded gradient read off one SGD step with learning rate 1 from the initial state, laid
     out as ``layout``, the sharded run's state)."""
     sgd = optax.sgd(1.0)
-    probe = make_train_step(loss_fn, strategy, **{**step_options, "donate": False})
+    probe = make_train_step(loss_fn, strategy, options, donate=False)
 
     def put(value, like):
         return jax.device_put(value, jax.tree.map(lambda x: x.sharding, like))

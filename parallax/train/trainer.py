@@ -134,9 +134,8 @@ class Trainer:
             self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
                                   devices=self.devices, mesh=self.mesh, options=self.config.step, rng=self.config.seed,
                                   rng_streams=self.config.step.rng_streams, steps=self.config.max_steps)
-            if self.search.changes:  # nothing fitted the memory budget with the options as given
-                self.config = dataclasses.replace(self.config, step=dataclasses.replace(
-                    self.config.step, **self.search.changes))
+            # What the search had to change to fit the budget, and the compile path it priced its pick on.
+            self.config = dataclasses.replace(self.config, step=self.search.step_options(self.config.step))
             self._use(self.search.strategy, self.search.mesh)
             if self.config.progress and _multihost.is_primary():
                 print(self.search.describe())
