@@ -9,9 +9,11 @@ FSDP, TP, DP×FSDP 2×4, FSDP×TP 4×2), every parallax configuration of that ki
 both compile paths (``jit``, ``shard_map``) and, where FSDP is part of it, every split
 (``largest``, ``output``, ``input``). The **default** is what a user gets by writing the kind
 with no options (``px.FSDP(min_weight_size=2**14)``: the zoo's models are small, so the split
-threshold is scaled down as in every benchmark here), built by ``init_state`` and run by
-``make_train_step`` with ``compile="auto"``; after its first call it is identified with the
-configuration that has the same layout and path. Peers, where installed (``make bench-peers``)
+threshold is scaled down as in every benchmark here), built as ``Trainer(max_steps=1000)``
+builds it: FSDP's split is the cost model's pick (each split priced on the compile path it is
+fast on, the search bounded by what 1,000 steps could win), trained on the path it was priced
+on; any other kind by ``init_state`` and ``make_train_step`` with ``compile="auto"``. After its
+first call it is identified with the configuration that has the same layout and path. Peers, where installed (``make bench-peers``)
 and where they express the same plan: google-parallax's DDP and FSDP on the NNX members,
 Keras 3's ``DataParallel`` and its FSDP-like ``ModelParallel`` layout on the MLP stacks.
 
@@ -49,6 +51,7 @@ from benchmarks.run import MB, MIN_WEIGHT_SIZE, Config, round_ratios  # noqa: E4
 from benchmarks.zoo_models import Member, zoo  # noqa: E402
 
 SPLITS = ("largest", "output", "input")
+STEPS = 1000  # the run the default's search is bounded by (what it could win back)
 MODES = ("jit", "shard_map")
 
 
@@ -72,19 +75,26 @@ def specs_of(state) -> list:
 
 
 class Default:
-    """The kind's default as a user builds it; ``label`` names the configuration it matched."""
+    """The kind's default as a user's ``Trainer(max_steps=1000)`` builds it (FSDP's split is the
+    cost model's pick, trained on the compile path it was priced on); ``label`` names the
+    configuration it matched."""
 
     def __init__(self, member: Member, kind: str, tx):
-        strategy = strategy_of(kind)
+        from parallax.step.search import resolve
+
         start = time.perf_counter()
-        state = px.init_state(member.build(), tx, member.batch, strategy=strategy, loss_fn=member.loss_fn)
-        step = px.make_train_step(member.loss_fn, strategy)
-        mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-        batch = px.data.to_global(member.batch, NamedSharding(mesh, strategy.batch_spec()))
+        found = resolve(member.build(), tx, member.batch, strategy_of(kind), loss_fn=member.loss_fn, steps=STEPS)
+        self.search_s = time.perf_counter() - start if found.choice is not None else None
+        state = px.init_state(member.build(), tx, member.batch, strategy=found.strategy, loss_fn=member.loss_fn,
+                              mesh=found.mesh)
+        step = px.make_train_step(member.loss_fn, found.strategy, found.step_options(px.StepOptions()))
+        batch = px.data.to_global(member.batch, NamedSharding(found.mesh, found.strategy.batch_spec()))
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
-        self.setup_s = time.perf_counter() - start  # planning (and any search), compiling, one step
+        self.setup_s = time.perf_counter() - start  # planning, the search, compiling, one step
         self.mode, self.specs, self.describe = step.mode(), specs_of(state), step.describe()
+        if found.choice is not None:
+            self.describe = f"{found.describe()}; {self.describe}"
         self.reshardings = [r.describe() for r in step.reshardings.get(self.mode, [])]
 
     def matches(self, config: Config, mode: str) -> bool:
@@ -120,20 +130,6 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
     return configs, defaults, skipped
 
 
-def split_search(member: Member, kind: str, tx) -> dict:
-    """What ``FSDP(split="auto")`` (the cost model's pick among the compiled splits) would run for
-    this kind, and what picking cost: ``{"label", "search_s"}`` (label as :func:`configurations` names it)."""
-    from parallax.step.search import resolve
-
-    strategy = strategy_of(kind, "auto")
-    start = time.perf_counter()
-    found = resolve(member.build(), tx, member.batch, strategy, loss_fn=member.loss_fn, mesh=strategy.make_mesh())
-    seconds = time.perf_counter() - start
-    split = next(p.split for p in found.strategy.parts if isinstance(p, px.FSDP))
-    mode = "shard_map" if found.choice.picked.endswith("shard_map") else "jit"
-    return {"label": f"{split}/{mode}", "search_s": seconds, "timed": len(found.timed)}
-
-
 def peers_for(member: Member, kinds: list[str]) -> dict:
     """The peers' runners that express the same plan as a kind on this member: ``label -> (kind, runner)``."""
     from benchmarks import zoo_peers
@@ -161,13 +157,6 @@ def search(member: Member, tx) -> tuple[dict, Config | None]:
 def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_search: bool) -> list[dict]:
     tx = optax.adamw(1e-3)
     configs, defaults, skipped = build_configs(member, kinds, tx)
-    auto_splits = {}
-    for kind in kinds:
-        if "fsdp" in kind:
-            try:
-                auto_splits[kind] = split_search(member, kind, tx)
-            except Exception as exc:  # noqa: BLE001
-                skipped[f"{kind} split=auto"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     peers = peers_for(member, kinds) if with_peers else {}
     found, pick = search(member, tx) if with_search else ({}, None)
     runners = list(configs.values()) + [runner for _, runner in peers.values()] + ([pick] if pick else [])
@@ -181,16 +170,13 @@ def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_
             continue
         name, default = defaults[kind]
         best = min(mine, key=lambda n: mine[n].median_s)
-        auto = auto_splits.get(kind)
-        if auto and f"{kind} {auto['label']}" in configs:
-            auto["over_best"] = round_ratios(configs[f"{kind} {auto['label']}"], configs[best])
         results.append({
             "model": member.name, "family": member.family, "api": member.api, "kind": kind,
             "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1],
             "default_over_best": round_ratios(configs[name], configs[best]),
             "default_ms": 1e3 * configs[name].median_s, "best_ms": 1e3 * configs[best].median_s,
             "default_setup_s": default.setup_s, "default_describe": default.describe,
-            "default_reshardings": default.reshardings, "split_auto": auto,
+            "default_reshardings": default.reshardings, "default_search_s": default.search_s,
             "configs": {n.split(" ", 1)[1]: {"ms": 1e3 * c.median_s, "vs_default": round_ratios(c, configs[name]),
                                              "collective_mb": c.collective_total() / MB,
                                              "temp_mb": c.memory["temporaries"] / MB, "compile_s": c.compile_s}
@@ -220,13 +206,6 @@ def distribution(results: list[dict]) -> dict:
             out[kind] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
                          "worst": max(ratios), "median": float(np.median(ratios)),
                          "over_1.3": sum(x > 1.3 for x in ratios)}
-    for kind in KINDS:
-        ratios = [r["split_auto"]["over_best"]["median"] for r in results
-                  if r["kind"] == kind and (r.get("split_auto") or {}).get("over_best")]
-        if ratios:
-            out[f"{kind} split=auto"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
-                                         "worst": max(ratios), "median": float(np.median(ratios)),
-                                         "over_1.3": sum(x > 1.3 for x in ratios)}
     ratios = [r["default_over_best"]["median"] for r in results if "default_over_best" in r]
     if ratios:
         out["all"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios), "worst": max(ratios),
@@ -244,11 +223,11 @@ def markdown(results: list[dict], meta: dict) -> str:
     for kind, d in meta["distribution"].items():
         lines.append(f"| {kind} | {d['models']} | {d['within_10pct']} ({100 * d['within_10pct'] / d['models']:.0f}%) "
                      f"| {d['over_1.3']} | {d['median']:.2f} | {d['worst']:.2f} |")
-    lines += ["", "Where FSDP is part of the kind, `split=auto` is what `FSDP(split=\"auto\")` picks (the cost model "
-              "among the compiled splits; its search time beside it) over the best. *Replicated* counts the tensors "
+    lines += ["", "Where FSDP is part of the kind, the default's split is the cost model's pick: *search s* is what "
+              "picking it took (bounded by what 1,000 steps could win). *Replicated* counts the tensors "
               "the compiler replicated to reshard them in the default's program (involuntary full "
               "rematerialization; `default_reshardings` in the JSON names each).", "",
-              "| model | kind | default | best | default ÷ best | default ms | split=auto ÷ best (search s) "
+              "| model | kind | default | best | default ÷ best | default ms | search s "
               "| peers (÷ default) | replicated | setup s |",
               "| --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: |"]
     for r in results:
@@ -257,9 +236,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         v = r["default_over_best"]
         peers = "; ".join(f"{label} {p['over_default']['median']:.2f} ({p['over_default']['min']:.2f}–"
                           f"{p['over_default']['max']:.2f})" for label, p in r["peers"].items())
-        auto = r.get("split_auto") or {}
-        auto_text = (f"{auto['label']} {auto['over_best']['median']:.2f} ({auto['over_best']['min']:.2f}–"
-                     f"{auto['over_best']['max']:.2f}; {auto['search_s']:.1f} s)" if "over_best" in auto else "")
+        auto_text = f"{r['default_search_s']:.1f}" if r.get("default_search_s") is not None else ""
         lines.append(f"| {r['model']} | {r['kind']} | {r['default']} | {r['best']} | {v['median']:.2f} "
                      f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {auto_text} | {peers} "
                      f"| {len(r['default_reshardings'])} | {r['default_setup_s']:.1f} |")
