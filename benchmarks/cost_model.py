@@ -9,7 +9,7 @@ both compile paths are exact): every DP × FSDP × TP mesh of the devices
 (``parallax.sharding.auto.candidates``, FSDP splitting params above 2**14 elements as in the
 other benchmarks), each compile path (``jit``, and ``shard_map`` where the batch is split),
 and, on meshes with an FSDP axis, each ``FSDP(split=...)``. Each candidate is compiled once,
-priced by the cost model (``parallax.step.cost``, speeds calibrated on these devices) and
+priced by the cost model (``parallax.pricing.cost``, speeds calibrated on these devices) and
 timed in interleaved rounds in one process.
 
 Reported per model: predicted against measured step time for every candidate, the rank
@@ -44,9 +44,9 @@ from benchmarks.models import build, make_batch  # noqa: E402
 from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, default_path, round_ratios  # noqa: E402
 from parallax.inspect import state_bytes_per_device  # noqa: E402
 from parallax.sharding.auto import candidates, split_candidates  # noqa: E402
-from parallax.step import cost  # noqa: E402
-from parallax.step.choice import rank  # noqa: E402
-from parallax.step.search import resolve  # noqa: E402
+from parallax.pricing import cost  # noqa: E402
+from parallax.pricing.choice import rank  # noqa: E402
+from parallax.state.search import resolve  # noqa: E402
 
 
 def spearman(a, b) -> float:

@@ -80,7 +80,7 @@ class Default:
     configuration it matched."""
 
     def __init__(self, member: Member, kind: str, tx):
-        from parallax.step.search import resolve
+        from parallax.state.search import resolve
 
         start = time.perf_counter()
         found = resolve(member.build(), tx, member.batch, strategy_of(kind), loss_fn=member.loss_fn, steps=STEPS)
@@ -139,7 +139,7 @@ def peers_for(member: Member, kinds: list[str]) -> dict:
 
 def search(member: Member, tx) -> tuple[dict, Config | None]:
     """``strategy="auto"`` on this member: the search's time and pick, and the pick compiled for timing."""
-    from parallax.step.search import resolve
+    from parallax.state.search import resolve
 
     start = time.perf_counter()
     found = resolve(member.build(), tx, member.batch, "auto", loss_fn=member.loss_fn)

@@ -1,8 +1,9 @@
 """parallax: train an unchanged Flax model with DP, FSDP and tensor parallelism.
 
 The package is layered, and imports flow one way: ``sharding`` (where things live) →
-``models`` (the model seam) → ``step`` (the state and the compiled steps) → ``train`` (the
-Trainer). This module only re-exports the public names.
+``models`` (the model seam) → ``pricing`` (what a compiled program costs, which is cheapest) →
+``step`` (building the compiled steps) → ``state`` (planning the state, and the search that picks
+a plan) → ``train`` (the Trainer). This module only re-exports the public names.
 
 Example:
     >>> import parallax as px
@@ -20,7 +21,6 @@ __version__ = "0.1.0"
 
 try:
     from parallax import distributed, inspect, plan, testing
-    from parallax.step.summary import ReplicatedParamError, Summary, summarize
     from parallax.models.linen import wrap_for_shard_map
     from parallax.sharding import specs
     from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
@@ -30,9 +30,10 @@ try:
     from parallax.step.build import make_eval_step, make_train_step
     from parallax.step.options import StepOptions
     from parallax.step.per_example import PerExampleLoss, is_per_example_loss, per_example_loss
-    from parallax.step.initialize import init_state
-    from parallax.step.plan import StatePlan, plan_state
-    from parallax.step.state import TrainState
+    from parallax.step.train_state import TrainState
+    from parallax.state.initialize import init_state
+    from parallax.state.plan import StatePlan, plan_state
+    from parallax.state.summary import ReplicatedParamError, Summary, summarize
     from parallax.train import callbacks, checkpoint, data
     from parallax.train.callbacks import EarlyStopping, JSONLogger, LearningRateLogger, ProgressBar, TensorBoardLogger
     from parallax.train.checkpoint import CheckpointError

@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "parallax"
 # Lower layers first; a module may import its own layer and the ones before it.
-LAYERS = ("sharding", "models", "step", "train")
+LAYERS = ("sharding", "models", "pricing", "step", "state", "train")
 # Shared helpers every layer may use; they import no layer.
 FOUNDATION = ("parallax._cache", "parallax._compat", "parallax._multihost", "parallax._tree", "parallax._units")
 LINEN_ADAPTER = "parallax.models.linen"

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from parallax.sharding.auto import candidates, from_mesh, split_candidates
-from parallax.step import cost, timing
-from parallax.step.choice import rank
-from parallax.step.search import priced_candidates, resolve
+from parallax.pricing import cost, timing
+from parallax.pricing.choice import rank
+from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
 MARKED = px.per_example_loss(classifier_loss)

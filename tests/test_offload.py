@@ -17,7 +17,7 @@ import parallax as px
 from parallax import inspect
 from parallax.models.remat_policy import named_policy
 from parallax.step.offload import state_memory_kinds
-from parallax.step.search import resolve
+from parallax.state.search import resolve
 from tests.models import MLP, Block, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, TOL
 
@@ -168,7 +168,7 @@ def test_the_plan_names_the_option_that_fits_and_it_does(lm_steps):
     found = resolve(TinyLM(), optax.adamw(1e-2), data[0], "auto", loss_fn=lm_loss, options=options, among=among)
     assert found.changes == {"offload": "optimizer"}, found.describe()
     assert "with offload='optimizer' to fit the memory budget" in found.describe()
-    from parallax.step.search import _fallbacks
+    from parallax.state.search import _fallbacks
 
     assert list(_fallbacks(px.StepOptions(), lambda: ("Block",))) == [  # the order auto tries, cheapest first
         {"offload": "optimizer"}, {"remat": ("Block",)}, {"offload": "optimizer+params"},

@@ -1,6 +1,6 @@
 """Reading from a loss's trace whether it is a mean of per-example terms.
 
-Every case is checked twice: by the proof (``parallax.step.per_example_proof``) and by
+Every case is checked twice: by the proof (``parallax.pricing.per_example_proof``) and by
 numbers, independently of it: the loss and its metric sums computed on the global batch,
 against each shard's loss averaged over the shards and each shard's sums added up. A proven
 case must agree to float32 rounding; a rejected case that changes meaning per shard must be
@@ -21,7 +21,7 @@ import pytest
 import parallax as px
 from parallax.models import ModelRun, adapter_for
 from parallax.step.loss import loss_closure
-from parallax.step.per_example_proof import prove_loss
+from parallax.pricing.per_example_proof import prove_loss
 from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, params_bound, run_plain, run_steps, with_params
 

@@ -138,7 +138,7 @@ def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys, types):
 def test_the_cost_model_measures_on_its_own_mesh_inside_yours():
     """A cold cost cache is measured on the cost model's own mesh even inside the caller's ``set_mesh``
     (before, JAX refused its shard_map there: seen in a two-process fit)."""
-    from parallax.step.cost import calibrate
+    from parallax.pricing.cost import calibrate
 
     with jax.set_mesh(jax.make_mesh((8,), ("fsdp",))):
         speeds = calibrate(refresh=True)

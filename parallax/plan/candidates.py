@@ -19,9 +19,9 @@ from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
 from parallax.sharding.strategy import Strategy, combine
 from parallax.step.build import make_train_step
 from parallax.step.options import StepOptions
-from parallax.step.plan import plan_state, unsharded_reason
-from parallax.step.search import abstract_batch
-from parallax.step.summary import summarize
+from parallax.state.plan import plan_state, unsharded_reason
+from parallax.state.search import abstract_batch
+from parallax.state.summary import summarize
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
 _PARTS = {"dp": DataParallel, "fsdp": FSDP, "tp": TensorParallel}

@@ -1,7 +1,7 @@
 """``strategy="auto"``: the candidate strategies for a device count, and the strategy a mesh implies.
 
 The search itself (compile each candidate, price it, keep the fastest that fits) is
-:mod:`parallax.step.search`; this module only says what the candidates are.
+:mod:`parallax.state.search`; this module only says what the candidates are.
 """
 
 from __future__ import annotations

@@ -77,13 +77,10 @@ class FSDP(Strategy):
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
         min_weight_size: params with at most this many elements stay replicated.
-        split: the dim to prefer: ``"auto"`` (the default: the cost model's pick when the state
-            is planned with a loss, each split priced on the compile path it is fast on:
-            :mod:`parallax.step.search`; without a loss to compile, ``"largest"``),
-            ``"largest"``, ``"output"`` (the last: a kernel's output features) or ``"input"``
-            (the one before). All train the same; they differ in what the step moves: an
-            ``output`` split lets the compiler move activations instead of gathering weights,
-            which wins where weights outweigh activations (``benchmarks/zoo.py``).
+        split: the dim to prefer: ``"auto"`` (the cost model's pick when the state is planned
+            with a loss, each split priced on its fastest compile path: :mod:`parallax.state.search`;
+            ``"largest"`` without a loss), ``"largest"``, ``"output"`` (the last: a kernel's output
+            features, which lets the compiler move activations instead of weights) or ``"input"``.
         scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
             not part of the strategy's identity).
 

@@ -10,7 +10,7 @@ Two ways to compile, driven by the same spec tree and the same loss closure
 
 ``compile="auto"`` is exact for any loss: ``jit`` unless the loss is a mean of per-example
 terms (marked :func:`parallax.per_example_loss`, or read so from its trace by
-:mod:`parallax.step.per_example_proof`), then whichever path the cost model prices faster
+:mod:`parallax.pricing.per_example_proof`), then whichever path the cost model prices faster
 for this model, strategy and batch (see ``Step.mode``).
 
 The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
@@ -34,7 +34,7 @@ from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
-from parallax.step.choice import Choice, choose, memory_budget
+from parallax.pricing.choice import Choice, choose, memory_budget
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
 from parallax.step.jit import jit_gradients, jit_run
 from parallax.step.loss import loss_closure
@@ -42,10 +42,10 @@ from parallax.step.mesh_mode import check_jit_only
 from parallax.step.options import StepOptions
 from parallax.step.offload import moved, placement, with_memory_kinds
 from parallax.step.per_example import is_per_example_loss
-from parallax.step.per_example_proof import Proof, prove_loss
+from parallax.pricing.per_example_proof import Proof, prove_loss
 from parallax.step.resharding import Resharding, compile_reporting, describe_all
 from parallax.step.shard_map import shard_map_gradients
-from parallax.step.state import TrainState
+from parallax.step.train_state import TrainState
 from parallax.step.update import step_bodies
 
 log = logging.getLogger("parallax")
@@ -129,7 +129,7 @@ class Step:
         global batch) unless the loss is a mean of per-example terms, marked
         :func:`parallax.per_example_loss` or read so from its trace at the first call
         (:attr:`proof`). Then both paths are exact, and the train step compiles both ahead of
-        time at its first call and keeps the faster by the cost model (:mod:`parallax.step.cost`: FLOPs, bytes
+        time at its first call and keeps the faster by the cost model (:mod:`parallax.pricing.cost`: FLOPs, bytes
         and collectives of each compiled program, priced with speeds measured on the devices),
         among those whose peak memory fits ``memory_budget``. :attr:`choice` holds the
         estimates; :meth:`describe` says what was picked and why.
@@ -173,7 +173,7 @@ class Step:
         ahead of time and prices each (nothing runs).
 
         Returns:
-            The cost model's :class:`~parallax.step.choice.Choice`; per path that compiled,
+            The cost model's :class:`~parallax.pricing.choice.Choice`; per path that compiled,
             its jitted step (a call with arrays laid out like ``state`` and ``batch`` reuses
             the program) and its ``jax.stages.Compiled`` program.
         """

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 from parallax.models import LossFn, ModelAdapter, ModelRun
 from parallax.step import metrics as metric_lib
 from parallax.step.batch import leading_dims
-from parallax.step.state import model_rngs
+from parallax.step.train_state import model_rngs
 
 
 def loss_closure(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str], run: ModelRun) -> Callable:

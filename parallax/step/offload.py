@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from parallax.step.state import TrainState
+from parallax.step.train_state import TrainState
 
 HOST = "pinned_host"
 DEVICE = "device"

@@ -54,7 +54,7 @@ class StepOptions:
         timed_candidates: for ``strategy="auto"`` and ``FSDP(split="auto")``: how many of
             the candidates the cost model estimates within 25% of its best are then run
             for a few steps on the devices (a freshly built state and the example batch),
-            the measured fastest kept (:mod:`parallax.step.timing`; cached per machine).
+            the measured fastest kept (:mod:`parallax.pricing.timing`; cached per machine).
             ``0`` keeps the cost model's pick and runs nothing.
         search_seconds: for ``strategy="auto"`` and ``FSDP(split="auto")``: the most seconds the
             search spends planning, compiling and timing candidates (simplest meshes first);

@@ -2,7 +2,7 @@
 
 parallax's default is exact for any loss: ``compile="auto"`` runs the loss on the global
 batch (``jit`` with shardings) unless the loss is a mean of per-example terms, which it reads
-from the loss's trace (:mod:`parallax.step.per_example_proof`) or from this mark. A loss
+from the loss's trace (:mod:`parallax.pricing.per_example_proof`) or from this mark. A loss
 normalised by a batch-wide count (masked LM: ``sum(token_losses) / num_masked``), one that
 reads batch-wide statistics (an MoE load-balancing term) or one that compares examples with
 each other (in-batch negatives, CLIP/SimCLR) is *not* a mean of per-example terms: computed

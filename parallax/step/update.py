@@ -16,7 +16,7 @@ import optax
 
 from parallax.step import metrics as metric_lib
 from parallax.step.offload import DEVICE, HOST, to_memory
-from parallax.step.state import TrainState
+from parallax.step.train_state import TrainState
 
 
 def step_bodies(gradients: Callable, shardings: TrainState, skip_nonfinite: bool,

@@ -18,9 +18,9 @@ from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, from_mesh, is_auto
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import make_train_step
-from parallax.step.initialize import init_state
-from parallax.step.search import resolve
-from parallax.step.state import TrainState
+from parallax.state.initialize import init_state
+from parallax.state.search import resolve
+from parallax.step.train_state import TrainState
 from parallax.testing.reference import Reference, Run
 from parallax.testing.rounding import excess, rounding_allowance
 

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from parallax.models import ModelRun
-from parallax.step.state import TrainState, model_rngs
+from parallax.step.train_state import TrainState, model_rngs
 
 _SHARDS = "shards"  # the vmapped axis standing for the data shards
 

@@ -26,9 +26,9 @@ from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import make_eval_step, make_train_step
 from parallax.sharding.mesh import is_explicit
-from parallax.step.plan import StatePlan, plan_state, warn_if_unsharded
-from parallax.step.search import Resolved, resolve
-from parallax.step.state import TrainState
+from parallax.state.plan import StatePlan, plan_state, warn_if_unsharded
+from parallax.state.search import Resolved, resolve
+from parallax.step.train_state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, resume_step_of

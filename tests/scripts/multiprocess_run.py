@@ -135,7 +135,7 @@ def warm_cache(index, args):
     """A cache directory per process; process ``--warm-cache`` gets made-up device speeds."""
     import jax
 
-    from parallax.step import cost
+    from parallax.pricing import cost
 
     folder = os.path.join(args.out, f"cache{index}")
     os.environ["PARALLAX_CACHE_DIR"] = folder

@@ -1,4 +1,4 @@
-"""The abstract values a loss's jaxpr is interpreted over (see :mod:`parallax.step.per_example_proof`)."""
+"""The abstract values a loss's jaxpr is interpreted over (see :mod:`parallax.pricing.per_example_proof`)."""
 
 from __future__ import annotations
 

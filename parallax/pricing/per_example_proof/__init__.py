@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from parallax.step.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
-from parallax.step.per_example_proof.interpret import SYNCED, interpret
+from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
+from parallax.pricing.per_example_proof.interpret import SYNCED, interpret
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,8 @@ from parallax._units import format_bytes
 from parallax.models import adapter_for
 from parallax.sharding import rules as tp_rules
 from parallax.sharding.strategy import Strategy
-from parallax.step.plan import StatePlan
-from parallax.step.state import TrainState
+from parallax.state.plan import StatePlan
+from parallax.step.train_state import TrainState
 
 PARTS = ("params", "opt_state", "model_state")
 

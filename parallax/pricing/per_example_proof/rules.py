@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from parallax.step.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample
+from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample
 
 IDENTITY = {"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint",
             "optimization_barrier", "stop_gradient", "pvary", "mesh_cast", "reshard"}

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from parallax import _cache
-from parallax.step.choice import Choice
+from parallax.pricing.choice import Choice
 
 WINDOW = 1.25  # candidates estimated within 25% of the best are close enough to time
 ROUNDS = 5  # timed steps per candidate, after one untimed warm-up step
@@ -63,7 +63,7 @@ def closest(choice: Choice, limit: int) -> list[str]:
 def measure(candidates: Mapping[str, Timed], budget: int | None, devices_key: str,
             rounds: int = ROUNDS) -> dict[str, float]:
     """Each candidate's median step time in seconds, from the cache when these programs were
-    timed on this machine (``devices_key``, see :func:`parallax.step.cost.device_key`) before.
+    timed on this machine (``devices_key``, see :func:`parallax.pricing.cost.device_key`) before.
 
     The candidates run round by round (one step each per round) when their states fit the
     budget together, so that a burst of load on a shared machine falls on all of them; else

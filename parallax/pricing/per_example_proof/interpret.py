@@ -1,4 +1,4 @@
-"""Interpreting a jaxpr over the abstract values of :mod:`parallax.step.per_example_proof.domain`.
+"""Interpreting a jaxpr over the abstract values of :mod:`parallax.pricing.per_example_proof.domain`.
 
 This module walks equations, sub-computations, loops and branches, and handles values that
 do not read the batch and batch-wide sums; :mod:`.rules` has the rule of each primitive on
@@ -14,9 +14,9 @@ import numpy as np
 from jax.extend import core
 
 from parallax._compat import scan_counts
-from parallax.step.per_example_proof import rules
-from parallax.step.per_example_proof.rules import shape as _shape
-from parallax.step.per_example_proof.domain import (
+from parallax.pricing.per_example_proof import rules
+from parallax.pricing.per_example_proof.rules import shape as _shape
+from parallax.pricing.per_example_proof.domain import (
     BatchSum, Fixed, NotPerExample, PerExample, Random, fixed_from_array, join)
 
 
@@ -68,7 +68,7 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
     it reads and its operands' shapes, except the example dim of per-example values and the
     dims a batch-free value is constant along (unless the primitive sums over them). An
     equation on a batch-wide sum records only its primitive: a mean's divisor is meant to
-    differ, and :func:`parallax.step.per_example_proof.prove_loss` checks its scale."""
+    differ, and :func:`parallax.pricing.per_example_proof.prove_loss` checks its scale."""
     name = eqn.primitive.name
     if _synced(name, ins):  # prove_loss checks each is a mean
         signature.extend((SYNCED, a.scales, a.offsets) for a in ins)

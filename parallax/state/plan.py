@@ -21,9 +21,9 @@ from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
-from parallax.step.pretrained import place_params
+from parallax.state.pretrained import place_params
 from parallax.step.offload import check_offload, with_memory_kinds
-from parallax.step.state import TrainState, as_key, model_rngs
+from parallax.step.train_state import TrainState, as_key, model_rngs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +206,7 @@ def unsharded_reason(plan: StatePlan) -> str | None:
 
     Example:
         >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.FSDP(), loss_fn=loss_fn)
-        >>> from parallax.step.plan import unsharded_reason
+        >>> from parallax.state.plan import unsharded_reason
         >>> print(unsharded_reason(plan))  # doctest: +ELLIPSIS
         FSDP(fsdp=8) splits only 0.0% of the train state over 'fsdp': every param has at most min_weight_size=262,144 ...
     """

@@ -2,12 +2,12 @@
 
 Each candidate's state is planned from shapes (nothing is allocated) and its train step is
 compiled ahead of time on abstract arrays placed on the candidate's mesh, then priced by the
-cost model (:mod:`parallax.step.cost`). Candidates whose state alone exceeds the memory
+cost model (:mod:`parallax.pricing.cost`). Candidates whose state alone exceeds the memory
 budget are dropped before anything compiles; those whose compiled peak exceeds it after.
 A candidate that does not apply (the batch does not divide, a tensor layout cannot be
 derived) is skipped with its reason. Where the best estimates lie close together, the
 closest few are then run for a few steps and the measured fastest is kept
-(:mod:`parallax.step.timing`, ``StepOptions.timed_candidates``).
+(:mod:`parallax.pricing.timing`, ``StepOptions.timed_candidates``).
 
 Example:
     >>> found = resolve(model, optax.adam(1e-3), batch, "auto", loss_fn=loss_fn, devices=jax.devices()[:4])
@@ -32,12 +32,12 @@ from parallax.models.blocks import repeated_blocks
 from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.step.build import Step
-from parallax.step.choice import Choice, memory_budget, rank
-from parallax.step.cost import device_key
+from parallax.pricing.choice import Choice, memory_budget, rank
+from parallax.pricing.cost import device_key
 from parallax.step.options import StepOptions
-from parallax.step.plan import plan_state
-from parallax.step.summary import summarize
-from parallax.step.timing import Timed, closest, measure
+from parallax.state.plan import plan_state
+from parallax.state.summary import summarize
+from parallax.pricing.timing import Timed, closest, measure
 
 log = logging.getLogger("parallax")
 
@@ -59,7 +59,7 @@ class Resolved:
     Attributes:
         strategy: the strategy to build with (no ``"auto"`` left in it).
         mesh: its mesh.
-        choice: the cost model's :class:`~parallax.step.choice.Choice` (``None`` when nothing
+        choice: the cost model's :class:`~parallax.pricing.choice.Choice` (``None`` when nothing
             was searched).
         skipped: candidates that do not apply, with the reason.
         seconds: what the search took (planning and compiling every candidate, and timing).
@@ -289,7 +289,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
 
 def _time_closest(choice: Choice, runnable: dict[str, tuple], example_batch: Any, budget: int | None, limit: int,
                   devices: Sequence[jax.Device]) -> dict[str, float]:
-    """The closest candidates' measured step times (:mod:`parallax.step.timing`), or nothing
+    """The closest candidates' measured step times (:mod:`parallax.pricing.timing`), or nothing
     where there is no close call, no concrete example batch, or more than one process."""
     labels = closest(choice, limit)
     leaves = jax.tree.leaves(example_batch)

@@ -13,9 +13,9 @@ from parallax.models import LossFn
 from parallax.sharding.auto import check_strategy
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions
-from parallax.step.plan import plan_state, warn_if_unsharded
-from parallax.step.search import describe_changes, resolve
-from parallax.step.state import TrainState
+from parallax.state.plan import plan_state, warn_if_unsharded
+from parallax.state.search import describe_changes, resolve
+from parallax.step.train_state import TrainState
 
 log = logging.getLogger("parallax")
 
@@ -52,7 +52,7 @@ def init_state(
             devices is planned and its train step compiled, and the fastest by the cost
             model that fits the memory budget is built (where the best estimates are close,
             the closest few are first timed for a few steps: ``StepOptions.timed_candidates``);
-            one log line says what was chosen and why (:func:`parallax.step.search.resolve`). ``FSDP(split="auto")``
+            one log line says what was chosen and why (:func:`parallax.state.search.resolve`). ``FSDP(split="auto")``
             picks each weight's split dim the same way. Both need ``loss_fn``.
         rng: a seed or a PRNG key.
         loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
@@ -71,7 +71,7 @@ def init_state(
             ``memory_budget`` when nothing fits without: a warning names it, and a step with
             ``offload=None`` keeps the state where it was built).
         params: pretrained params to start from instead of initialising: a pytree of host or
-            device arrays, or an orbax checkpoint path (see :mod:`parallax.step.pretrained`);
+            device arrays, or an orbax checkpoint path (see :mod:`parallax.state.pretrained`);
             checked against the model's shapes, placed shard by shard.
         sharding_mode: ``"detect"`` (Auto axes, or Explicit ones for a model JAX refuses with
             Auto axes: one that calls ``reshard`` or passes ``out_sharding=``), ``"auto"`` or

@@ -2,7 +2,7 @@
 
 The candidates are the same work compiled different ways: the compile paths of a step, the
 FSDP split of each weight, the mesh shapes of ``strategy="auto"``. Each is compiled ahead of
-time (nothing runs), priced by :func:`parallax.step.cost.estimate`, and those whose peak
+time (nothing runs), priced by :func:`parallax.pricing.cost.estimate`, and those whose peak
 bytes per device exceed the budget are dropped before the fastest is taken.
 """
 
@@ -15,7 +15,7 @@ import jax
 
 from parallax import _multihost
 from parallax._units import format_bytes, parse_bytes
-from parallax.step.cost import Estimate, calibrate, estimate
+from parallax.pricing.cost import Estimate, calibrate, estimate
 
 
 @dataclasses.dataclass(frozen=True)
