@@ -178,6 +178,16 @@ def test_the_default_split_prices_each_split_on_its_path_and_the_trainer_builds_
     assert found.choice.picked == f"split={found.strategy.parts[0].split}, {found.compile}"
     assert found.step_options(px.StepOptions()).compile == found.compile
     assert found.step_options(px.StepOptions(compile="jit")).compile == "jit"  # a path you chose stands
+    # A loss over the whole batch (a ratio of batch sums) is exact on jit only: every split is priced there.
+    def weighted(model, batch):
+        per_example = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+        weight = (batch["y"] > 2).astype(per_example.dtype)
+        return (per_example * weight).sum() / weight.sum()
+
+    mlp = batches("mlp", 1, batch_size=16)[0]
+    whole = resolve(MLP(), optax.adam(1e-2), mlp, px.FSDP(min_weight_size=0), loss_fn=weighted,
+                    options=px.StepOptions(timed_candidates=0))
+    assert set(whole.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
     trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=px.FSDP(min_weight_size=0), max_steps=2,
                          batch_size=16, progress=False, shuffle=False)
     trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept

@@ -271,8 +271,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
-            step = Step(loss_fn, planned.strategy, options if path is None else dataclasses.replace(options, compile=path),
-                        train=True)
+            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) if path else ())
             placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
             step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
                                                                   abstract_batch(example_batch, placement))

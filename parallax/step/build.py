@@ -5,19 +5,17 @@ Two ways to compile, driven by the same spec tree and the same loss closure
 
 * ``"shard_map"`` (:mod:`parallax.step.shard_map`): the gradient is computed inside
   ``jax.shard_map``, manual over the data/FSDP axes, with explicit collectives.
-* ``"jit"`` (:mod:`parallax.step.jit`): the same loss under ``jax.jit`` with shardings;
-  the compiler (GSPMD) inserts every collective. Always used for pure tensor parallelism.
+* ``"jit"`` (:mod:`parallax.step.jit`): the same loss under ``jax.jit`` with shardings; the
+  compiler inserts every collective. Always used for pure tensor parallelism.
 
 ``compile="auto"`` is exact for any loss: ``jit`` unless the loss is a mean of per-example
 terms (marked :func:`parallax.per_example_loss`, or read so from its trace by
 :mod:`parallax.pricing.per_example_proof`), then whichever path the cost model prices faster
 for this model, strategy and batch (see ``Step.mode``).
 
-The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays,
-so transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the
-whole gradient, not one shard.
+The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays, so
+transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the whole gradient.
 """
-
 
 from __future__ import annotations
 
@@ -67,10 +65,12 @@ class Step:
         auto_strategy: built with ``strategy="auto"``.
         reshardings: per compiled path, the tensors the compiler replicated to reshard them
             (:mod:`parallax.step.resharding`; logged as a warning when the path taken has any).
+        prefer: of the paths ``compile="auto"`` allows, the ones to compile (the search prices an
+            FSDP split on the path it is fast on); where it allows none of them, those it allows.
     """
 
     def __init__(self, loss_fn: LossFn, strategy: Strategy | str, options: StepOptions, *, train: bool,
-                 replicated_batch: bool = False):
+                 replicated_batch: bool = False, prefer: tuple[str, ...] = ()):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
         check_strategy(strategy)
@@ -88,6 +88,7 @@ class Step:
         self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
         self.reshardings: dict[str, list[Resharding]] = {}
+        self.prefer = prefer
 
     def modes(self) -> tuple[str, ...]:
         """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
@@ -96,6 +97,11 @@ class Step:
 
     def _paths(self) -> tuple[tuple[str, ...], str]:
         """The compile paths this step may take, and why: one decision for :meth:`modes` and :meth:`describe`."""
+        modes, why = self._allowed()
+        preferred = tuple(mode for mode in modes if mode in self.prefer)
+        return (preferred, f"{why}; priced on {preferred[0]}") if preferred and preferred != modes else (modes, why)
+
+    def _allowed(self) -> tuple[tuple[str, ...], str]:
         if self.strategy is None:
             raise ValueError("strategy='auto': the step learns its strategy from the state at the first call.")
         if self.replicated_batch or not self.strategy.data_axes:
@@ -122,17 +128,14 @@ class Step:
         return ("jit", "shard_map"), f"{why}: the cost model picks jit or shard_map at the first call"
 
     def mode(self) -> str:
-        """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call
-        decides it).
+        """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call decides it).
 
-        ``compile="auto"`` is exact for any loss: it compiles with ``jit`` (the loss sees the
-        global batch) unless the loss is a mean of per-example terms, marked
-        :func:`parallax.per_example_loss` or read so from its trace at the first call
-        (:attr:`proof`). Then both paths are exact, and the train step compiles both ahead of
-        time at its first call and keeps the faster by the cost model (:mod:`parallax.pricing.cost`: FLOPs, bytes
-        and collectives of each compiled program, priced with speeds measured on the devices),
-        among those whose peak memory fits ``memory_budget``. :attr:`choice` holds the
-        estimates; :meth:`describe` says what was picked and why.
+        ``compile="auto"`` is exact for any loss: ``jit`` (the loss sees the global batch) unless the
+        loss is a mean of per-example terms, marked :func:`parallax.per_example_loss` or read so from
+        its trace at the first call (:attr:`proof`). Then both paths are exact: the train step
+        compiles both at its first call and keeps the faster by the cost model
+        (:mod:`parallax.pricing.cost`), among those whose peak fits ``memory_budget``.
+        :attr:`choice` holds the estimates; :meth:`describe` says what was picked and why.
         """
         if self.choice is not None:
             return self.choice.picked
@@ -277,7 +280,7 @@ class Step:
         mesh = state_specs_of(state)[0]
         if self.auto_strategy:
             self.strategy = from_mesh(mesh)
-        if self.proof is not None or len(self._paths()[0]) == 1 or is_per_example_loss(self.loss_fn):
+        if self.proof is not None or len(self._allowed()[0]) == 1 or is_per_example_loss(self.loss_fn):
             return self.proof
         adapter = adapter_for(state.model)
         # The model as the shard_map path runs it: BatchNorm's statistics summed over the data
@@ -304,12 +307,8 @@ class Step:
         train_step, eval_step = step_bodies(gradients, shardings, self.options.skip_nonfinite, offloaded)
 
         if self.train:
-            return jax.jit(
-                train_step,
-                in_shardings=(shardings, batch_sharding),
-                out_shardings=(shardings, replicated),
-                donate_argnums=(0,) if self.options.donate else (),
-            )
+            return jax.jit(train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
+                           donate_argnums=(0,) if self.options.donate else ())
         return jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated)
 
 
