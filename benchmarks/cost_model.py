@@ -43,9 +43,9 @@ import parallax as px  # noqa: E402
 from benchmarks.models import build, make_batch  # noqa: E402
 from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, default_path, round_ratios  # noqa: E402
 from parallax.inspect import state_bytes_per_device  # noqa: E402
-from parallax.sharding.auto import candidates, split_candidates  # noqa: E402
 from parallax.pricing import cost  # noqa: E402
 from parallax.pricing.choice import rank  # noqa: E402
+from parallax.sharding.auto import candidates, split_candidates  # noqa: E402
 from parallax.state.search import resolve  # noqa: E402
 
 

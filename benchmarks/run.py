@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import parallax as px  # noqa: E402
 from benchmarks import handwritten, time_interleaved  # noqa: E402
 from benchmarks.models import build, make_batch  # noqa: E402
-from parallax.pricing.choice import choose, memory_budget  # noqa: E402
 from parallax.inspect import collective_bytes, memory_bytes, state_bytes_per_device  # noqa: E402
+from parallax.pricing.choice import choose, memory_budget  # noqa: E402
 
 MIN_WEIGHT_SIZE = 2**14
 BATCH = {"mlp": 256, "lm": 32, "cnn": 64}

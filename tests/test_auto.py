@@ -19,9 +19,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from parallax.sharding.auto import candidates, from_mesh, split_candidates
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
+from parallax.sharding.auto import candidates, from_mesh, split_candidates
 from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 

@@ -13,11 +13,11 @@ import optax
 import pytest
 from flax import nnx
 
-import parallax as px
 from parallax import inspect
+import parallax as px
 from parallax.models.remat_policy import named_policy
-from parallax.step.offload import state_memory_kinds
 from parallax.state.search import resolve
+from parallax.step.offload import state_memory_kinds
 from tests.models import MLP, Block, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, TOL
 

@@ -20,8 +20,8 @@ import pytest
 
 import parallax as px
 from parallax.models import ModelRun, adapter_for
-from parallax.step.loss import loss_closure
 from parallax.pricing.per_example_proof import prove_loss
+from parallax.step.loss import loss_closure
 from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, params_bound, run_plain, run_steps, with_params
 

@@ -17,11 +17,11 @@ from jax.sharding import NamedSharding
 from parallax import inspect
 from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
 from parallax.sharding.strategy import Strategy, combine
-from parallax.step.build import make_train_step
-from parallax.step.options import StepOptions
 from parallax.state.plan import plan_state, unsharded_reason
 from parallax.state.search import abstract_batch
 from parallax.state.summary import summarize
+from parallax.step.build import make_train_step
+from parallax.step.options import StepOptions
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
 _PARTS = {"dp": DataParallel, "fsdp": FSDP, "tp": TensorParallel}

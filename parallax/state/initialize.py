@@ -12,9 +12,9 @@ from jax.sharding import Mesh
 from parallax.models import LossFn
 from parallax.sharding.auto import check_strategy
 from parallax.sharding.strategy import Strategy
-from parallax.step.options import StepOptions
 from parallax.state.plan import plan_state, warn_if_unsharded
 from parallax.state.search import describe_changes, resolve
+from parallax.step.options import StepOptions
 from parallax.step.train_state import TrainState
 
 log = logging.getLogger("parallax")

@@ -19,9 +19,9 @@ from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
 from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
+from parallax.state.pretrained import place_params
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
-from parallax.state.pretrained import place_params
 from parallax.step.offload import check_offload, with_memory_kinds
 from parallax.step.train_state import TrainState, as_key, model_rngs
 

@@ -29,15 +29,15 @@ from jax.sharding import Mesh, NamedSharding
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
-from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
-from parallax.sharding.strategy import Strategy
-from parallax.step.build import Step
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
-from parallax.step.options import StepOptions
+from parallax.pricing.timing import Timed, closest, measure
+from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
+from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state
 from parallax.state.summary import summarize
-from parallax.pricing.timing import Timed, closest, measure
+from parallax.step.build import Step
+from parallax.step.options import StepOptions
 
 log = logging.getLogger("parallax")
 

@@ -28,19 +28,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import mesh_context
 from parallax.models import LossFn, adapter_for
+from parallax.pricing.choice import Choice, choose, memory_budget
+from parallax.pricing.per_example_proof import Proof, prove_loss
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
-from parallax.pricing.choice import Choice, choose, memory_budget
 from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
 from parallax.step.jit import jit_gradients, jit_run
 from parallax.step.loss import loss_closure
 from parallax.step.mesh_mode import check_jit_only
-from parallax.step.options import StepOptions
 from parallax.step.offload import moved, placement, with_memory_kinds
+from parallax.step.options import StepOptions
 from parallax.step.per_example import is_per_example_loss
-from parallax.pricing.per_example_proof import Proof, prove_loss
 from parallax.step.resharding import Resharding, compile_reporting, describe_all
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.train_state import TrainState

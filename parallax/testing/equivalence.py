@@ -17,9 +17,9 @@ from parallax._tree import path_str
 from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, from_mesh, is_auto
 from parallax.sharding.strategy import Strategy
-from parallax.step.build import make_train_step
 from parallax.state.initialize import init_state
 from parallax.state.search import resolve
+from parallax.step.build import make_train_step
 from parallax.step.train_state import TrainState
 from parallax.testing.reference import Reference, Run
 from parallax.testing.rounding import excess, rounding_allowance

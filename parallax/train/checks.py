@@ -12,8 +12,8 @@ import optax
 from parallax import _multihost
 from parallax.models import LossFn, ModelAdapter, ModelRun
 from parallax.state.plan import StatePlan
-from parallax.step.train_state import TrainState, model_rngs
 from parallax.state.summary import summarize
+from parallax.step.train_state import TrainState, model_rngs
 from parallax.train.data import ArrayData, batch_signature
 from parallax.train.evaluation import eval_source
 

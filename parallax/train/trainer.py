@@ -22,12 +22,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax import _multihost
 from parallax.models import LossFn, adapter_for
 from parallax.sharding.auto import AUTO, check_strategy, is_auto
+from parallax.sharding.mesh import is_explicit
 from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
-from parallax.step.build import make_eval_step, make_train_step
-from parallax.sharding.mesh import is_explicit
 from parallax.state.plan import StatePlan, plan_state, warn_if_unsharded
 from parallax.state.search import Resolved, resolve
+from parallax.step.build import make_eval_step, make_train_step
 from parallax.step.train_state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
