@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 STAMP := $(VENV)/.installed
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: setup setup-latest test test-latest test-fast demo bench bench-peers clean
+.PHONY: setup setup-latest test test-latest test-fast demo docs bench bench-peers clean
 
 # `parallax` was this distribution's name before 0.2 (now `parallax-flax`): a stale install of it, or
 # the parallax.egg-info its setuptools build left here, would be a second provider of `parallax`.
@@ -49,6 +49,11 @@ test-latest: $(STAMP_LATEST)
 test-fast: $(STAMP)
 	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
 
+# The documentation site into docs/_build/html; any warning fails the build.
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -E -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 demo: $(STAMP)
 	$(PY) examples/image_classifier.py --devices 8 --strategy fsdp
 
@@ -64,4 +69,4 @@ bench-peers: $(STAMP)
 	KERAS_BACKEND=jax $(PY) -m benchmarks.peers
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) $(PEERS) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) $(PEERS) build dist *.egg-info .pytest_cache docs/_build

@@ -97,6 +97,15 @@ class PlanReport:
                 "target": self.target, "notes": self.notes,
                 "fixes": {label: [fix.as_dict() for fix in tried] for label, tried in self.fixes.items()}}
 
+    def figure(self, path: str | None = None) -> Any:
+        """A matplotlib figure: the first candidate's mesh, and per candidate each device's bytes
+        at the step's peak by part (:mod:`parallax.plan.figure`), host memory apart, each
+        budget a line; saved to ``path`` (PNG, SVG...) if given. Needs matplotlib."""
+        from parallax.plan.figure import plan_bars
+        from parallax.state.figure import draw
+
+        return draw(plan_bars(self), dict(zip(self.labels, self.budgets)), "px.plan", path)
+
     def fix_lines(self) -> list[str]:
         """For each budget nothing fits: the option that would, with its numbers, or that none does."""
         lines = []

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default=None, help="comma-separated memory budgets per device, e.g. 16GB,80GB")
     parser.add_argument("--target", default=None, help="the backend the plan is for: gpu, tpu or cpu")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="also draw the plan (mesh and bytes per device by part) to PATH (.png, .svg); needs matplotlib")
     args = parser.parse_args(argv)
     try:
         devices = None if args.devices is None else [int(n) for n in args.devices.split(",")]
@@ -69,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m parallax.plan: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_dict(), indent=1) if args.json else report)
+    if args.plot:
+        try:
+            report.figure(args.plot)
+        except (ImportError, ValueError) as err:
+            print(f"python -m parallax.plan: --plot {args.plot}: {err}", file=sys.stderr)
+            return 2
+        print(f"figure: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -30,7 +30,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from parallax._tree import path_str
-from parallax._units import format_bytes
+from parallax._units import format_bytes, parse_bytes
 from parallax.models import adapter_for
 from parallax.sharding import rules as tp_rules
 from parallax.sharding.strategy import Strategy
@@ -140,6 +140,15 @@ class Summary:
                 "lint": {"replicated": [dataclasses.asdict(r) for r in self.lint.replicated],
                          "unmatched_rules": list(self.lint.unmatched_rules),
                          "sharded_fraction": self.lint.sharded_fraction, "large_bytes": self.lint.large_bytes}}
+
+    def figure(self, path: str | None = None, budget: int | str | None = None) -> Any:
+        """A matplotlib figure of the mesh and of each device's bytes, device and host memory
+        apart (:mod:`parallax.state.figure`), saved to ``path`` if given; ``budget`` (bytes or
+        ``"16GB"``) draws a line. Needs matplotlib."""
+        from parallax.state.figure import draw, summary_bars
+
+        budgets = {str(budget): parse_bytes(budget)} if budget is not None else None
+        return draw(summary_bars(self), budgets, "px.summarize", path)
 
     def _param_cells(self) -> list[tuple[str, ...]]:
         return [(row.path, str(row.shape), row.dtype, _spec_text(row.spec), format_bytes(row.bytes_per_device))

@@ -1,4 +1,4 @@
-"""Every code snippet in the README runs."""
+"""Every code block in the README and the documentation runs; the site builds without a warning."""
 
 from __future__ import annotations
 
@@ -15,11 +15,32 @@ import pytest
 import parallax as px
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(ROOT, "README.md")).read()
+DOCS = os.path.join(ROOT, "docs")
 
 
-def blocks(info: str) -> list[str]:
-    return re.findall(rf"```{info}\n(.*?)```", README, re.S)
+def toctree_pages() -> list[str]:
+    """The site's pages in the order its navigation lists them (``docs/index.md``'s toctrees)."""
+    index = open(os.path.join(DOCS, "index.md")).read()
+    names = [line.strip() for tree in re.findall(r"```\{toctree\}\n(.*?)```", index, re.S)
+             for line in tree.splitlines() if line.strip() and not line.startswith(":")]
+    return [f"docs/{name}.md" for name in names]
+
+
+# The README, then Getting started (whose model and data the guides continue from), then the rest.
+PAGES = ["README.md", "docs/getting-started.md", "docs/index.md",
+         *[page for page in toctree_pages() if page != "docs/getting-started.md"]]
+TEXT = {page: open(os.path.join(ROOT, page)).read() for page in PAGES}
+
+
+def blocks(info: str, page: str | None = None) -> list[str]:
+    """The code blocks fenced as ``info``, of one page or of every page in order."""
+    return [block for name in ([page] if page else PAGES) for block in re.findall(rf"```{info}\n(.*?)```", TEXT[name], re.S)]
+
+
+def test_every_page_is_in_the_navigation():
+    pages = {os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in os.walk(DOCS)
+             if "_build" not in folder for name in names if name.endswith(".md")}
+    assert pages == set(PAGES) - {"README.md"}, sorted(pages ^ (set(PAGES) - {"README.md"}))
 
 
 def clean_env(**extra):
@@ -29,12 +50,14 @@ def clean_env(**extra):
 
 
 @pytest.mark.slow
-def test_python_snippets_run_in_order(tmp_path):
-    script = tmp_path / "readme.py"
-    script.write_text("\n".join(blocks("python")))
+def test_python_blocks_run_in_order(tmp_path):
+    script = tmp_path / "pages.py"
+    script.write_text("\n".join(f"print('==> {page}', flush=True)\n" + "\n".join(blocks("python", page))
+                                for page in PAGES))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    failed_in = re.findall(r"^==> (.*)$", proc.stdout, re.M)[-1:]
+    assert proc.returncode == 0, f"a block of {failed_in} failed:\n{proc.stderr[-4000:]}"
     assert "'accuracy'" in proc.stdout and "\n30\n" in proc.stdout
 
 
@@ -81,3 +104,13 @@ def test_plan_snippet_plans_a_1b_transformer_for_8_and_64_devices_without_alloca
     # Neither the snippet's process nor the 64-device one it starts held the 4 GiB of params (or anything near it).
     peak = int(re.search(r"^peak KiB (\d+)$", proc.stdout, re.M).group(1))
     assert peak < 3 * 2**20, peak
+
+
+def test_the_site_builds_without_a_warning(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html", DOCS,
+                           str(tmp_path / "html")], cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    landing = (tmp_path / "html" / "index.html").read_text()
+    assert "Getting started" in landing and "API reference" in landing
+    api = (tmp_path / "html" / "reference" / "api.html").read_text()
+    assert "assert_equivalent" in api and "make_train_step" in api  # generated from the docstrings
