@@ -223,6 +223,26 @@ def test_iterable_data_and_progress_output(capsys):
     assert int(result.state.step) == 12
     err = capsys.readouterr().err
     assert "step 12/12" in err and "it/s" in err and "loss=" in err
+    assert err.splitlines()[0] == "step 0/12 compiling…" and "step 1/12 compiled in " in err
+
+
+def test_progress_counts_speed_and_eta_after_the_compiling_step(monkeypatch):
+    """Steps per second and the ETA leave out the first step, which compiles (10 s here)."""
+    import io
+
+    from parallax.train import callbacks
+
+    clock = iter([0.0, 10.0, 10.5, 11.0])  # fit start; step 1 done (compiled); steps 2 and 3, 0.5 s each
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = callbacks.ProgressBar(stream=out)
+    bar.on_fit_start(type("T", (), {"start_step": 0, "max_steps": 5})())
+    for step in (1, 2, 3):
+        bar.on_step(callbacks.StepInfo(step=step, epoch=0, metrics={"loss": 1.0}, eval_metrics=None, max_steps=5,
+                                       trainer=None, state=None))
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["step 0/5 compiling…", "step 1/5 compiled in 10.0s loss=1"], lines
+    assert lines[-1].startswith("step 3/5 2.00 it/s eta 1s"), lines  # not 3 steps / 11 s
 
 
 @pytest.mark.parametrize("kind", ["file", "unwritable"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import pathlib
 import re
@@ -153,8 +154,10 @@ def compile_reporting(lowered: Any, params: Any = None, specs: Any = None,
     (with their :func:`suspects` among ``params`` laid out by ``specs`` on ``mesh``, when given).
 
     What else the compiler wrote to stderr is written back to stderr once it is done (also when
-    compiling fails). A program served from JAX's persistent compilation cache, or compiled
-    before in this process, is not partitioned again and reports nothing.
+    compiling fails); its rematerialization lines too only where the ``parallax`` logger is at
+    DEBUG (the step's own warning names each, with the params that ask for it). A program
+    served from JAX's persistent compilation cache, or compiled before in this process, is not
+    partitioned again and reports nothing.
     """
     with _LOCK, tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "stderr")
@@ -163,8 +166,10 @@ def compile_reporting(lowered: Any, params: Any = None, specs: Any = None,
                 compiled = lowered.compile()
         finally:
             text = pathlib.Path(path).read_bytes().decode(errors="replace") if os.path.exists(path) else ""
-            if text:
-                sys.stderr.write(text)
+            shown = text if logging.getLogger("parallax").isEnabledFor(logging.DEBUG) else "".join(
+                line for line in text.splitlines(keepends=True) if MARKER not in line)
+            if shown:
+                sys.stderr.write(shown)
     found = parse(text)
     if params is not None:
         found = [dataclasses.replace(r, suspects=suspects(r, params, specs, mesh)) for r in found]

@@ -70,7 +70,13 @@ class Callback(Protocol):
 def due(callback: Callback, info: StepInfo) -> bool:
     """Whether ``callback`` runs at this step (always when eval metrics arrive)."""
     every = getattr(callback, "every", 1) or 1
-    return info.step % every == 0 or info.eval_metrics is not None or info.step == info.max_steps
+    return (info.step % every == 0 or info.eval_metrics is not None or info.step == info.max_steps
+            or _due_at(callback, info.step))
+
+
+def _due_at(callback: Any, step: int) -> bool:
+    """Whether ``callback`` asks for this step besides every ``every``-th (its ``due_at(step)``, if it has one)."""
+    return bool(getattr(callback, "due_at", lambda _: False)(step))
 
 
 def state_wanted(callbacks: Sequence[Any], step: int) -> bool:
@@ -80,7 +86,7 @@ def state_wanted(callbacks: Sequence[Any], step: int) -> bool:
 
 def read_wanted(callbacks: Sequence[Any], steps: Sequence[int], fetch_every: int) -> bool:
     """Whether the metrics of these pending steps are due for a callback, or enough have piled up."""
-    return len(steps) >= fetch_every or any(step % (getattr(cb, "every", 1) or 1) == 0
+    return len(steps) >= fetch_every or any(step % (getattr(cb, "every", 1) or 1) == 0 or _due_at(cb, step)
                                             for step in steps for cb in callbacks)
 
 
@@ -90,6 +96,10 @@ def _format(metrics: dict[str, float]) -> str:
 
 class ProgressBar:
     """A progress line: step/total, steps/s, loss and ETA (rich in a terminal, plain lines in a log).
+
+    The first step compiles the train step (and any search before it): the line says
+    "compiling" until it is done and how long it took, and steps/s and the ETA count only the
+    steps after it.
 
     Args:
         every: refresh every this many steps.
@@ -104,42 +114,56 @@ class ProgressBar:
         self._progress = None
         self._task = None
         self._start = None
-        self._start_step = 0
+        self._compiled: tuple[int, float] | None = None  # (the first step, when it was done)
+        self._first = 1
         self._last_print = 0.0
 
-    def on_fit_start(self, trainer: Any) -> None:
-        self._start, self._start_step = time.perf_counter(), trainer.start_step
-        if getattr(self.stream, "isatty", lambda: False)():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    def due_at(self, step: int) -> bool:
+        """Also the first step of a fit: it says what compiling took."""
+        return self._compiled is None and self._start is not None and step == self._first
 
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[rate]:.2f} it/s"), TextColumn("{task.fields[text]}"),
-                                      TimeRemainingColumn(), transient=False)
+    def on_fit_start(self, trainer: Any) -> None:
+        self._start, self._compiled, self._first = time.perf_counter(), None, trainer.start_step + 1
+        if getattr(self.stream, "isatty", lambda: False)():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),  # our own ETA:
+                                      TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[text]}"),  # rich's
+                                      transient=False)  # would count the compilation
             self._progress.start()
             self._task = self._progress.add_task("train", total=trainer.max_steps, completed=trainer.start_step,
-                                                 rate=0.0, text="")
+                                                 rate="compiling…", text="")
+        else:
+            total = f"/{trainer.max_steps}" if trainer.max_steps else ""
+            print(f"step {trainer.start_step}{total} compiling…", file=self.stream, flush=True)
 
-    def _rate(self, step: int) -> float:
-        elapsed = time.perf_counter() - self._start
-        return (step - self._start_step) / elapsed if elapsed > 0 else 0.0
+    def _rate(self, step: int, now: float) -> float | None:
+        """Steps per second since the first step was done (``None`` before a second step)."""
+        first, at = self._compiled
+        return (step - first) / (now - at) if step > first and now > at else None
 
     def on_step(self, info: StepInfo) -> None:
-        rate = self._rate(info.step)
+        now = time.perf_counter()
         text = _format(info.metrics)
         if info.eval_metrics:
             text += " | eval " + _format(info.eval_metrics)
+        if self._compiled is None:  # the first step: compiled, then run
+            self._compiled = (info.step, now)
+            speed = f"compiled in {now - self._start:.1f}s"
+        else:
+            rate = self._rate(info.step, now)
+            speed = f"{rate:.2f} it/s" if rate is not None else ""
+            if info.max_steps and rate:
+                speed += f" eta {math.ceil((info.max_steps - info.step) / rate)}s"
         if self._progress is not None:
-            self._progress.update(self._task, completed=info.step, rate=rate, text=text)
+            self._progress.update(self._task, completed=info.step, rate=speed, text=text)
             return
-        now = time.perf_counter()
-        if now - self._last_print < 1.0 and info.eval_metrics is None and info.step != info.max_steps:
+        if (now - self._last_print < 1.0 and info.eval_metrics is None and info.step != info.max_steps
+                and not speed.startswith("compiled")):
             return
         self._last_print = now
         total = f"/{info.max_steps}" if info.max_steps else ""
-        eta = ""
-        if info.max_steps and rate > 0:
-            eta = f" eta {math.ceil((info.max_steps - info.step) / rate)}s"
-        print(f"step {info.step}{total} {rate:.2f} it/s{eta} {text}", file=self.stream, flush=True)
+        print(f"step {info.step}{total} {speed} {text}", file=self.stream, flush=True)
 
     def on_fit_end(self, trainer: Any) -> None:
         if self._progress is not None:
