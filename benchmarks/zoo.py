@@ -106,6 +106,7 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
     default of each kind (``kind -> label``) and what could not be built (``label -> reason``)."""
     configs, defaults, skipped = {}, {}, {}
     for kind in kinds:
+        programs: dict = {}  # (layout, path) -> the configuration's name: splits that lay the params out alike
         try:
             default = Default(member, kind, tx)
         except Exception as exc:  # noqa: BLE001 (reported in the results)
@@ -119,7 +120,16 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
                 state = px.init_state(member.build(), tx, member.batch, strategy=strategy, loss_fn=member.loss_fn,
                                       mesh=mesh)
                 placed = px.data.to_global(member.batch, NamedSharding(mesh, strategy.batch_spec()))
+                program = (tuple(str(spec) for spec in specs_of(state)), mode)
+                if program in programs:  # the same program as a split already built: one configuration, both names
+                    same = programs[program]
+                    renamed = f"{same.split('/')[0]}={label}"
+                    configs[renamed] = configs.pop(same)
+                    configs[renamed].label = programs[program] = renamed
+                    defaults = {k: (renamed if n == same else n, d) for k, (n, d) in defaults.items()}
+                    continue
                 configs[name] = Config(name, px.make_train_step(member.loss_fn, strategy, compile=mode), state, placed)
+                programs[program] = name
             except Exception as exc:  # noqa: BLE001
                 skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 continue

@@ -70,8 +70,11 @@ def draw(bars: Sequence[MemoryBar], budgets: dict[str, int] | None = None, title
         raise ImportError("parallax draws its figures with matplotlib: pip install matplotlib") from err
     if not bars:
         raise ValueError("Nothing to draw: no candidate applied (every row of the plan is an error).")
-    figure = Figure(figsize=(13, 2.4 + 0.6 * len(bars)))  # not pyplot's: nothing global is kept
-    mesh_ax, bar_ax = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2.4]})
+    mesh_rows = math.prod(list(bars[0].mesh.values())[:-1]) if len(bars[0].mesh) > 1 else 1
+    mesh_height, bar_height = 0.9 + 0.35 * mesh_rows, 0.9 + 0.45 * len(bars)
+    # Not pyplot's figure: nothing global is kept. The mesh above, the bars below, laid out by matplotlib.
+    figure = Figure(figsize=(11, mesh_height + bar_height + 0.6), layout="constrained")
+    mesh_ax, bar_ax = figure.subplots(2, 1, height_ratios=[mesh_height, bar_height])
     _draw_mesh(mesh_ax, bars[0].mesh)
     scale, unit = _unit(max(bar.total for bar in bars))
     for row, bar in enumerate(bars):
@@ -97,10 +100,9 @@ def draw(bars: Sequence[MemoryBar], budgets: dict[str, int] | None = None, title
     unique = dict(zip(labels, handles))
     bar_ax.legend(unique.values(), unique.keys(), loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
                   frameon=False)
-    mesh_ax.set_title(f"mesh of {bars[0].label}:\n" + mesh_ax.get_title(), fontsize=9)
+    mesh_ax.set_title(f"mesh of {bars[0].label}: " + mesh_ax.get_title(), fontsize=9)
     if title:
         figure.suptitle(title)
-    figure.tight_layout()
     if path is not None:
         figure.savefig(path, dpi=120)
     return figure
@@ -121,7 +123,7 @@ def _draw_mesh(ax: Any, mesh: dict[str, int]) -> None:
     for index in range(across * down):
         row, col = divmod(index, across)
         ax.add_patch(_box(col, down - 1 - row))
-        ax.text(col + 0.5, down - 0.5 - row, str(index), ha="center", va="center", fontsize=8)
+        ax.text(col + 0.5, down - 0.5 - row, str(index), ha="center", va="center", fontsize=7 if across > 16 else 8)
     ax.set_xlim(-0.2, across + 0.2)
     ax.set_ylim(-0.2, down + 0.2)
     ax.set_aspect("equal")

@@ -40,7 +40,7 @@ from parallax._tree import path_str
 
 __all__ = ["ROUNDING_MARGIN", "excess", "gradient_rounding", "optimizer_rounding", "rounding_allowance"]
 
-ROUNDING_MARGIN = 2.0  # the sensitivity alone was 1.9–4.1× the drift seen across stacks and ISAs (README)
+ROUNDING_MARGIN = 2.0  # the sensitivity alone was 1.9–4.1× the drift seen across stacks and ISAs (docs/guides/testing-your-model.md)
 
 
 def gradient_rounding(grads: Any, other: Any) -> Any:
