@@ -23,6 +23,8 @@ def simulate_devices(argv: list[str]) -> None:
 
 
 simulate_devices(sys.argv)
+# The C++ runtime's INFO lines hidden (its warnings kept) unless TF_CPP_MIN_LOG_LEVEL asks for them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -32,6 +34,15 @@ import parallax as px  # noqa: E402
 
 flags.DEFINE_string("strategy", None, "dp, fsdp, tp, a combination joined by '+' (dp+fsdp, fsdp+tp), or auto")
 flags.DEFINE_integer("devices", None, "simulate this many CPU devices")
+
+
+def quiet_logs() -> None:
+    """Library log lines (absl's ``I…``/``W…`` of every Python logger at INFO) hidden unless
+    ``--verbosity``/``-v`` asks for them: the progress line and the results stay readable."""
+    from absl import logging
+
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
 
 
 def strategy_from_name(name: str, tp_rules=None, min_weight_size: int = 2**10) -> px.Strategy | str:

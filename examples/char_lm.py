@@ -108,6 +108,7 @@ def generate(model, params, chars, prompt: str, length: int, seq_len: int, seed:
 
 def main(argv):
     del argv
+    _setup.quiet_logs()
     config = FLAGS.config
     path = FLAGS.text or config.text
     text = open(path, encoding="utf-8", errors="replace").read() if path else data.default_text()

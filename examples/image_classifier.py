@@ -94,6 +94,7 @@ def grain_dataset(arrays: dict):
 
 def main(argv):
     del argv
+    _setup.quiet_logs()
     config = FLAGS.config
     strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy)  # TP: layout read from the model
     train, test = load(config.dataset)

@@ -60,6 +60,7 @@ def loss_fn(model, batch):
 
 def main(argv):
     del argv
+    _setup.quiet_logs()
     config = FLAGS.config
     strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy)
     train, test = data.digits()

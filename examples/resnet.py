@@ -52,6 +52,7 @@ def load(name: str, train_examples: int):
 
 def main(argv):
     del argv
+    _setup.quiet_logs()
     import jax_resnet  # the published model, used as it is
 
     config = FLAGS.config

@@ -44,6 +44,8 @@ def _free_port() -> int:
 def _environment(index: int, count: int, port: int, devices: int | None) -> dict[str, str]:
     env = dict(os.environ, PARALLAX_COORDINATOR=f"127.0.0.1:{port}", PARALLAX_NUM_PROCESSES=str(count),
                PARALLAX_PROCESS_ID=str(index), PYTHONUNBUFFERED="1")
+    # The C++ runtime's INFO lines (Gloo's connections, XLA's notes) hidden, its warnings kept, unless asked for.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if devices is not None:
         flags = [flag for flag in env.get("XLA_FLAGS", "").split()
                  if not flag.startswith("--xla_force_host_platform_device_count")]

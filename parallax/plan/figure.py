@@ -5,6 +5,7 @@ optimizer state, model state), the gradients and the other temporaries of the co
 and the batch and outputs; the state offloaded to host memory follows, hatched.
 
 Example:
+    >>> report = px.plan(model, optax.adam(1e-3), batch, loss_fn=loss_fn, devices=8, strategies=["dp"])
     >>> bars = plan_bars(report)
     >>> sum(bars[0].device.values()) == report.rows[0]["peak"]
     True
