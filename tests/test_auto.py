@@ -133,8 +133,10 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     with caplog.at_level("INFO", logger="parallax"):
         found = resolve(MLP(), optax.adam(1e-2), data[0], "auto", loss_fn=MARKED, options=jit)
     assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
-    # every mesh, and each split of the FSDP ones (each FSDP split on the path it is fast on under compile="auto")
-    assert len(found.choice.estimates) + len(found.skipped) == len(priced_candidates(candidates(8), "jit")) > 10
+    assert len(found.choice.estimates) + len(found.skipped) == len(priced_candidates(candidates(8), "jit")) == 10
+    # an FSDP template with split="auto": each FSDP mesh once per split, each on the path it is fast on
+    opened = priced_candidates(candidates(8, fsdp=px.FSDP(split="auto")), "auto")
+    assert len(opened) == 3 + 7 * 3 and ("FSDP" in opened[-1][0].describe() and opened[-1][1] == "shard_map")
     assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
     # init_state(strategy="auto") and make_train_step("auto") through px.testing: the same search again
     # (the times of its close calls are cached: the same pick), against a one-device loop. Every plan
@@ -167,12 +169,12 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
     assert [s.parts[0].split for s in split_candidates(strategy)] == ["largest", "output", "input"]
 
 
-def test_the_default_split_prices_each_split_on_its_path_and_the_trainer_builds_on_it(caplog):
-    """``FSDP()`` leaves the split to the cost model: under ``compile="auto"`` each split is priced on
-    the path it is fast on (one compile each, not two), and the Trainer trains the pick on that path."""
+def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(caplog):
+    """``FSDP(split="auto")``: under ``compile="auto"`` each split is priced on the path it is fast on
+    (one compile each, not two), and the Trainer trains the pick on that path."""
     data = batches("lm", 2, batch_size=16)
-    assert px.FSDP().split == "auto"
-    found = resolve(TinyLM(), optax.adam(1e-2), data[0], px.FSDP(min_weight_size=0), loss_fn=lm_loss,
+    auto = px.FSDP(min_weight_size=0, split="auto")
+    found = resolve(TinyLM(), optax.adam(1e-2), data[0], auto, loss_fn=lm_loss,
                     options=px.StepOptions(timed_candidates=0))
     assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, shard_map"}
     assert found.choice.picked == f"split={found.strategy.parts[0].split}, {found.compile}"
@@ -185,16 +187,16 @@ def test_the_default_split_prices_each_split_on_its_path_and_the_trainer_builds_
         return (per_example * weight).sum() / weight.sum()
 
     mlp = batches("mlp", 1, batch_size=16)[0]
-    whole = resolve(MLP(), optax.adam(1e-2), mlp, px.FSDP(min_weight_size=0), loss_fn=weighted,
+    whole = resolve(MLP(), optax.adam(1e-2), mlp, auto, loss_fn=weighted,
                     options=px.StepOptions(timed_candidates=0))
     assert set(whole.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
-    trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=px.FSDP(min_weight_size=0), max_steps=2,
+    trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=auto, max_steps=2,
                          batch_size=16, progress=False, shuffle=False)
     trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept
     assert trainer.search.choice.picked == "split=largest, jit" and len(trainer.search.skipped) == 2
     assert trainer.config.step.compile == "jit" and trainer.train_step.mode() == "jit"
     with caplog.at_level("INFO", logger="parallax"):  # nothing to compile: the largest dim, said
-        state = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=px.FSDP(min_weight_size=0))
+        state = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=auto)
     assert "without it each param is split along its largest dim" in caplog.text
     largest = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=px.FSDP(min_weight_size=0,
                                                                                          split="largest"))

@@ -180,6 +180,11 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                              f"per device on {len(devices)} devices, with all state on the devices or offloaded to host "
                              f"memory ({reasons}). Raise memory_budget, use more devices, rematerialise the model's "
                              "blocks (remat=), or shrink the model or optimizer state.")
+        if splitting:  # the search could not compile this model's step: the split that needs no pricing
+            log.info("FSDP(split='auto') could not price the splits (%s); each param is split along its largest dim.",
+                     reasons)
+            largest = with_split(strategy, "largest")
+            return Resolved(largest, mesh if mesh is not None else largest.make_mesh(devices), skipped=skipped)
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
     stopped = spent(estimates)
