@@ -10,10 +10,11 @@ both compile paths (``jit``, ``shard_map``) and, where FSDP is part of it, every
 (``largest``, ``output``, ``input``). The **default** is what a user gets by writing the kind
 with no options (``px.FSDP(min_weight_size=2**14)``: the zoo's models are small, so the split
 threshold is scaled down as in every benchmark here), built as ``Trainer(max_steps=1000)``
-builds it: FSDP's split is the cost model's pick (each split priced on the compile path it is
-fast on, the search bounded by what 1,000 steps could win), trained on the path it was priced
-on; any other kind by ``init_state`` and ``make_train_step`` with ``compile="auto"``. After its
-first call it is identified with the configuration that has the same layout and path. Peers, where installed (``make bench-peers``)
+builds it; beside it, where FSDP is part of the kind, what ``FSDP(split="auto")`` trains (each
+split priced on the compile path it is fast on, the search bounded by what 1,000 steps could
+win, trained on the path it was priced on). After its first call each is identified with the
+configuration that has the same layout and path; splits that lay the params out alike are one
+configuration. Peers, where installed (``make bench-peers``)
 and where they express the same plan: google-parallax's DDP and FSDP on the NNX members,
 Keras 3's ``DataParallel`` and its FSDP-like ``ModelParallel`` layout on the MLP stacks.
 
@@ -75,15 +76,16 @@ def specs_of(state) -> list:
 
 
 class Default:
-    """The kind's default as a user's ``Trainer(max_steps=1000)`` builds it (FSDP's split is the
-    cost model's pick, trained on the compile path it was priced on); ``label`` names the
-    configuration it matched."""
+    """The kind's default as a user's ``Trainer(max_steps=1000)`` builds it (with ``split="auto"``:
+    the cost model's pick of FSDP's split, its search bounded by 1,000 steps, trained on the path
+    it was priced on); ``label`` names the configuration it matched."""
 
-    def __init__(self, member: Member, kind: str, tx):
+    def __init__(self, member: Member, kind: str, tx, split: str | None = None):
         from parallax.state.search import resolve
 
         start = time.perf_counter()
-        found = resolve(member.build(), tx, member.batch, strategy_of(kind), loss_fn=member.loss_fn, steps=STEPS)
+        found = resolve(member.build(), tx, member.batch, strategy_of(kind, split), loss_fn=member.loss_fn,
+                        steps=STEPS)
         self.search_s = time.perf_counter() - start if found.choice is not None else None
         state = px.init_state(member.build(), tx, member.batch, strategy=found.strategy, loss_fn=member.loss_fn,
                               mesh=found.mesh)
@@ -109,6 +111,7 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
         programs: dict = {}  # (layout, path) -> the configuration's name: splits that lay the params out alike
         try:
             default = Default(member, kind, tx)
+            auto = Default(member, kind, tx, split="auto") if "fsdp" in kind else None
         except Exception as exc:  # noqa: BLE001 (reported in the results)
             skipped[f"{kind} default"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
@@ -135,6 +138,8 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
                 continue
             if kind not in defaults and default.matches(configs[name], mode):
                 defaults[kind] = (name, default)
+            if auto is not None and f"{kind} split=auto" not in defaults and auto.matches(configs[name], mode):
+                defaults[f"{kind} split=auto"] = (name, auto)
         if kind not in defaults:
             skipped[f"{kind} default"] = f"matched no configuration ({default.describe})"
     return configs, defaults, skipped
@@ -180,13 +185,18 @@ def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_
             continue
         name, default = defaults[kind]
         best = min(mine, key=lambda n: mine[n].median_s)
+        auto = None
+        if f"{kind} split=auto" in defaults:
+            auto_name, picked = defaults[f"{kind} split=auto"]
+            auto = {"label": auto_name.split(" ", 1)[1], "over_best": round_ratios(configs[auto_name], configs[best]),
+                    "search_s": picked.search_s or 0.0, "describe": picked.describe}
         results.append({
             "model": member.name, "family": member.family, "api": member.api, "kind": kind,
             "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1],
             "default_over_best": round_ratios(configs[name], configs[best]),
             "default_ms": 1e3 * configs[name].median_s, "best_ms": 1e3 * configs[best].median_s,
             "default_setup_s": default.setup_s, "default_describe": default.describe,
-            "default_reshardings": default.reshardings, "default_search_s": default.search_s,
+            "default_reshardings": default.reshardings, "split_auto": auto,
             "configs": {n.split(" ", 1)[1]: {"ms": 1e3 * c.median_s, "vs_default": round_ratios(c, configs[name]),
                                              "collective_mb": c.collective_total() / MB,
                                              "temp_mb": c.memory["temporaries"] / MB, "compile_s": c.compile_s}
@@ -216,6 +226,12 @@ def distribution(results: list[dict]) -> dict:
             out[kind] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
                          "worst": max(ratios), "median": float(np.median(ratios)),
                          "over_1.3": sum(x > 1.3 for x in ratios)}
+    for kind in KINDS:
+        ratios = [r["split_auto"]["over_best"]["median"] for r in results if r["kind"] == kind and r.get("split_auto")]
+        if ratios:
+            out[f"{kind} split=auto"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
+                                         "worst": max(ratios), "median": float(np.median(ratios)),
+                                         "over_1.3": sum(x > 1.3 for x in ratios)}
     ratios = [r["default_over_best"]["median"] for r in results if "default_over_best" in r]
     if ratios:
         out["all"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios), "worst": max(ratios),
@@ -233,11 +249,12 @@ def markdown(results: list[dict], meta: dict) -> str:
     for kind, d in meta["distribution"].items():
         lines.append(f"| {kind} | {d['models']} | {d['within_10pct']} ({100 * d['within_10pct'] / d['models']:.0f}%) "
                      f"| {d['over_1.3']} | {d['median']:.2f} | {d['worst']:.2f} |")
-    lines += ["", "Where FSDP is part of the kind, the default's split is the cost model's pick: *search s* is what "
-              "picking it took (bounded by what 1,000 steps could win). *Replicated* counts the tensors "
+    lines += ["", "Where FSDP is part of the kind, *split=auto* is what `FSDP(split=\"auto\")` trains (the cost "
+              "model's pick, each split priced on its path, bounded by 1,000 steps) over the best, and what picking "
+              "took. *Replicated* counts the tensors "
               "the compiler replicated to reshard them in the default's program (involuntary full "
               "rematerialization; `default_reshardings` in the JSON names each).", "",
-              "| model | kind | default | best | default ÷ best | default ms | search s "
+              "| model | kind | default | best | default ÷ best | default ms | split=auto ÷ best (search s) "
               "| peers (÷ default) | replicated | setup s |",
               "| --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: |"]
     for r in results:
@@ -246,7 +263,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         v = r["default_over_best"]
         peers = "; ".join(f"{label} {p['over_default']['median']:.2f} ({p['over_default']['min']:.2f}–"
                           f"{p['over_default']['max']:.2f})" for label, p in r["peers"].items())
-        auto_text = f"{r['default_search_s']:.1f}" if r.get("default_search_s") is not None else ""
+        auto = r.get("split_auto") or {}
+        auto_text = (f"{auto['label']} {auto['over_best']['median']:.2f} ({auto['over_best']['min']:.2f}–"
+                     f"{auto['over_best']['max']:.2f}; {auto['search_s']:.1f} s)" if auto else "")
         lines.append(f"| {r['model']} | {r['kind']} | {r['default']} | {r['best']} | {v['median']:.2f} "
                      f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {auto_text} | {peers} "
                      f"| {len(r['default_reshardings'])} | {r['default_setup_s']:.1f} |")

@@ -66,7 +66,7 @@ def with_split(strategy: Strategy, split: str) -> Strategy:
     """``strategy`` with each FSDP part's ``split="auto"`` set to ``split``.
 
     Example:
-        >>> with_split(px.combine(px.DataParallel(2), px.FSDP(4)), "output").parts[1].split
+        >>> with_split(px.combine(px.DataParallel(2), px.FSDP(4, split="auto")), "output").parts[1].split
         'output'
     """
     return _joined([dataclasses.replace(p, split=split) if isinstance(p, FSDP) and p.split == AUTO else p

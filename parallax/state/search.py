@@ -205,7 +205,7 @@ def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Stra
     split, each priced on its path (:data:`SPLIT_PATHS`) under ``compile="auto"``.
 
     Example:
-        >>> [(s.parts[0].split, path) for s, path, _ in priced_candidates([px.FSDP()], "auto")]
+        >>> [(s.parts[0].split, path) for s, path, _ in priced_candidates([px.FSDP(split="auto")], "auto")]
         [('largest', 'jit'), ('output', 'jit'), ('input', 'shard_map')]
     """
     return [(split, SPLIT_PATHS[fsdp_split(split)] if compile == "auto" and is_auto(candidate) else None,
