@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import parallax as px
