@@ -9,6 +9,19 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
+def binary_unit(n: int) -> tuple[int, str]:
+    """The largest binary unit ``n`` bytes fill at least once, as ``(bytes per unit, name)``.
+
+    Example:
+        >>> binary_unit(3 * 2**20), binary_unit(512)
+        ((1048576, 'MiB'), (1, 'B'))
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return scale, unit
+    return 1, "B"
+
+
 def format_bytes(n: int) -> str:
     """``n`` bytes in binary units.
 
@@ -16,10 +29,8 @@ def format_bytes(n: int) -> str:
         >>> format_bytes(3 * 2**20), format_bytes(512)
         ('3.0 MiB', '512 B')
     """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    scale, unit = binary_unit(n)
+    return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n} B"
 
 
 def parse_bytes(value: int | float | str, name: str = "memory_budget") -> int:

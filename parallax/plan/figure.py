@@ -31,11 +31,10 @@ def plan_bars(report: Any) -> list[MemoryBar]:
         params_host = host - opt_host
         temporaries = compiled["temporaries"]
         gradients = min(state["gradients"], temporaries)
-        held = (state["params"] - params_host) + (state["opt_state"] - opt_host) + state["model_state"] + state["other"]
         device = {"params": state["params"] - params_host, "optimizer state": state["opt_state"] - opt_host,
-                  "model state": state["model_state"] + state["other"], "gradients": gradients,
-                  "activations and temporaries": temporaries - gradients,
-                  "batch and outputs": row["peak"] - held - temporaries}
+                  "model state": state["model_state"] + state["other"]}  # the state held on the device
+        device.update({"gradients": gradients, "activations and temporaries": temporaries - gradients,
+                       "batch and outputs": row["peak"] - sum(device.values()) - temporaries})
         bars.append(MemoryBar(f"{row['strategy']} ({row['compile']})", device, compiled.get("host", 0) or host,
                               dict(row["mesh"])))
     return bars

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from parallax._units import format_bytes
+from parallax._units import binary_unit, format_bytes
 
 COLORS = {"params": "#4C72B0", "optimizer state": "#DD8452", "model state": "#55A868", "other": "#8C8C8C",
           "gradients": "#C44E52", "activations and temporaries": "#8172B3", "batch and outputs": "#CCB974"}
@@ -76,7 +76,7 @@ def draw(bars: Sequence[MemoryBar], budgets: dict[str, int] | None = None, title
     figure = Figure(figsize=(11, mesh_height + bar_height + 0.6), layout="constrained")
     mesh_ax, bar_ax = figure.subplots(2, 1, height_ratios=[mesh_height, bar_height])
     _draw_mesh(mesh_ax, bars[0].mesh)
-    scale, unit = _unit(max(bar.total for bar in bars))
+    scale, unit = binary_unit(max(bar.total for bar in bars))
     for row, bar in enumerate(bars):
         left = 0.0
         for part, size in bar.device.items():
@@ -106,13 +106,6 @@ def draw(bars: Sequence[MemoryBar], budgets: dict[str, int] | None = None, title
     if path is not None:
         figure.savefig(path, dpi=120)
     return figure
-
-
-def _unit(largest: int) -> tuple[float, str]:
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if largest >= scale:
-            return float(scale), unit
-    return 1.0, "B"
 
 
 def _draw_mesh(ax: Any, mesh: dict[str, int]) -> None:
