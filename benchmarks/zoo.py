@@ -10,9 +10,10 @@ both compile paths (``jit``, ``shard_map``) and, where FSDP is part of it, every
 (``largest``, ``output``, ``input``). The **default** is what a user gets by writing the kind
 with no options (``px.FSDP(min_weight_size=2**14)``: the zoo's models are small, so the split
 threshold is scaled down as in every benchmark here), built as ``Trainer(max_steps=1000)``
-builds it; beside it, where FSDP is part of the kind, what ``FSDP(split="auto")`` trains (each
-split priced on the compile path it is fast on, the search bounded by what 1,000 steps could
-win, trained on the path it was priced on). After its first call each is identified with the
+builds it: where FSDP is part of the kind, its default ``split="auto"`` prices the splits (the
+search bounded by what 1,000 steps could win) and trains the pick on the path it was priced
+on; beside it, what the fixed ``split="largest"`` would train, and the search's time beside
+what it saves over 1,000 steps. After its first call each is identified with the
 configuration that has the same layout and path; splits that lay the params out alike are one
 configuration. Peers, where installed (``make bench-peers``)
 and where they express the same plan: google-parallax's DDP and FSDP on the NNX members,
@@ -76,9 +77,9 @@ def specs_of(state) -> list:
 
 
 class Default:
-    """The kind's default as a user's ``Trainer(max_steps=1000)`` builds it (with ``split="auto"``:
-    the cost model's pick of FSDP's split, its search bounded by 1,000 steps, trained on the path
-    it was priced on); ``label`` names the configuration it matched."""
+    """The kind's default as a user's ``Trainer(max_steps=1000)`` builds it (FSDP's default
+    ``split="auto"``: the cost model's pick of the split, its search bounded by 1,000 steps,
+    trained on the path it was priced on), or with a fixed ``split``."""
 
     def __init__(self, member: Member, kind: str, tx, split: str | None = None):
         from parallax.state.search import resolve
@@ -111,7 +112,7 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
         programs: dict = {}  # (layout, path) -> the configuration's name: splits that lay the params out alike
         try:
             default = Default(member, kind, tx)
-            auto = Default(member, kind, tx, split="auto") if "fsdp" in kind else None
+            largest = Default(member, kind, tx, split="largest") if "fsdp" in kind else None
         except Exception as exc:  # noqa: BLE001 (reported in the results)
             skipped[f"{kind} default"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
@@ -138,8 +139,8 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
                 continue
             if kind not in defaults and default.matches(configs[name], mode):
                 defaults[kind] = (name, default)
-            if auto is not None and f"{kind} split=auto" not in defaults and auto.matches(configs[name], mode):
-                defaults[f"{kind} split=auto"] = (name, auto)
+            if largest is not None and f"{kind} split=largest" not in defaults and largest.matches(configs[name], mode):
+                defaults[f"{kind} split=largest"] = (name, largest)
         if kind not in defaults:
             skipped[f"{kind} default"] = f"matched no configuration ({default.describe})"
     return configs, defaults, skipped
@@ -185,18 +186,19 @@ def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_
             continue
         name, default = defaults[kind]
         best = min(mine, key=lambda n: mine[n].median_s)
-        auto = None
-        if f"{kind} split=auto" in defaults:
-            auto_name, picked = defaults[f"{kind} split=auto"]
-            auto = {"label": auto_name.split(" ", 1)[1], "over_best": round_ratios(configs[auto_name], configs[best]),
-                    "search_s": picked.search_s or 0.0, "describe": picked.describe}
+        largest = None
+        if f"{kind} split=largest" in defaults:  # the fixed split the search replaces: what searching saved
+            fixed = configs[defaults[f"{kind} split=largest"][0]]
+            largest = {"label": fixed.label.split(" ", 1)[1], "over_best": round_ratios(fixed, configs[best]),
+                       "default_search_s": default.search_s or 0.0,
+                       "saves_s_per_1000_steps": 1000 * (fixed.median_s - configs[name].median_s)}
         results.append({
             "model": member.name, "family": member.family, "api": member.api, "kind": kind,
             "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1],
             "default_over_best": round_ratios(configs[name], configs[best]),
             "default_ms": 1e3 * configs[name].median_s, "best_ms": 1e3 * configs[best].median_s,
             "default_setup_s": default.setup_s, "default_describe": default.describe,
-            "default_reshardings": default.reshardings, "split_auto": auto,
+            "default_reshardings": default.reshardings, "split_largest": largest,
             "configs": {n.split(" ", 1)[1]: {"ms": 1e3 * c.median_s, "vs_default": round_ratios(c, configs[name]),
                                              "collective_mb": c.collective_total() / MB,
                                              "temp_mb": c.memory["temporaries"] / MB, "compile_s": c.compile_s}
@@ -227,9 +229,10 @@ def distribution(results: list[dict]) -> dict:
                          "worst": max(ratios), "median": float(np.median(ratios)),
                          "over_1.3": sum(x > 1.3 for x in ratios)}
     for kind in KINDS:
-        ratios = [r["split_auto"]["over_best"]["median"] for r in results if r["kind"] == kind and r.get("split_auto")]
+        ratios = [r["split_largest"]["over_best"]["median"] for r in results
+                  if r["kind"] == kind and r.get("split_largest")]
         if ratios:
-            out[f"{kind} split=auto"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
+            out[f"{kind} split=largest"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
                                          "worst": max(ratios), "median": float(np.median(ratios)),
                                          "over_1.3": sum(x > 1.3 for x in ratios)}
     ratios = [r["default_over_best"]["median"] for r in results if "default_over_best" in r]
@@ -249,25 +252,29 @@ def markdown(results: list[dict], meta: dict) -> str:
     for kind, d in meta["distribution"].items():
         lines.append(f"| {kind} | {d['models']} | {d['within_10pct']} ({100 * d['within_10pct'] / d['models']:.0f}%) "
                      f"| {d['over_1.3']} | {d['median']:.2f} | {d['worst']:.2f} |")
-    lines += ["", "Where FSDP is part of the kind, *split=auto* is what `FSDP(split=\"auto\")` trains (the cost "
-              "model's pick, each split priced on its path, bounded by 1,000 steps) over the best, and what picking "
-              "took. *Replicated* counts the tensors "
+    lines += ["", "Where FSDP is part of the kind, the default prices FSDP's splits (`split=\"auto\"`, bounded by "
+              "1,000 steps); *split=largest* is what the fixed split would train, over the best, and *search s / "
+              "saved s* what the default's search took beside what it saves over 1,000 steps against that fixed "
+              "split (the kinds' `split=largest` rows above: the same distribution for the fixed split). "
+              "*Replicated* counts the tensors "
               "the compiler replicated to reshard them in the default's program (involuntary full "
               "rematerialization; `default_reshardings` in the JSON names each).", "",
-              "| model | kind | default | best | default ÷ best | default ms | split=auto ÷ best (search s) "
+              "| model | kind | default | best | default ÷ best | default ms | split=largest ÷ best "
+              "| search s / saved s "
               "| peers (÷ default) | replicated | setup s |",
-              "| --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: |"]
+              "| --- | --- | --- | --- | --- | ---: | --- | --- | --- | ---: | ---: |"]
     for r in results:
         if r["kind"] == "auto" or "default_over_best" not in r:
             continue
         v = r["default_over_best"]
         peers = "; ".join(f"{label} {p['over_default']['median']:.2f} ({p['over_default']['min']:.2f}–"
                           f"{p['over_default']['max']:.2f})" for label, p in r["peers"].items())
-        auto = r.get("split_auto") or {}
-        auto_text = (f"{auto['label']} {auto['over_best']['median']:.2f} ({auto['over_best']['min']:.2f}–"
-                     f"{auto['over_best']['max']:.2f}; {auto['search_s']:.1f} s)" if auto else "")
+        fixed = r.get("split_largest") or {}
+        fixed_text = (f"{fixed['label']} {fixed['over_best']['median']:.2f} ({fixed['over_best']['min']:.2f}–"
+                      f"{fixed['over_best']['max']:.2f})" if fixed else "")
+        saved = f"{fixed['default_search_s']:.1f} / {fixed['saves_s_per_1000_steps']:.1f}" if fixed else ""
         lines.append(f"| {r['model']} | {r['kind']} | {r['default']} | {r['best']} | {v['median']:.2f} "
-                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {auto_text} | {peers} "
+                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {fixed_text} | {saved} | {peers} "
                      f"| {len(r['default_reshardings'])} | {r['default_setup_s']:.1f} |")
     searched = [r for r in results if r["kind"] == "auto"]
     if searched:
@@ -277,12 +284,17 @@ def markdown(results: list[dict], meta: dict) -> str:
         for r in searched:
             v = r["pick_over_fastest"]
             lines.append(f"| {r['model']} | {r['search_s']:.1f} | {r['candidates']} ({r['timed']}) | {r['pick']} "
-                         f"| {r['pick_ms']:.1f} | {r['dp_default_ms']:.1f} | {r['saves_s_per_1000_steps']:.1f} "
+                         f"| {r['pick_ms']:.1f} | {_number(r['dp_default_ms'])} "
+                         f"| {_number(r['saves_s_per_1000_steps'])} "
                          f"| {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) |")
     skipped = [(r["model"], r["kind"], k, why) for r in results for k, why in r.get("skipped", {}).items()]
     if skipped:
         lines += ["", "Not built:", ""] + [f"- {model} {label}: {why}" for model, _, label, why in skipped]
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"  # without the DP kind, nothing to compare with
 
 
 def chart(results: list[dict], path: str) -> None:

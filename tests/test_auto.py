@@ -137,7 +137,8 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     # an FSDP template with split="auto": each FSDP mesh once per split, each on the path it is fast on
     opened = priced_candidates(candidates(8, fsdp=px.FSDP(split="auto")), "auto")
     with_fsdp = sum(any(isinstance(p, px.FSDP) for p in c.parts) for c in candidates(8))
-    assert len(opened) == 10 + 2 * with_fsdp and [path for _, path, _ in opened[1:4]] == ["jit", "jit", "shard_map"]
+    assert len(opened) == 10 + 3 * with_fsdp
+    assert [path for _, path, _ in opened[1:5]] == ["jit", "jit", "shard_map", "jit"]
     assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
     # init_state(strategy="auto") and make_train_step("auto") through px.testing: the same search again
     # (the times of its close calls are cached: the same pick), against a one-device loop. Every plan
@@ -177,7 +178,8 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     auto = px.FSDP(min_weight_size=0, split="auto")
     found = resolve(TinyLM(), optax.adam(1e-2), data[0], auto, loss_fn=lm_loss,
                     options=px.StepOptions(timed_candidates=0))
-    assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, shard_map"}
+    assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, shard_map",
+                                           "split=input, jit"}
     assert found.choice.picked == f"split={found.strategy.parts[0].split}, {found.compile}"
     assert found.step_options(px.StepOptions()).compile == found.compile
     assert found.step_options(px.StepOptions(compile="jit")).compile == "jit"  # a path you chose stands
@@ -191,10 +193,18 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     whole = resolve(MLP(), optax.adam(1e-2), mlp, auto, loss_fn=weighted,
                     options=px.StepOptions(timed_candidates=0))
     assert set(whole.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
+    assert whole.skipped == {"split=input, jit": "the same program as split=input, jit (every array laid out alike, "
+                                                 "on the same path)"}  # input's shard_map plan compiled on jit
+    # Splits that place every array alike are one program, priced once: nothing over min_weight_size here.
+    alike = resolve(TinyLM(), optax.adam(1e-2), data[0], px.FSDP(), loss_fn=lm_loss,
+                    options=px.StepOptions(timed_candidates=0))
+    assert set(alike.choice.estimates) == {"split=largest, jit", "split=input, shard_map"}
+    assert set(alike.skipped) == {"split=output, jit", "split=input, jit"}
+    assert "2 laid out like another (split=output, jit, split=input, jit)" in alike.describe()
     trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=auto, max_steps=2,
                          batch_size=16, progress=False, shuffle=False)
     trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept
-    assert trainer.search.choice.picked == "split=largest, jit" and len(trainer.search.skipped) == 2
+    assert trainer.search.choice.picked == "split=largest, jit" and len(trainer.search.skipped) == 3
     assert trainer.config.step.compile == "jit" and trainer.train_step.mode() == "jit"
     with caplog.at_level("INFO", logger="parallax"):  # nothing to compile: the largest dim, said
         state = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=auto)

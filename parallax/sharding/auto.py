@@ -35,12 +35,13 @@ def _joined(parts: list[Strategy]) -> Strategy:
     return parts[0] if len(parts) == 1 else combine(*parts)
 
 
-def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: FSDP = FSDP(),
+def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: FSDP = FSDP(split="largest"),
                tensor: TensorParallel = TensorParallel()) -> list[Strategy]:
     """Every DP × FSDP × TP mesh whose sizes multiply to ``device_count`` (an axis of size 1 is
     left out): DP, FSDP, TP, DP×FSDP, DP×TP, FSDP×TP and DP×FSDP×TP. Each part is its template
     (``data``, ``fsdp``, ``tensor``: their other settings, e.g. FSDP's ``min_weight_size``)
-    with the size of that mesh.
+    with the size of that mesh. The FSDP template splits each param's largest dim, one
+    candidate per mesh; ``fsdp=FSDP(split="auto")`` prices every split on each FSDP mesh too.
 
     Example:
         >>> [s.describe() for s in candidates(4)]  # doctest: +NORMALIZE_WHITESPACE

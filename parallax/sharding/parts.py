@@ -77,10 +77,10 @@ class FSDP(Strategy):
         size: devices on the axis; ``-1`` takes the devices left over.
         axis: the mesh axis name.
         min_weight_size: params with at most this many elements stay replicated.
-        split: the dim to prefer: ``"largest"``, ``"output"`` (the last: a kernel's output
-            features, which lets the compiler move activations instead of weights), ``"input"``,
-            or ``"auto"`` (the cost model's pick when the state is planned with a loss, each split
-            priced on its fastest compile path: :mod:`parallax.state.search`; ``"largest"`` without).
+        split: the dim to prefer: ``"auto"`` (default: the cost model's pick, each split priced on the
+            compile paths it is fast on, the search bounded by what the run's steps could win back,
+            :mod:`parallax.state.search`; ``"largest"`` without a loss), ``"largest"``, ``"output"`` (a
+            kernel's output features: the compiler may move activations instead of weights) or ``"input"``.
         scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
             not part of the strategy's identity).
 
@@ -93,7 +93,7 @@ class FSDP(Strategy):
     size: int = -1
     axis: str = "fsdp"
     min_weight_size: int = 2**18
-    split: str = "largest"
+    split: str = "auto"
     scanned: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True

@@ -52,8 +52,8 @@ def init_state(
             devices is planned and its train step compiled, and the fastest by the cost
             model that fits the memory budget is built (where the best estimates are close,
             the closest few are first timed for a few steps: ``StepOptions.timed_candidates``);
-            one log line says what was chosen and why (:func:`parallax.state.search.resolve`). ``FSDP(split="auto")``
-            picks each weight's split dim the same way. Both need ``loss_fn``.
+            one log line says what was chosen and why (:func:`parallax.state.search.resolve`). FSDP's default
+            ``split="auto"`` picks each weight's split dim the same way (without ``loss_fn``: its largest dim).
         rng: a seed or a PRNG key.
         loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
             which calls the model exactly as training will. Otherwise the model is
@@ -81,7 +81,7 @@ def init_state(
         A :class:`TrainState` whose arrays carry ``NamedSharding`` s on ``mesh``.
 
     Example:
-        >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0),
+        >>> state = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(min_weight_size=0, split="largest"),
         ...                       rng=0, loss_fn=loss_fn)
         >>> tuple(state.params["Dense_1"]["kernel"].sharding.spec), int(state.step)
         (('fsdp',), 0)

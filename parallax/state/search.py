@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax._compat import mesh_context
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
@@ -41,15 +42,19 @@ from parallax.step.options import StepOptions
 
 log = logging.getLogger("parallax")
 
-# The compile path each FSDP split is priced on when ``compile="auto"``: the three plans that win
-# somewhere. Under ``shard_map`` every FSDP shard is gathered by hand before use, so every split
-# moves the same bytes, and ``input`` (a kernel's leading dim: the gather is a concatenation of
-# whole rows) costs least; ``output`` under shard_map was the slowest plan on 21 of 22 zoo models.
-# Under ``jit`` the split decides what the partitioner may do: ``largest`` lets it gather weights,
-# ``output`` lets it leave each weight in place and move the activations instead (cheaper where a
-# layer's weights outweigh the activations it sees: MLPs at modest batch). Measured on the zoo
+# The (split, compile path) plans an open FSDP split is priced as when ``compile="auto"``: those
+# that win somewhere. Under ``shard_map`` every FSDP shard is gathered by hand before use, so every
+# split moves the same bytes, and ``input`` (a kernel's leading dim: the gather is a concatenation
+# of whole rows) costs least; ``output`` under shard_map was the slowest plan on 21 of 22 zoo
+# models. Under ``jit`` the split decides what the partitioner may do: ``largest`` lets it gather
+# weights, ``output`` lets it leave each weight in place and move the activations instead (cheaper
+# where a layer's weights outweigh the activations it sees: MLPs at modest batch), ``input`` keeps
+# the contraction dim split (the fastest plan for some hybrids and mixtures of experts). Plans that
+# lay the params out alike on the same path are one program and priced once. Measured on the zoo
 # (``benchmarks/zoo.py``); a user's ``compile=`` prices every split on that path instead.
-SPLIT_PATHS = {"largest": "jit", "output": "jit", "input": "shard_map"}
+SAME_AS = "the same program as "  # a skipped candidate laid out like one already priced
+
+SPLIT_PLANS = (("largest", "jit"), ("output", "jit"), ("input", "shard_map"), ("input", "jit"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +76,7 @@ class Resolved:
             with them (the Trainer and ``init_state`` do). Empty when nothing had to change.
         compile: the compile path the pick was priced on (``None`` when nothing was searched);
             with ``compile="auto"`` the Trainer builds its step on it (an FSDP split is only
-            priced on the path it is fast on: :data:`SPLIT_PATHS`).
+            priced on the paths it is fast on: :data:`SPLIT_PLANS`).
     """
 
     strategy: Strategy
@@ -105,7 +110,10 @@ class Resolved:
         untried = [why for why in self.skipped.values() if why.startswith("not tried")]
         if untried:
             text += f", {len(untried)} not tried ({untried[0][len('not tried: '):]})"
-        others = len(self.skipped) - len(untried)
+        alike = [label for label, why in self.skipped.items() if why.startswith(SAME_AS)]
+        if alike:
+            text += f", {len(alike)} laid out like another ({', '.join(alike)})"
+        others = len(self.skipped) - len(untried) - len(alike)
         return text + (f", {others} skipped" if others else "")
 
 
@@ -207,14 +215,21 @@ def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Stra
     and whether its split was left open.
 
     A candidate whose FSDP part leaves the split open (``split="auto"``) becomes one candidate per
-    split, each priced on its path (:data:`SPLIT_PATHS`) under ``compile="auto"``.
+    plan of :data:`SPLIT_PLANS` under ``compile="auto"``, else one per split on the given path.
 
     Example:
         >>> [(s.parts[0].split, path) for s, path, _ in priced_candidates([px.FSDP(split="auto")], "auto")]
-        [('largest', 'jit'), ('output', 'jit'), ('input', 'shard_map')]
+        [('largest', 'jit'), ('output', 'jit'), ('input', 'shard_map'), ('input', 'jit')]
     """
-    return [(split, SPLIT_PATHS[fsdp_split(split)] if compile == "auto" and is_auto(candidate) else None,
-             is_auto(candidate)) for candidate in pool for split in split_candidates(candidate)]
+    priced = []
+    for candidate in pool:
+        if not is_auto(candidate):
+            priced.append((candidate, None, False))
+        elif compile == "auto":
+            priced.extend((with_split(candidate, split), path, True) for split, path in SPLIT_PLANS)
+        else:
+            priced.extend((split, None, True) for split in split_candidates(candidate))
+    return priced
 
 
 def _fallbacks(options: StepOptions, blocks: Callable[[], tuple[str, ...]]) -> Iterator[dict[str, Any]]:
@@ -264,18 +279,26 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
     timing needs, by label."""
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
     estimates, found, skipped, runnable = {}, {}, {}, {}
+    laid_out: dict[tuple, str] = {}  # (mesh, path, batch and state layout) -> the first candidate's label
     for candidate, path, split_open in pool:
-        label = _label(candidate, None, splitting, split_open)
+        label = _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
         stop = spent(estimates) if estimates else None  # the first candidate is always priced
         if stop:
             skipped[label] = stop
             continue
         try:
             candidate_mesh = mesh if mesh is not None else candidate.make_mesh(devices)
-            label = _label(candidate, candidate_mesh, splitting, split_open)
+            base = _label(candidate, candidate_mesh, splitting, split_open)
+            label = base + (f", {path}" if path else "")
             candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
             planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
                                  mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
+            layout = (tuple(candidate_mesh.shape.items()), path, str(planned.strategy.batch_spec()),
+                      str(jax.tree.leaves(planned.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
+            if layout in laid_out:  # another split placed every array alike: the same program
+                skipped[label] = f"{SAME_AS}{laid_out[layout]} (every array laid out alike, on the same path)"
+                continue
+            laid_out[layout] = label
             total = summarize(planned).totals["total"]
             state_bytes = total["per_device"] - total["host"]  # in device memory
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
@@ -288,7 +311,8 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
         except (ValueError, TypeError) as err:  # does not apply: sizes, the batch, a layout
             skipped[label] = str(err).splitlines()[0]
             continue
-        label = f"{label}, {step_choice.picked}"
+        label = f"{base}, {step_choice.picked}"  # the path it compiled on (the loss may allow only jit)
+        laid_out.setdefault((*layout[:1], step_choice.picked, *layout[2:]), label)
         estimates[label] = step_choice.estimates[step_choice.picked]
         found[label] = (planned.strategy, candidate_mesh, step_choice.picked)
         runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
@@ -307,10 +331,22 @@ def _time_closest(choice: Choice, runnable: dict[str, tuple], example_batch: Any
     timed = {}
     for label in labels:
         step, program, build, placement, state_bytes = runnable[label]
-        timed[label] = Timed(step, program, build, jax.device_put(example_batch, placement), state_bytes,
+        timed[label] = Timed(_on_mesh(step, placement.mesh), program, build, jax.device_put(example_batch, placement),
+                             state_bytes,
                              choice.estimates[label].peak)
     try:
         return measure(timed, budget, device_key(devices))
     except jax.errors.JaxRuntimeError as err:  # e.g. out of memory: the cost model's pick stands
         log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", str(err).splitlines()[0])
         return {}
+
+
+def _on_mesh(step: Callable[[Any, Any], Any], mesh: Mesh) -> Callable[[Any, Any], Any]:
+    """``step`` called with ``mesh`` set, as the Trainer calls it (a model's own sharding
+    constraints with bare ``PartitionSpec`` s resolve against it)."""
+
+    def call(state: Any, batch: Any) -> Any:
+        with mesh_context(mesh):
+            return step(state, batch)
+
+    return call

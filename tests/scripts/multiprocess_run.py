@@ -159,7 +159,8 @@ def run(args, index=0, count=1):
                          callbacks=callbacks, progress=args.progress, on_preemption="return", shuffle=False,
                          offload=args.offload)
     result = trainer.fit(train, eval_data=held_out, resume=args.resume)
-    choice = trainer.train_step.choice
+    searched = trainer.search.choice if trainer.search is not None else None  # FSDP's split, priced
+    choice = trainer.train_step.choice or searched
     record = {"process": index, "stop_reason": result.stop_reason, "step": int(result.state.step),
               "start": trainer.start_step, "compile": choice.picked if choice is not None else None,
               "train": result.history.train, "eval": result.history.eval,
