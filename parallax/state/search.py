@@ -332,8 +332,7 @@ def _time_closest(choice: Choice, runnable: dict[str, tuple], example_batch: Any
     for label in labels:
         step, program, build, placement, state_bytes = runnable[label]
         timed[label] = Timed(_on_mesh(step, placement.mesh), program, build, jax.device_put(example_batch, placement),
-                             state_bytes,
-                             choice.estimates[label].peak)
+                             state_bytes, choice.estimates[label].peak)
     try:
         return measure(timed, budget, device_key(devices))
     except jax.errors.JaxRuntimeError as err:  # e.g. out of memory: the cost model's pick stands
