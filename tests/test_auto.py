@@ -26,6 +26,7 @@ from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
 MARKED = px.per_example_loss(classifier_loss)
+LONG = 10**9  # steps of a run long enough that every split is worth pricing
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +158,12 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
     data = batches("lm", 3, batch_size=16)
     strategy = px.FSDP(min_weight_size=0, split="auto")
     jit = px.StepOptions(compile="jit")  # the splits are under test here; the path choice is tested above
-    found = resolve(TinyLM(), optax.adam(1e-2), data[0], strategy, loss_fn=lm_loss, options=jit)
+    found = resolve(TinyLM(), optax.adam(1e-2), data[0], strategy, loss_fn=lm_loss, options=jit, steps=LONG)
     assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
     picked = found.strategy.parts[0].split
     assert found.choice.picked == f"split={picked}, jit"
-    state = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=strategy, loss_fn=lm_loss, options=jit)
+    state = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=strategy, loss_fn=lm_loss, options=jit,
+                          steps=LONG)
     same = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=px.FSDP(min_weight_size=0, split=picked),
                          loss_fn=lm_loss)
     specs = lambda s: jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, s.params))  # noqa: E731
@@ -177,7 +179,7 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     data = batches("lm", 2, batch_size=16)
     auto = px.FSDP(min_weight_size=0, split="auto")
     found = resolve(TinyLM(), optax.adam(1e-2), data[0], auto, loss_fn=lm_loss,
-                    options=px.StepOptions(timed_candidates=0))
+                    options=px.StepOptions(timed_candidates=0), steps=LONG)
     assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, shard_map",
                                            "split=input, jit"}
     assert found.choice.picked == f"split={found.strategy.parts[0].split}, {found.compile}"
@@ -191,13 +193,13 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
 
     mlp = batches("mlp", 1, batch_size=16)[0]
     whole = resolve(MLP(), optax.adam(1e-2), mlp, auto, loss_fn=weighted,
-                    options=px.StepOptions(timed_candidates=0))
+                    options=px.StepOptions(timed_candidates=0), steps=LONG)
     assert set(whole.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
     assert whole.skipped == {"split=input, jit": "the same program as split=input, jit (every array laid out alike, "
                                                  "on the same path)"}  # input's shard_map plan compiled on jit
     # Splits that place every array alike are one program, priced once: nothing over min_weight_size here.
     alike = resolve(TinyLM(), optax.adam(1e-2), data[0], px.FSDP(), loss_fn=lm_loss,
-                    options=px.StepOptions(timed_candidates=0))
+                    options=px.StepOptions(timed_candidates=0), steps=LONG)
     assert set(alike.choice.estimates) == {"split=largest, jit", "split=input, shard_map"}
     assert set(alike.skipped) == {"split=output, jit", "split=input, jit"}
     assert "2 laid out like another (split=output, jit, split=input, jit)" in alike.describe()
@@ -208,7 +210,9 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     assert trainer.config.step.compile == "jit" and trainer.train_step.mode() == "jit"
     with caplog.at_level("INFO", logger="parallax"):  # nothing to compile: the largest dim, said
         state = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=auto)
+        unknown = resolve(TinyLM(), optax.adam(1e-2), data[0], auto, loss_fn=lm_loss)  # how long is the run?
     assert "without it each param is split along its largest dim" in caplog.text
+    assert unknown.choice is None and unknown.strategy.parts[0].split == "largest" and "init_state(steps=" in caplog.text
     largest = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=px.FSDP(min_weight_size=0,
                                                                                          split="largest"))
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, state.params)) == jax.tree.leaves(

@@ -58,13 +58,15 @@ def test_shardy_and_gspmd_wordings_are_both_read():
 
 def test_every_default_and_hybrid_on_the_test_models_is_free_of_it_or_names_it(fresh_compiles, caplog):
     """Each of the step's compiled paths: no replicating reshard, or one the step names (the op or
-    the params that ask for it) in describe() and a warning. The one-axis defaults have none."""
-    strategies = {
-        "dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=256), "tp": px.TensorParallel(),
-        "dp+fsdp": px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=256)),
-        "fsdp+tp": px.combine(px.FSDP(4, min_weight_size=256), px.TensorParallel(2)),
-        "dp+fsdp+tp": px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=256), px.TensorParallel(2)),
-    }
+    the params that ask for it) in describe() and a warning. The one-axis defaults have none. FSDP's
+    default split is the search's pick: every split it may pick is checked."""
+    fsdp = lambda size, split: px.FSDP(size, min_weight_size=256, split=split)  # noqa: E731
+    strategies = {"dp": px.DataParallel(), "tp": px.TensorParallel()}
+    for split in ("largest", "output", "input"):
+        strategies |= {
+            f"fsdp {split}": fsdp(-1, split), f"dp+fsdp {split}": px.combine(px.DataParallel(2), fsdp(4, split)),
+            f"fsdp+tp {split}": px.combine(fsdp(4, split), px.TensorParallel(2)),
+            f"dp+fsdp+tp {split}": px.combine(px.DataParallel(2), fsdp(2, split), px.TensorParallel(2))}
     caplog.set_level(logging.WARNING, logger="parallax")
     seen = {}
     for model_name, (model, loss_fn) in MODELS.items():

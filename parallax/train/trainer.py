@@ -133,7 +133,8 @@ class Trainer:
         if self.plan is None and is_auto(self.strategy):
             self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
                                   devices=self.devices, mesh=self.mesh, options=self.config.step, rng=self.config.seed,
-                                  rng_streams=self.config.step.rng_streams, steps=self.config.max_steps)
+                                  rng_streams=self.config.step.rng_streams,
+                                  steps=self.max_steps if self.max_steps is not None else self.config.max_steps)
             # What the search had to change to fit the budget, and the compile path it priced its pick on.
             self.config = dataclasses.replace(self.config, step=self.search.step_options(self.config.step))
             self._use(self.search.strategy, self.search.mesh)
