@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax import _multihost
 from parallax._compat import mesh_context
 from parallax._units import format_bytes
 from parallax.models import LossFn
@@ -261,9 +262,10 @@ def describe_changes(changes: dict[str, Any]) -> str:
 def _spent(start: float, seconds: float | None, steps: int | None) -> Callable[[dict], str | None]:
     """Why the search must stop now, given the estimates so far (``None``: it may go on)."""
 
-    def spent(estimates: dict) -> str | None:
-        if jax.process_count() > 1:  # every process must compile the same candidates: no clock decides
-            return None
+    def spent(estimates: dict) -> str | None:  # called before every candidate, on every process
+        return _multihost.agree(reason(estimates) if estimates else None)  # process 0's clock decides for all
+
+    def reason(estimates: dict) -> str | None:
         elapsed = time.perf_counter() - start
         if seconds is not None and elapsed > seconds:
             return f"not tried: the search had spent its {seconds:g} s (search_seconds)"
@@ -288,7 +290,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
     laid_out: dict[tuple, str] = {}  # (mesh, path, batch and state layout) -> the first candidate's label
     for candidate, path, split_open in pool:
         label = _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
-        stop = spent(estimates) if estimates else None  # the first candidate is always priced
+        stop = spent(estimates)  # the first candidate is always priced
         if stop:
             skipped[label] = stop
             continue
