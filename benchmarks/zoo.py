@@ -220,26 +220,25 @@ def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_
 
 
 def distribution(results: list[dict]) -> dict:
-    """Per kind: how many defaults are within 10% of the best, the worst, and the median ratio."""
+    """Per kind: how many defaults are within 10% of the best, the worst, and the median ratio; the
+    same for the fixed ``split="largest"`` where FSDP is part of the kind, and over all kinds."""
     out = {}
     for kind in KINDS:
-        ratios = [r["default_over_best"]["median"] for r in results if r["kind"] == kind and "default_over_best" in r]
-        if ratios:
-            out[kind] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
-                         "worst": max(ratios), "median": float(np.median(ratios)),
-                         "over_1.3": sum(x > 1.3 for x in ratios)}
+        out[kind] = _spread([r["default_over_best"]["median"] for r in results
+                             if r["kind"] == kind and "default_over_best" in r])
     for kind in KINDS:
-        ratios = [r["split_largest"]["over_best"]["median"] for r in results
-                  if r["kind"] == kind and r.get("split_largest")]
-        if ratios:
-            out[f"{kind} split=largest"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios),
-                                         "worst": max(ratios), "median": float(np.median(ratios)),
-                                         "over_1.3": sum(x > 1.3 for x in ratios)}
-    ratios = [r["default_over_best"]["median"] for r in results if "default_over_best" in r]
-    if ratios:
-        out["all"] = {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios), "worst": max(ratios),
-                      "median": float(np.median(ratios)), "over_1.3": sum(x > 1.3 for x in ratios)}
-    return out
+        out[f"{kind} split=largest"] = _spread([r["split_largest"]["over_best"]["median"] for r in results
+                                                if r["kind"] == kind and r.get("split_largest")])
+    out["all"] = _spread([r["default_over_best"]["median"] for r in results if "default_over_best" in r])
+    return {name: spread for name, spread in out.items() if spread}
+
+
+def _spread(ratios: list[float]) -> dict:
+    """How the ratios spread against the goals: within 10%, over 1.3×, median and worst (empty: none)."""
+    if not ratios:
+        return {}
+    return {"models": len(ratios), "within_10pct": sum(x <= 1.10 for x in ratios), "worst": max(ratios),
+            "median": float(np.median(ratios)), "over_1.3": sum(x > 1.3 for x in ratios)}
 
 
 def markdown(results: list[dict], meta: dict) -> str:

@@ -8,7 +8,9 @@ model's own rules (fastest that fits the budget), not against timers.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import parallax as px
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
 from parallax.sharding.auto import candidates, from_mesh, split_candidates
+from parallax.state import search
 from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
@@ -173,7 +176,7 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
     assert [s.parts[0].split for s in split_candidates(strategy)] == ["largest", "output", "input"]
 
 
-def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(caplog):
+def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(caplog, monkeypatch):
     """``FSDP(split="auto")``: under ``compile="auto"`` each split is priced on the path it is fast on
     (one compile each, not two), and the Trainer trains the pick on that path."""
     data = batches("lm", 2, batch_size=16)
@@ -205,8 +208,14 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     assert "2 laid out like another (split=output, jit, split=input, jit)" in alike.describe()
     trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=auto, max_steps=2,
                          batch_size=16, progress=False, shuffle=False)
+    # The search's clock reads 1 s more at each look: pricing the first split took longer than
+    # 2 estimated steps, whatever this machine's speed, so the rest are not tried.
+    monkeypatch.setattr(search, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
     trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept
+    monkeypatch.undo()
     assert trainer.search.choice.picked == "split=largest, jit" and len(trainer.search.skipped) == 3
+    assert all(why.startswith("not tried: the search had spent") for why in trainer.search.skipped.values()), \
+        trainer.search.skipped
     assert trainer.config.step.compile == "jit" and trainer.train_step.mode() == "jit"
     with caplog.at_level("INFO", logger="parallax"):  # nothing to compile: the largest dim, said
         state = px.init_state(TinyLM(), optax.adam(1e-2), data[0]["x"], strategy=auto)

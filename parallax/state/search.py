@@ -287,7 +287,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
     timing needs, by label."""
     rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
     estimates, found, skipped, runnable = {}, {}, {}, {}
-    laid_out: dict[tuple, str] = {}  # (mesh, path, batch and state layout) -> the first candidate's label
+    laid_out: dict[tuple, str] = {}  # (path, (mesh, batch and state layout)) -> the first candidate's label
     for candidate, path, split_open in pool:
         label = _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
         stop = spent(estimates)  # the first candidate is always priced
@@ -301,12 +301,12 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
             planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
                                  mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
-            layout = (tuple(candidate_mesh.shape.items()), path, str(planned.strategy.batch_spec()),
+            layout = (tuple(candidate_mesh.shape.items()), str(planned.strategy.batch_spec()),
                       str(jax.tree.leaves(planned.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
-            if layout in laid_out:  # another split placed every array alike: the same program
-                skipped[label] = f"{SAME_AS}{laid_out[layout]} (every array laid out alike, on the same path)"
+            if (path, layout) in laid_out:  # another split placed every array alike: the same program
+                skipped[label] = f"{SAME_AS}{laid_out[path, layout]} (every array laid out alike, on the same path)"
                 continue
-            laid_out[layout] = label
+            laid_out[path, layout] = label
             total = summarize(planned).totals["total"]
             state_bytes = total["per_device"] - total["host"]  # in device memory
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
@@ -320,7 +320,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             skipped[label] = str(err).splitlines()[0]
             continue
         label = f"{base}, {step_choice.picked}"  # the path it compiled on (the loss may allow only jit)
-        laid_out.setdefault((*layout[:1], step_choice.picked, *layout[2:]), label)
+        laid_out.setdefault((step_choice.picked, layout), label)
         estimates[label] = step_choice.estimates[step_choice.picked]
         found[label] = (planned.strategy, candidate_mesh, step_choice.picked)
         runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
