@@ -198,19 +198,20 @@ def _measure_on(mesh: Mesh, start: float) -> DeviceSpeeds:
     # device at once, fitted to flops x a + bytes x b + c.
     # Beyond 8 devices every size shrinks with the device count: an all-gather's output grows
     # with it on every device (64 simulated devices would otherwise hold GBs).
+    # Each input is created in its layout: a whole array made first would sit on every device of
+    # the caller's mesh (64 simulated devices x 128 MiB ran a 24 GiB machine out of memory).
     shrink = max(1, n // 8)
     programs = []
     for size in (2**18 // shrink, 2**21 // shrink):
-        programs.append((jax.jit(lambda v: v * 1.5 + 0.5), (jnp.ones((n * size,), jnp.float32),), (rows,)))
+        programs.append((jax.jit(lambda v: v * 1.5 + 0.5), (((n * size,), rows),)))
     for m, k in ((128, 512), (512, 1024)):
-        programs.append((jax.jit(lambda a, b: a @ b), (jnp.ones((n * m, k), jnp.float32), jnp.ones((k, k), jnp.float32)),
-                         (rows, whole)))
+        programs.append((jax.jit(lambda a, b: a @ b), (((n * m, k), rows), ((k, k), whole))))
     for m in (256, 1024):
         programs.append((jax.jit(lambda a, m=m: jnp.swapaxes(a.reshape(n, m, 512), 1, 2) + 1.0),
-                         (jnp.ones((n * m, 512), jnp.float32),), (rows,)))
+                         (((n * m, 512), rows),)))
     features, seconds = [], []
-    for fn, values, shardings in programs:
-        placed = [jax.device_put(v, s) for v, s in zip(values, shardings)]
+    for fn, inputs in programs:
+        placed = [jnp.ones(shape, jnp.float32, device=sharding) for shape, sharding in inputs]
         elapsed, compiled = _timed(fn, *placed)
         features.append([*_costs(compiled), inspect.layout_bytes(compiled.as_text()), 1.0])
         seconds.append(elapsed)
@@ -230,7 +231,7 @@ def _measure_on(mesh: Mesh, start: float) -> DeviceSpeeds:
         for elements in (256, max(2**17 // shrink, 2**10)):  # per device: 1 KiB and 512 KiB (up to 8 devices)
             mapped = jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"),
                                        manual_axes={"d"}))
-            data = jax.device_put(jnp.ones((n * elements,), jnp.float32), rows)
+            data = jnp.ones((n * elements,), jnp.float32, device=rows)
             seconds, compiled = _timed(mapped, data)
             moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
             points.append((float(moved), seconds))
