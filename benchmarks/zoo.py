@@ -1,7 +1,7 @@
 """The zoo: does each default hold on models it was never tuned on?
 
-    python -m benchmarks.zoo                         # 22 models x 5 kinds, 8 simulated CPU devices (~40 min)
-    python -m benchmarks.zoo --models mlp_square_a,lm_0 --kinds fsdp --rounds 5
+    python -m benchmarks.zoo                         # 22 models x 5 kinds, 8 simulated CPU devices (~50 min)
+    python -m benchmarks.zoo --models mlp_square_a,lm_0 --kinds fsdp --rounds 25
     python -m benchmarks.zoo --smoke                 # tiny widths, one round: checks it still runs
 
 For each zoo member (``benchmarks/zoo_models.py``, drawn from ``--seed``) and each kind (DP,
@@ -20,7 +20,9 @@ and where they express the same plan: google-parallax's DDP and FSDP on the NNX 
 Keras 3's ``DataParallel`` and its FSDP-like ``ModelParallel`` layout on the MLP stacks.
 
 All configurations of one model are timed in the same rounds, in a new random order each
-round. Reported per model and kind: ``default_over_best``, the default's step time over the
+round; a round times one step of each, so it takes 25 rounds (the default) for a median that a
+shared machine's noise does not move by more than a few percent (with 5, single steps 30% off
+decided peers' medians). Reported per model and kind: ``default_over_best``, the default's step time over the
 fastest parallax configuration's (by median), round by round, min/median/max; each peer's step
 time over the default's. With ``--search``: ``strategy="auto"``'s search time beside the step
 time its pick saves over 1,000 steps against the DP default. Output:
@@ -37,7 +39,7 @@ from benchmarks import report, side_runner_args, time_interleaved
 
 KINDS = ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp")
 if __name__ == "__main__":
-    ARGS = side_runner_args(__doc__, models="all", kinds=",".join(KINDS), rounds=5, seed="0",
+    ARGS = side_runner_args(__doc__, models="all", kinds=",".join(KINDS), rounds=25, seed="0",
                             search_models="mlp_square_a,mlp_megatron,lm_0,lm_scan,nnx_lm_1,cnn_0,moe",
                             switches=("no-peers", "no-search"))
 
@@ -251,6 +253,10 @@ def markdown(results: list[dict], meta: dict) -> str:
     for kind, d in meta["distribution"].items():
         lines.append(f"| {kind} | {d['models']} | {d['within_10pct']} ({100 * d['within_10pct'] / d['models']:.0f}%) "
                      f"| {d['over_1.3']} | {d['median']:.2f} | {d['worst']:.2f} |")
+    peers = meta["peers"]
+    faster = [f"{p['peer']} on {p['model']} {p['kind']} ({p['over_default']:.2f})" for p in peers["faster"]]
+    lines += ["", f"Peers more than 10% faster than parallax's default (peer ÷ default below 1/1.1, by the median): "
+              f"{len(faster)} of {peers['compared']} comparisons" + (f": {'; '.join(faster)}." if faster else ".")]
     lines += ["", "Where FSDP is part of the kind, the default prices FSDP's splits (`split=\"auto\"`, bounded by "
               "1,000 steps); *split=largest* is what the fixed split would train, over the best, and *search s / "
               "saved s* what the default's search took beside what it saves over 1,000 steps against that fixed "
@@ -292,6 +298,14 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def faster_peers(results: list[dict]) -> dict:
+    """How many peer comparisons there are, and those where the peer ran more than 10% faster than
+    parallax's default (its step time below the default's / 1.1, by the median)."""
+    compared = [{"model": r["model"], "kind": r["kind"], "peer": label, "over_default": p["over_default"]["median"]}
+                for r in results for label, p in r.get("peers", {}).items()]
+    return {"compared": len(compared), "faster": [p for p in compared if p["over_default"] < 1 / 1.1]}
+
+
 def _number(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"  # without the DP kind, nothing to compare with
 
@@ -328,7 +342,7 @@ def main(args) -> None:
         members = [m for m in members if m.name in wanted or m.family in wanted]
     kinds = args.kinds.split(",")
     with_peers, with_search = not args.no_peers, not args.no_search
-    results = []
+    results, began = [], time.perf_counter()
     for member in members:
         start = time.perf_counter()
         searching = with_search and (args.search_models == "all" or member.name in args.search_models.split(","))
@@ -336,7 +350,8 @@ def main(args) -> None:
         mine = [r for r in results if r["model"] == member.name and "default_over_best" in r]
         print(f"{member.name}: " + ", ".join(f"{r['kind']} {r['default_over_best']['median']:.2f}" for r in mine)
               + f" ({time.perf_counter() - start:.0f} s)", flush=True)
-    report(args, "zoo", results, markdown, seed=int(args.seed), distribution=distribution(results))
+    report(args, "zoo", results, markdown, seed=int(args.seed), distribution=distribution(results),
+           peers=faster_peers(results), wall_s=round(time.perf_counter() - began))
     if not args.smoke:
         chart(results, os.path.join(args.out, "zoo.png"))
 
