@@ -1,6 +1,6 @@
 """The zoo: does each default hold on models it was never tuned on?
 
-    python -m benchmarks.zoo                         # 22 models x 5 kinds, 8 simulated CPU devices (~50 min)
+    python -m benchmarks.zoo                         # 22 models x 5 kinds, 8 simulated CPU devices (~70 min)
     python -m benchmarks.zoo --models mlp_square_a,lm_0 --kinds fsdp --rounds 25
     python -m benchmarks.zoo --smoke                 # tiny widths, one round: checks it still runs
 
