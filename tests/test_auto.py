@@ -97,7 +97,8 @@ def test_a_marked_loss_lets_the_cost_model_pick_the_compile_path():
     assert step.mode() == "auto" and "picks jit or shard_map" in step.describe()
     state, _ = step(state, data[0])
     assert step.mode() in ("jit", "shard_map") and set(step.choice.estimates) == {"jit", "shard_map"}
-    assert step.choice.picked == min(step.choice.estimates, key=lambda m: step.choice.estimates[m].seconds)
+    ranked = step.choice.timed or {mode: est.seconds for mode, est in step.choice.estimates.items()}
+    assert step.choice.picked == min(ranked, key=ranked.get)  # timed where the estimates are close
     assert step.describe().startswith(f"compile path {step.mode()}: est. ") and "runner-up" in step.describe()
     plain = px.make_train_step(classifier_loss, strategy)  # a loss as written: its trace is read at the first call
     assert plain.mode() == "auto" and "read at the first call" in plain.describe()
@@ -261,6 +262,33 @@ def test_timing_runs_round_by_round_when_the_states_fit_together_and_caches_the_
     changed = {**candidates, "b": dataclasses.replace(candidates["b"], program=_Program("b, compiled otherwise"))}
     timing.measure(changed, budget, "this machine", rounds=1)
     assert len(ran) == 8  # another program is timed again
+
+
+def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_path, monkeypatch):
+    """Where jit and shard_map are priced alike, the first call runs both a few steps on copies
+    of the caller's state and keeps the measured faster: the step it then takes is the one an
+    untimed step on that path takes from the same state (the copies ran, not the state)."""
+    monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "WINDOW", float("inf"))  # every estimate is a close call
+    data = batches("mlp", 1, batch_size=32)
+    strategy = px.DataParallel(8)
+    init = lambda: px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=strategy, loss_fn=MARKED)  # noqa: E731
+    step = px.make_train_step(MARKED, strategy)
+    state, metrics = step(init(), data[0])
+    assert set(step.choice.timed) == {"jit", "shard_map"} and step.choice.picked == min(step.choice.timed,
+                                                                                         key=step.choice.timed.get)
+    assert "timed the closest on the devices: " in step.describe() and int(state.step) == 1
+    untimed = px.make_train_step(MARKED, strategy, compile=step.choice.picked)
+    expected_state, expected = untimed(init(), data[0])
+    assert float(metrics["loss"]) == float(expected["loss"])
+    jax.tree.map(np.testing.assert_array_equal, (state.params, state.opt_state, state.rng),
+                 (expected_state.params, expected_state.opt_state, expected_state.rng))
+    again = px.make_train_step(MARKED, strategy)
+    again(init(), data[0])
+    assert again.choice.timed == step.choice.timed  # cached per machine and programs: nothing ran
+    silent = px.make_train_step(MARKED, strategy, timed_candidates=0)
+    silent(init(), data[0])
+    assert silent.choice.timed == {} and "timed" not in silent.describe()
 
 
 def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_path, monkeypatch):

@@ -28,6 +28,9 @@ class Choice:
         budget: the memory budget in bytes per device (``None``: no limit known).
         over_budget: the labels dropped because their peak exceeds the budget.
         what: what was chosen (``"compile path"``, ``"FSDP"`` (its split), ``"strategy"``).
+        timed: the candidates run on the devices to settle a close call (:mod:`parallax.pricing.timing`),
+            by label: their median step time in seconds; the pick is then the measured fastest.
+            Empty when nothing ran.
     """
 
     picked: str
@@ -35,6 +38,7 @@ class Choice:
     budget: int | None = None
     over_budget: tuple[str, ...] = ()
     what: str = "compile path"
+    timed: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def runner_up(self) -> str | None:
@@ -54,6 +58,9 @@ class Choice:
             text += f"; runner-up {self.runner_up}: est. {self.estimates[self.runner_up].describe()}"
         if self.over_budget:
             text += f"; over the {format_bytes(self.budget or 0)} budget: {', '.join(self.over_budget)}"
+        if self.timed:
+            text += "; timed the closest on the devices: " + ", ".join(
+                f"{label} {1e3 * seconds:.1f} ms" for label, seconds in sorted(self.timed.items(), key=lambda x: x[1]))
         return text
 
 

@@ -1,10 +1,11 @@
 """Timing the cost model's closest candidates on the devices before committing to one.
 
 The cost model ranks compiled candidates from their programs alone. Where its best estimates
-lie close together, the ranking is within the model's error, so ``strategy="auto"`` and
-``FSDP(split="auto")`` run the closest few (:func:`closest`) for a handful of steps on a
-freshly built state and the example batch, round by round, and keep the measured fastest
-(:func:`measure`). The programs are the ones the search compiled: timing adds no compile.
+lie close together, the ranking is within the model's error, so ``strategy="auto"``,
+``FSDP(split="auto")`` and a train step choosing its compile path run the closest few
+(:func:`closest`) for a handful of steps on a freshly built state (or a copy of the caller's)
+and the example batch, round by round, and keep the measured fastest (:func:`settle`). The
+programs are the ones already compiled to price them: timing adds no compile.
 The times are cached per machine with the programs' fingerprints (``$PARALLAX_CACHE_DIR``),
 so searching the same model again picks the same candidate without running anything.
 """
@@ -13,15 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import re
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from parallax import _cache
+from parallax._compat import mesh_context
 from parallax.pricing.choice import Choice
+from parallax.pricing.cost import device_key
+
+log = logging.getLogger("parallax")
 
 WINDOW = 1.25  # candidates estimated within 25% of the best are close enough to time
 ROUNDS = 5  # timed steps per candidate, after one untimed warm-up step
@@ -58,6 +65,37 @@ def closest(choice: Choice, limit: int) -> list[str]:
     near = [label for label, est in choice.estimates.items()
             if label not in choice.over_budget and est.seconds <= WINDOW * best]
     return near[:limit] if len(near) > 1 else []
+
+
+def settle(choice: Choice, timed: Callable[[str], Timed], budget: int | None, limit: int,
+           devices: Sequence[jax.Device]) -> Choice:
+    """``choice`` with its close call (:func:`closest`, at most ``limit`` candidates) settled on
+    the devices: the measured fastest picked, the times in :attr:`Choice.timed`.
+
+    ``timed(label)`` makes a candidate ready to run. Nothing runs where there is no close call
+    or with several processes (each would time on its own clock and cache); where running fails
+    (e.g. out of memory) the cost model's pick stands.
+    """
+    labels = closest(choice, limit)
+    if not labels or jax.process_count() > 1:
+        return choice
+    try:
+        times = measure({label: timed(label) for label in labels}, budget, device_key(devices))
+    except jax.errors.JaxRuntimeError as err:
+        log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", str(err).splitlines()[0])
+        return choice
+    return dataclasses.replace(choice, picked=min(times, key=times.get), timed=times)
+
+
+def on_mesh(step: Callable[[Any, Any], Any], mesh: Mesh) -> Callable[[Any, Any], Any]:
+    """``step`` called with ``mesh`` set, as the Trainer calls it (a model's own sharding
+    constraints with bare ``PartitionSpec`` s resolve against it)."""
+
+    def call(state: Any, batch: Any) -> Any:
+        with mesh_context(mesh):
+            return step(state, batch)
+
+    return call
 
 
 def measure(candidates: Mapping[str, Timed], budget: int | None, devices_key: str,

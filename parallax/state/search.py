@@ -27,13 +27,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import _multihost
-from parallax._compat import mesh_context
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
 from parallax.pricing.choice import Choice, memory_budget, rank
-from parallax.pricing.cost import device_key
-from parallax.pricing.timing import Timed, closest, measure
+from parallax.pricing.timing import Timed, on_mesh, settle
 from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state
@@ -102,9 +100,6 @@ class Resolved:
         if self.choice is None:
             return f"{self.strategy.describe(self.mesh)} (as given)"
         text = self.choice.describe()
-        if self.timed:
-            text += "; timed the closest on the devices: " + ", ".join(
-                f"{label} {1e3 * seconds:.1f} ms" for label, seconds in sorted(self.timed.items(), key=lambda x: x[1]))
         if self.changes:
             text += f"; with {describe_changes(self.changes)} to fit the memory budget"
         text += f"; {len(self.choice.estimates)} candidates compiled in {self.seconds:.1f} s"
@@ -201,11 +196,11 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
     stopped = spent(estimates)
-    timed = {} if stopped else _time_closest(choice, runnable, example_batch, budget, options.timed_candidates, devices)
-    if timed:
-        choice = dataclasses.replace(choice, picked=min(timed, key=timed.get))
+    if not stopped and all(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(example_batch)):
+        choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
+                        budget, options.timed_candidates, devices)
     picked, picked_mesh, path = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, timed, changes, path)
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, choice.timed, changes, path)
     log.info("%s", resolved.describe())
     return resolved
 
@@ -328,32 +323,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
     return estimates, found, skipped, runnable
 
 
-def _time_closest(choice: Choice, runnable: dict[str, tuple], example_batch: Any, budget: int | None, limit: int,
-                  devices: Sequence[jax.Device]) -> dict[str, float]:
-    """The closest candidates' measured step times (:mod:`parallax.pricing.timing`), or nothing
-    where there is no close call, no concrete example batch, or more than one process."""
-    labels = closest(choice, limit)
-    leaves = jax.tree.leaves(example_batch)
-    if not labels or jax.process_count() > 1 or not all(isinstance(x, (np.ndarray, jax.Array)) for x in leaves):
-        return {}
-    timed = {}
-    for label in labels:
-        step, program, build, placement, state_bytes = runnable[label]
-        timed[label] = Timed(_on_mesh(step, placement.mesh), program, build, jax.device_put(example_batch, placement),
-                             state_bytes, choice.estimates[label].peak)
-    try:
-        return measure(timed, budget, device_key(devices))
-    except jax.errors.JaxRuntimeError as err:  # e.g. out of memory: the cost model's pick stands
-        log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", str(err).splitlines()[0])
-        return {}
-
-
-def _on_mesh(step: Callable[[Any, Any], Any], mesh: Mesh) -> Callable[[Any, Any], Any]:
-    """``step`` called with ``mesh`` set, as the Trainer calls it (a model's own sharding
-    constraints with bare ``PartitionSpec`` s resolve against it)."""
-
-    def call(state: Any, batch: Any) -> Any:
-        with mesh_context(mesh):
-            return step(state, batch)
-
-    return call
+def _timed(runnable: tuple, example_batch: Any, peak: int) -> Timed:
+    """A priced candidate ready to run: its step on its mesh, its state's builder, the batch placed."""
+    step, program, build, placement, state_bytes = runnable
+    return Timed(on_mesh(step, placement.mesh), program, build, jax.device_put(example_batch, placement), state_bytes, peak)

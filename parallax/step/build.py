@@ -43,6 +43,7 @@ from parallax.step.options import StepOptions
 from parallax.step.per_example import is_per_example_loss
 from parallax.step.resharding import Resharding, compile_reporting, describe_all
 from parallax.step.shard_map import shard_map_gradients
+from parallax.step.timed_paths import timed_paths
 from parallax.step.train_state import TrainState
 from parallax.step.update import step_bodies
 
@@ -133,9 +134,9 @@ class Step:
         ``compile="auto"`` is exact for any loss: ``jit`` (the loss sees the global batch) unless the
         loss is a mean of per-example terms, marked :func:`parallax.per_example_loss` or read so from
         its trace at the first call (:attr:`proof`). Then both paths are exact: the train step
-        compiles both at its first call and keeps the faster by the cost model
-        (:mod:`parallax.pricing.cost`), among those whose peak fits ``memory_budget``.
-        :attr:`choice` holds the estimates; :meth:`describe` says what was picked and why.
+        compiles both at its first call and keeps the faster by the cost model among those whose peak
+        fits ``memory_budget``, or where it is a close call by a few steps on a copy of the state
+        (:mod:`parallax.step.timed_paths`). :attr:`choice` holds the estimates and times.
         """
         if self.choice is not None:
             return self.choice.picked
@@ -247,10 +248,11 @@ class Step:
         parts, params_layout = self._placed(state)[1], (state.params, specs.params, mesh)
         key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh, parts)
         if key not in self._cache:
-            with mesh_context(mesh):
+            with mesh_context(mesh):  # the loss's proof decides the paths
                 self.prove(state, batch)
             if len(self.modes()) > 1:  # compiled once here (under the mesh); the call reuses the picked program
-                self.choice, functions, _ = self.compile_paths(state, batch)
+                self.choice, functions, programs = self.compile_paths(state, batch)
+                self.choice = timed_paths(self.choice, functions, programs, state, batch, self.options, mesh)
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
                 self._cache[key] = functions[self.choice.picked], mesh
             else:
@@ -306,10 +308,9 @@ class Step:
             gradients = jit_gradients(self.loss_fn, self.strategy, self.options, mesh, self.train, specs.params)
         train_step, eval_step = step_bodies(gradients, shardings, self.options.skip_nonfinite, offloaded)
 
-        if self.train:
-            return jax.jit(train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
-                           donate_argnums=(0,) if self.options.donate else ())
-        return jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated)
+        return (jax.jit(train_step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
+                        donate_argnums=(0,) if self.options.donate else ()) if self.train else
+                jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated))
 
 
 def make_train_step(loss_fn: LossFn, strategy: Strategy | str, options: StepOptions | None = None, **overrides: Any) -> Step:
