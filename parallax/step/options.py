@@ -51,11 +51,12 @@ class StepOptions:
         memory_budget: bytes per device (``"16GB"`` or an int) a compiled step may peak
             at when the cost model picks among candidates (``compile="auto"``); the
             device's own memory where the backend reports it, by default.
-        timed_candidates: for ``strategy="auto"`` and ``FSDP(split="auto")``: how many of
-            the candidates the cost model estimates within 25% of its best are then run
-            for a few steps on the devices (a freshly built state and the example batch),
-            the measured fastest kept (:mod:`parallax.pricing.timing`; cached per machine).
-            ``0`` keeps the cost model's pick and runs nothing.
+        timed_candidates: for ``strategy="auto"``, ``FSDP(split="auto")`` and the train
+            step's compile path (``compile="auto"``): how many of the candidates the cost model
+            estimates within 25% of its best are then run for a few steps on the devices (a
+            freshly built state, or a copy of the caller's, and the example batch), the measured
+            fastest kept (:mod:`parallax.pricing.timing`; cached per machine). ``0`` keeps the
+            cost model's pick and runs nothing.
         search_seconds: for ``strategy="auto"`` and ``FSDP(split="auto")``: the most seconds the
             search spends planning, compiling and timing candidates (simplest meshes first);
             once spent, the candidates not yet tried are skipped (the search's ``skipped`` says
