@@ -96,12 +96,6 @@ def plain_step(model, tx, loss_fn):
     return jax.jit(step)
 
 
-def plain_grads(model, loss_fn):
-    """The gradient alone, jitted: ``grads(params, model_state, batch)``."""
-    return jax.jit(lambda params, model_state, batch: jax.grad(_loss(model, loss_fn, model_state, batch),
-                                                               has_aux=True)(params)[0])
-
-
 class PlainRun(NamedTuple):
     """What :func:`run_plain` returns: the loss trajectory and the final values (on the host), and
     each step's inputs (params, model state) and gradient."""
@@ -124,21 +118,22 @@ class Drift(NamedTuple):
     allowance: Any = None
 
 
-def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None) -> PlainRun:
+def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None, step=None) -> PlainRun:
     """Trains from ``state``'s values (the optimizer state starts from ``tx.init``).
 
-    ``place(tree, kind)`` puts inputs somewhere.
+    ``place(tree, kind)`` puts inputs somewhere: every step's, so that one program runs them all
+    (the compiler may lay a step's outputs out otherwise, and jit would compile again for them).
+    ``step``: a :func:`plain_step` to run (one is made otherwise).
     """
     params = jax.device_get(state.params)
     model_state = jax.device_get(state.model_state)
     opt_state = tx.init(params)
-    if place is not None:
-        params, model_state, opt_state = place(params, "params"), place(model_state, "rep"), place(opt_state, "opt")
-    step = plain_step(model, tx, loss_fn)
+    step = step or plain_step(model, tx, loss_fn)
     losses, inputs, grads = [], [], []
     for batch in batches:
         if place is not None:
-            batch = place(batch, "batch")
+            params, model_state = place(params, "params"), place(model_state, "rep")
+            opt_state, batch = place(opt_state, "opt"), place(batch, "batch")
         inputs.append((params, model_state))
         params, model_state, opt_state, value, grad = step(params, model_state, opt_state, batch)
         losses.append(float(value))
@@ -172,13 +167,13 @@ def drift_floor(model, tx, loss_fn, start: px.TrainState, batches, strategy: px.
     reduction order), gives the step's rounding level, and the optimizer rerun on ``ref``'s
     gradients turns it into each param's allowance (``px.testing.rounding_allowance``).
     """
-    place = mesh_placer(start, strategy)
-    grads = plain_grads(model, loss_fn)
-    other = [grads(place(params, "params"), place(state, "rep"), place(batch, "batch"))
-             for (params, state), batch in zip(ref.inputs, batches, strict=True)]
+    place, step = mesh_placer(start, strategy), plain_step(model, tx, loss_fn)
+    run = run_plain(model, tx, loss_fn, start, batches, place=place, step=step)
     initial = jax.device_get(ref.inputs[0][0])
+    opt_state = place(tx.init(initial), "opt")  # any: only the gradient is read, from the program the run ran
+    other = [step(place(params, "params"), place(state, "rep"), opt_state, place(batch, "batch"))[4]
+             for (params, state), batch in zip(ref.inputs, batches, strict=True)]
     allowance = px.testing.rounding_allowance(tx, initial, tx.init(initial), ref.grads, jax.device_get(other))
-    run = run_plain(model, tx, loss_fn, start, batches, place=place)
     beyond = max(px.testing.excess(run.params, ref.params, allowance).values(), default=0.0)
     return Drift(float(np.abs(run.losses - ref.losses).max()), beyond, max_diff(run.opt_state, ref.opt_state),
                  allowance)

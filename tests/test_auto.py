@@ -235,6 +235,11 @@ def test_the_closest_estimates_are_the_ones_worth_timing():
     assert timing.closest(choice, 3) == ["a", "b"]  # c is over the budget, d is 2x the best estimate
     assert timing.closest(choice, 1) == [] and timing.closest(rank(estimates, 50, what="x"), 0) == []
     assert timing.closest(rank({"a": _estimate(1.0, 10), "d": _estimate(2.0, 10)}, None, what="x"), 3) == []
+    short = {"a": _estimate(0.01, 10), "b": _estimate(0.03, 10), "c": _estimate(0.02, 100), "d": _estimate(0.2, 10)}
+    # steps so short that timing the candidates costs under 2 s (6 steps each, by the estimates): all timed
+    assert timing.closest(rank(short, 50, what="x"), 3) == ["a", "b", "d"]  # 6 * 0.24 s
+    longer = {label: _estimate(10 * est.seconds, est.peak) for label, est in short.items()}
+    assert timing.closest(rank(longer, 50, what="x"), 3) == []  # 14.4 s: only close calls are worth it
 
 
 class _Program:

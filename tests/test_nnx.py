@@ -113,17 +113,17 @@ def floats(tree):
 def plain_nnx_run(build, tx, data, place=None, at=None):
     """value_and_grad over the module's Param values + optax, on one device: what an NNX user writes.
 
-    Returns the losses, final params, final floating model state, final optimizer state and each
-    step's gradient; with ``at`` (another run's ``(params, rest)`` per step) the gradients are
-    taken at those inputs instead of this run's own (for the rounding level of the gradients).
+    Returns the losses, final params, final floating model state, final optimizer state, each
+    step's gradient and inputs. ``place(tree, kind)`` puts every step's inputs somewhere (so that
+    one program runs them all); with ``at`` (another run's ``(params, rest)`` per step) also the
+    gradients at those inputs, from the same program (for the rounding level of the gradients).
     """
     model = build()
     model.train()  # dropout on, BatchNorm on the batch's statistics
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     opt_state = tx.init(params)
-    if place is not None:
-        params, rest, opt_state = place(params, "params"), place(rest, "rep"), place(opt_state, "opt")
+    place = place or (lambda tree, kind: tree)
     key_of = step_keys()
 
     def grads_of(params, rest, batch, key):
@@ -143,21 +143,19 @@ def plain_nnx_run(build, tx, data, place=None, at=None):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_rest, opt_state, value, grads
 
-    gradient = jax.jit(lambda *args: grads_of(*args)[1])
-    losses, inputs, grads = [], [], []
+    losses, inputs, grads, at_grads = [], [], [], []
     for t, batch in enumerate(data):
-        batch = batch if place is None else place(batch, "batch")
+        params, rest, opt_state, batch = place(params, "params"), place(rest, "rep"), place(opt_state, "opt"), \
+            place(batch, "batch")
         if at is not None:
-            grads.append(gradient(place(at[t][0], "params"), place(at[t][1], "rep"), batch, key_of(t)))
-            continue
+            at_grads.append(step(place(at[t][0], "params"), place(at[t][1], "rep"), opt_state, batch, key_of(t))[4])
         inputs.append((params, rest))
         params, rest, opt_state, value, grad = step(params, rest, opt_state, batch, key_of(t))
         losses.append(float(value))
         grads.append(grad)
-    if at is not None:
-        return jax.device_get(grads)
-    return (np.array(losses), jax.device_get(params), floats(jax.device_get(rest)), jax.device_get(opt_state),
-            jax.device_get(grads), inputs)
+    run = (np.array(losses), jax.device_get(params), floats(jax.device_get(rest)), jax.device_get(opt_state),
+           jax.device_get(grads), inputs)
+    return run if at is None else (*run, jax.device_get(at_grads))
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,11 +180,11 @@ def floor(name, opt_name, state, strategy):
         return jax.device_put(tree, rep)
 
     ref_losses, ref_params, _, _, ref_grads, inputs = reference(name, opt_name)
-    other = plain_nnx_run(MODELS[name], OPTIMIZERS[opt_name](), batches(name), place, at=inputs)
+    losses, params, _, _, _, _, other = plain_nnx_run(MODELS[name], OPTIMIZERS[opt_name](), batches(name), place,
+                                                      at=inputs)
     initial = jax.device_get(inputs[0][0])
     tx = OPTIMIZERS[opt_name]()
     allowance = px.testing.rounding_allowance(tx, initial, tx.init(initial), ref_grads, other)
-    losses, params, _, _, _, _ = plain_nnx_run(MODELS[name], OPTIMIZERS[opt_name](), batches(name), place)
     beyond = max(px.testing.excess(params, ref_params, allowance).values(), default=0.0)
     return float(np.abs(losses - ref_losses).max()), beyond, allowance
 

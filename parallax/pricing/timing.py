@@ -32,6 +32,7 @@ log = logging.getLogger("parallax")
 
 WINDOW = 1.25  # candidates estimated within 25% of the best are close enough to time
 ROUNDS = 5  # timed steps per candidate, after one untimed warm-up step
+CHEAP_SECONDS = 2.0  # timing that costs less (by the estimates) settles every candidate, close or not
 CACHE_FILE = "timed_candidates.json"
 
 
@@ -57,14 +58,20 @@ class Timed:
 
 
 def closest(choice: Choice, limit: int) -> list[str]:
-    """The candidates that fit the budget and are estimated within :data:`WINDOW` of the pick,
-    fastest first, at most ``limit``: where the cost model's ranking is worth checking."""
+    """The candidates worth timing, fastest estimate first, at most ``limit``: those that fit the
+    budget and are estimated within :data:`WINDOW` of the pick, where the cost model's ranking is
+    within its error; or, where timing them all would take under :data:`CHEAP_SECONDS` of steps
+    (by their estimates), every one that fits: on steps that short the model's fixed per-op
+    costs dominate its error (on an 8 ms MLP step it priced two plans 1.9x apart that measured
+    within 3%), and settling it costs less than compiling the candidates did."""
     if limit < 2 or choice.picked in choice.over_budget:
         return []
     best = choice.estimates[choice.picked].seconds
-    near = [label for label, est in choice.estimates.items()
-            if label not in choice.over_budget and est.seconds <= WINDOW * best]
-    return near[:limit] if len(near) > 1 else []
+    fitting = [label for label in choice.estimates if label not in choice.over_budget][:limit]
+    cost = (ROUNDS + 1) * sum(choice.estimates[label].seconds for label in fitting)
+    near = fitting if cost <= CHEAP_SECONDS else [
+        label for label in fitting if choice.estimates[label].seconds <= WINDOW * best]
+    return near if len(near) > 1 else []
 
 
 def settle(choice: Choice, timed: Callable[[str], Timed], budget: int | None, limit: int,

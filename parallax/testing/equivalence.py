@@ -228,15 +228,12 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     def place(tree, kind):
         return jax.device_put(tree, shardings if kind == "state" else batch_sharding)
 
-    grads = jax.device_get(ref.grads)
-    other = [reference.gradient(jax.device_put(params, shardings[0]), jax.device_put(model_state, shardings[1]),
-                                place(batch, "batch"), key)
-             for (params, model_state, key), batch in zip(ref.inputs, batches, strict=True)]
-    allowance = rounding_allowance(reference.tx, initial.params, initial.opt_state, grads, jax.device_get(other))
+    placed = reference.run(initial, batches, place)
+    other = reference.gradients_at(ref.inputs, batches, initial, place)  # the same program: no second compile
+    allowance = rounding_allowance(reference.tx, initial.params, initial.opt_state, jax.device_get(ref.grads),
+                                   jax.device_get(other))
     compared = report.state_diffs["params"]  # the floating leaves
     allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if path in compared}
-
-    placed = reference.run(initial, batches, place)
     drift = dataclasses.replace(_report(strategy, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
                                 param_allowance=allowed,
                                 param_excess=excess(placed.final.params, ref.final.params, allowance))

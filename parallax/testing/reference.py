@@ -33,7 +33,6 @@ class Reference:
         self.dtype = options.policy.compute_dtype
         self.global_stats = options.batch_stats == "global"
         self.step = jax.jit(self._step)
-        self.gradient = jax.jit(lambda params, model_state, batch, key: self.grads(params, model_state, batch, key)[0])
 
     def _loss(self, params, model_state, batch, key, micro=None):
         """The mean loss over the data shards (one shard under ``jit``), and the new model state.
@@ -83,13 +82,15 @@ class Reference:
         return optax.apply_updates(params, updates), model_state, opt_state, value, grads
 
     def run(self, initial: TrainState, batches, place: Callable | None = None) -> Run:
-        """Trains from ``initial`` on ``batches`` (its inputs placed by ``place(tree, kind)``, if given)."""
+        """Trains from ``initial`` on ``batches``, every step's inputs placed by ``place(tree, kind)``
+        if given (so that one program runs them all: jit would compile again for outputs the
+        compiler laid out otherwise)."""
         params, model_state, opt_state = initial.params, initial.model_state, initial.opt_state
-        if place is not None:
-            params, model_state, opt_state = place((params, model_state, opt_state), "state")
         losses, inputs, grads = [], [], []
         for t, batch in enumerate(batches):
-            batch = batch if place is None else place(batch, "batch")
+            if place is not None:
+                (params, model_state, opt_state), batch = place((params, model_state, opt_state), "state"), \
+                    place(batch, "batch")
             key = jax.random.fold_in(initial.rng, t)
             inputs.append((params, model_state, key))
             params, model_state, opt_state, value, grad = self.step(params, model_state, opt_state, batch, key)
@@ -97,6 +98,13 @@ class Reference:
             grads.append(grad)
         final = jax.device_get(initial.replace(params=params, model_state=model_state, opt_state=opt_state))
         return Run(np.array(losses), final, inputs, grads)
+
+    def gradients_at(self, inputs: list, batches, initial: TrainState, place: Callable) -> list:
+        """The gradient at each of another run's ``inputs`` (params, model state, key), placed by
+        ``place`` as :meth:`run` places them: read from the program ``run(..., place)`` runs (the
+        optimizer's part of it, from ``initial``'s optimizer state, is not used)."""
+        return [self.step(*place((params, model_state, initial.opt_state), "state"), place(batch, "batch"), key)[4]
+                for (params, model_state, key), batch in zip(inputs, batches, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
