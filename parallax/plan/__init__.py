@@ -54,13 +54,15 @@ class PlanReport:
 
     Attributes:
         rows: one dict per candidate and device count: ``strategy``, ``devices``, ``mesh``,
-            ``compile`` (the path the step takes), ``state`` (per-device bytes: ``params``,
+            ``compile`` (the path the cost model picks), ``timed`` (the paths priced so close that
+            the step's first call times them and keeps the faster, where ``compile`` may change;
+            the note says so), ``state`` (per-device bytes: ``params``,
             ``opt_state``, ``gradients``, ``model_state``, ``other``, ``total``, and ``host``:
             of ``total``, the bytes offloaded to host memory), ``compiled`` (device memory:
             ``arguments``, ``outputs``, ``temporaries``, ``aliased``; ``host``: host memory),
             ``peak`` (device memory), ``collectives`` (count and bytes by kind),
             ``collective_bytes``, ``backend``, ``note`` (why an FSDP candidate splits almost
-            nothing, else ``None``), or ``error`` for a candidate that does not apply.
+            nothing, and that its paths are timed at the first call, else ``None``), or ``error`` for a candidate that does not apply.
         budgets: the memory budgets in bytes.
         labels: the budgets as given (``"16GB"``).
         target: the backend the plan is for.

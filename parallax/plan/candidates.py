@@ -15,6 +15,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from parallax import inspect
+from parallax.pricing.timing import closest
 from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
 from parallax.sharding.strategy import Strategy, combine
 from parallax.state.plan import plan_state, unsharded_reason
@@ -100,6 +101,9 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         collectives={kind: {"count": stat.count, "bytes": stat.bytes} for kind, stat in traffic.items()},
         collective_bytes=sum(stat.bytes for stat in traffic.values()),
         params=totals["params"]["count"],
-        note=unsharded_reason(plan),
+        timed=closest(step.choice, options.timed_candidates) if step.choice is not None else [],
     )
+    close = (f"{' and '.join(row['timed'])} are priced within the cost model's error: the first call times them and "
+             f"keeps the faster (these figures are {step.mode()}'s)") if row["timed"] else None
+    row["note"] = "; ".join(n for n in (unsharded_reason(plan), close) if n) or None
     return row

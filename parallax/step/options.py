@@ -53,7 +53,8 @@ class StepOptions:
             device's own memory where the backend reports it, by default.
         timed_candidates: for ``strategy="auto"``, ``FSDP(split="auto")`` and the train
             step's compile path (``compile="auto"``): how many of the candidates the cost model
-            estimates within 25% of its best are then run for a few steps on the devices (a
+            estimates within 25% of its best (all of them, where their steps are so short that
+            timing costs under 2 s) are then run for a few steps on the devices (a
             freshly built state, or a copy of the caller's, and the example batch), the measured
             fastest kept (:mod:`parallax.pricing.timing`; cached per machine). ``0`` keeps the
             cost model's pick and runs nothing.
