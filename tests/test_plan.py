@@ -140,7 +140,9 @@ def test_the_cli_takes_fsdp_options(capsys):
             "--devices", "8", "--optimizer", "sgd"]
     assert main([*args, "--strategies", "dp,dp2+fsdp", "--min-weight-size", "64", "--split", "output", "--json"]) == 0
     dp, hybrid = json.loads(capsys.readouterr().out)["rows"]
-    assert "splits only" not in str(hybrid["note"]) and hybrid["state"]["params"] < dp["state"]["params"] / 3, (dp, hybrid)
+    # no note but the close call's, where the compile paths are timed at the first call
+    assert (hybrid["note"] is None) == (not hybrid["timed"]) and "splits only" not in str(hybrid["note"]), hybrid
+    assert hybrid["state"]["params"] < dp["state"]["params"] / 3, (dp, hybrid)
     assert main([*args, "--strategies", "dp,tp", "--min-weight-size", "64"]) == 2
     assert "--min-weight-size is an FSDP option, and none of the strategies 'dp,tp' has an FSDP part" in \
         capsys.readouterr().err

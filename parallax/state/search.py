@@ -67,8 +67,6 @@ class Resolved:
             was searched).
         skipped: candidates that do not apply, with the reason.
         seconds: what the search took (planning and compiling every candidate, and timing).
-        timed: the candidates run on the devices to settle a close call, by label: their
-            median step time in seconds (empty when none was run).
         changes: the step options the search changed because no candidate fitted the memory
             budget with the options given (``offload``, then ``remat`` of the model's repeated
             blocks: :func:`_fallbacks`), as ``StepOptions`` fields; build the state and the step
@@ -83,9 +81,14 @@ class Resolved:
     choice: Choice | None = None
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
-    timed: dict[str, float] = dataclasses.field(default_factory=dict)
     changes: dict[str, Any] = dataclasses.field(default_factory=dict)
     compile: str | None = None
+
+    @property
+    def timed(self) -> dict[str, float]:
+        """The candidates run on the devices to settle a close call, by label: their median step
+        time in seconds (:attr:`Choice.timed`; empty when none was run)."""
+        return self.choice.timed if self.choice is not None else {}
 
     def step_options(self, options: StepOptions) -> StepOptions:
         """``options`` for the step that trains the pick: with :attr:`changes`, and on the compile
@@ -200,7 +203,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices)
     picked, picked_mesh, path = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, choice.timed, changes, path)
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path)
     log.info("%s", resolved.describe())
     return resolved
 

@@ -103,7 +103,8 @@ class Reference:
         """The gradient at each of another run's ``inputs`` (params, model state, key), placed by
         ``place`` as :meth:`run` places them: read from the program ``run(..., place)`` runs (the
         optimizer's part of it, from ``initial``'s optimizer state, is not used)."""
-        return [self.step(*place((params, model_state, initial.opt_state), "state"), place(batch, "batch"), key)[4]
+        opt_state = place((initial.params, initial.model_state, initial.opt_state), "state")[2]  # placed once
+        return [self.step(*place((params, model_state, opt_state), "state"), place(batch, "batch"), key)[4]
                 for (params, model_state, key), batch in zip(inputs, batches, strict=True)]
 
 
