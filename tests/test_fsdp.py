@@ -141,3 +141,37 @@ def test_a_bad_split_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"FSDP\(split='rows'\): use 'largest', 'output' .*, 'input' or 'auto'"):
         px.FSDP(split="rows")
+
+
+class Narrowing(nn.Module):
+    """Dense 24 → 96 → 48 → 10: its biases stay whole under FSDP (each below min_weight_size)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.relu(nn.Dense(96)(x))
+        return nn.Dense(10)(nn.relu(nn.Dense(48)(x)))
+
+
+def test_the_jit_path_updates_an_unsplit_param_where_it_lives():
+    """Gradients are laid out as their params, so a whole bias is updated whole on every device:
+    no all-gather brings the bias or Adam's moments back after a split update (at most one
+    collective of a bias's shape: its gradient's). Left to infer it, the partitioner split those
+    updates under FSDP's output split and all-gathered three arrays per bias."""
+    import re
+
+    from tests.models import classifier_loss
+
+    strategy = px.FSDP(min_weight_size=1024, split="output")
+    batch = batches("mlp", 1, 64)[0]
+    state = px.init_state(Narrowing(), optax.adam(1e-3), batch, strategy=strategy, loss_fn=classifier_loss)
+    specs = {jax.tree_util.keystr(path): leaf.sharding.spec for path, leaf in
+             jax.tree_util.tree_leaves_with_path(state.params)}
+    assert all(spec == P() for name, spec in specs.items() if "bias" in name), specs
+    assert sum(spec != P() for spec in specs.values()) == 2, specs  # the two larger kernels are split
+    step = px.make_train_step(classifier_loss, strategy, compile="jit")
+    mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+    placed = px.data.to_global(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
+    hlo = step.lower(state, placed).compile().as_text()
+    for width in (96, 48):
+        gathers = re.findall(rf"= f32\[{width}\]\{{0\}} all-gather(?:-start)?\(", hlo)
+        assert len(gathers) <= 1, (width, len(gathers))

@@ -71,11 +71,18 @@ def test_every_default_and_hybrid_on_the_test_models_is_free_of_it_or_names_it(f
     seen = {}
     for model_name, (model, loss_fn) in MODELS.items():
         batch = batches(model_name, 1)[0]
+        layouts = {}
         for name, strategy in strategies.items():
-            state = px.init_state(model(), optax.adam(1e-3), batch, strategy=strategy, loss_fn=loss_fn)
+            # Compiling needs the state's shapes and shardings, not its values: the planned state.
+            plan = px.plan_state(model(), optax.adam(1e-3), batch, strategy=strategy, loss_fn=loss_fn)
+            arrays = plan.abstract_arrays()
+            layout = (name.split()[0], tuple(str(leaf.sharding.spec) for leaf in jax.tree.leaves(arrays.params)))
+            if layout in layouts:  # another split laid this model's params out alike: the same programs
+                seen[model_name, name] = seen[model_name, layouts[layout]]
+                continue
+            layouts[layout] = name
             step = px.make_train_step(loss_fn, strategy, compile="jit" if "+" in name else "auto")
-            mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-            step.lower(state, px.data.to_global(batch, NamedSharding(mesh, strategy.batch_spec())))
+            step.lower(arrays, px.data.to_global(batch, NamedSharding(plan.mesh, strategy.batch_spec())))
             seen[model_name, name] = {path: len(found) for path, found in step.reshardings.items()}
             for path, found in step.reshardings.items():
                 if "+" not in name:
