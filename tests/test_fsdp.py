@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from tests.models import TinyLM, batches, lm_loss
+from tests.models import TinyLM, batches, classifier_loss, lm_loss
 
 MIN_SIZE = 1024
 
@@ -157,10 +159,6 @@ def test_the_jit_path_updates_an_unsplit_param_where_it_lives():
     no all-gather brings the bias or Adam's moments back after a split update (at most one
     collective of a bias's shape: its gradient's). Left to infer it, the partitioner split those
     updates under FSDP's output split and all-gathered three arrays per bias."""
-    import re
-
-    from tests.models import classifier_loss
-
     strategy = px.FSDP(min_weight_size=1024, split="output")
     batch = batches("mlp", 1, 64)[0]
     state = px.init_state(Narrowing(), optax.adam(1e-3), batch, strategy=strategy, loss_fn=classifier_loss)

@@ -62,7 +62,8 @@ class PlanReport:
             ``arguments``, ``outputs``, ``temporaries``, ``aliased``; ``host``: host memory),
             ``peak`` (device memory), ``collectives`` (count and bytes by kind),
             ``collective_bytes``, ``backend``, ``note`` (why an FSDP candidate splits almost
-            nothing, and that its paths are timed at the first call, else ``None``), or ``error`` for a candidate that does not apply.
+            nothing, and that its paths are timed at the first call, else ``None``), or
+            ``error`` for a candidate that does not apply.
         budgets: the memory budgets in bytes.
         labels: the budgets as given (``"16GB"``).
         target: the backend the plan is for.

@@ -5,10 +5,11 @@ estimates lie within its error (:data:`parallax.pricing.timing.WINDOW`), its pic
 toss between paths that can differ by 10–25% in step time (measured on transformer LMs under
 data parallelism, ``benchmarks/zoo.py``). At the first call, where both paths compiled and
 their estimates are that close (or the steps so short that running them costs under
-:data:`parallax.pricing.timing.CHEAP_SECONDS`: :func:`parallax.pricing.timing.closest`), each runs a few steps on a copy of the caller's state and
-batch, and the measured fastest is kept (:func:`parallax.pricing.timing.settle`: cached per
-machine and program, so a second run of the same model runs nothing). The caller's state is
-not touched: the copies are donated, the caller's arrays are not.
+:data:`parallax.pricing.timing.CHEAP_SECONDS`: :func:`parallax.pricing.timing.closest`), each
+runs a few steps on a copy of the caller's state and batch, and the measured fastest is kept
+(:func:`parallax.pricing.timing.settle`: cached per machine and program, so a second run of the
+same model runs nothing). The caller's state is not touched: the copies are donated, the
+caller's arrays are not.
 """
 
 from __future__ import annotations
