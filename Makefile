@@ -41,13 +41,13 @@ setup: $(STAMP)
 setup-latest: $(STAMP_LATEST)
 
 test: $(STAMP)
-	$(PY) -m pytest -x -q $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-latest: $(STAMP_LATEST)
-	$(PY_LATEST) -m pytest -x -q $(PYTEST_ARGS)
+	$(PY_LATEST) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The documentation site into docs/_build/html; any warning fails the build.
 docs: $(STAMP)

@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
+from tests.environment import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_benchmark_runner_smoke(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--models", "mlp",
                            "--strategies", "dp,fsdp,fsdp+tp", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -39,7 +41,7 @@ def test_benchmark_runner_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_tp_layout_benchmark_smoke():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.tp_layout", "--smoke", "--models", "mlp",
                            "--strategies", "fsdp+tp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -48,7 +50,7 @@ def test_tp_layout_benchmark_smoke():
 
 @pytest.mark.slow
 def test_nnx_vs_linen_benchmark_smoke():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.nnx_vs_linen", "--smoke", "--models", "mlp",
                            "--strategies", "fsdp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -59,7 +61,7 @@ def test_nnx_vs_linen_benchmark_smoke():
 
 @pytest.mark.slow
 def test_fsdp_split_benchmark_smoke():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_split", "--smoke", "--models", "mlp",
                            "--splits", "largest,output"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

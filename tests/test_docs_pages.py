@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import parallax as px
+from tests.environment import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -43,10 +44,8 @@ def test_every_page_is_in_the_navigation():
     assert pages == set(PAGES) - {"README.md"}, sorted(pages ^ (set(PAGES) - {"README.md"}))
 
 
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cpu", **extra)
-    return env
+def clean_env(devices=None, **extra):
+    return child_env(devices, JAX_PLATFORMS="cpu", **extra)
 
 
 @pytest.mark.slow
@@ -55,7 +54,7 @@ def test_python_blocks_run_in_order(tmp_path):
     script.write_text("\n".join(f"print('==> {page}', flush=True)\n" + "\n".join(blocks("python", page))
                                 for page in PAGES))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+                          env=clean_env(8))
     failed_in = re.findall(r"^==> (.*)$", proc.stdout, re.M)[-1:]
     assert proc.returncode == 0, f"a block of {failed_in} failed:\n{proc.stderr[-4000:]}"
     assert "'accuracy'" in proc.stdout and "\n30\n" in proc.stdout
@@ -93,8 +92,7 @@ def test_plan_snippet_plans_a_1b_transformer_for_8_and_64_devices_without_alloca
               "print('peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     # A fresh machine: no device speeds cached, so the 64 devices are calibrated in the child too.
     proc = subprocess.run([sys.executable, "-c", parent, str(script)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                                                     PARALLAX_CACHE_DIR=str(tmp_path / "cache")))
+                          timeout=600, env=clean_env(8, PARALLAX_CACHE_DIR=str(tmp_path / "cache")))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {(line.split()[0], line.split()[1]): line.split() for line in proc.stdout.splitlines()[1:]
             if line[:1].isdigit()}

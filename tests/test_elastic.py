@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import parallax as px
+from tests.environment import child_env
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import TOL, max_diff
 
@@ -70,7 +71,7 @@ def assert_same_training(name, uninterrupted, losses, params):
 def test_resumed_on_4_devices_in_another_process_trains_the_same(uninterrupted, tmp_path):
     copies = {name: copy_of(uninterrupted[name][0], tmp_path, name) for name in MODELS}
     out = tmp_path / "resumed.npz"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "elastic_resume.py"), "4", str(out),
                            *(f"{name}={path}" for name, path in copies.items())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

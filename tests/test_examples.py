@@ -11,11 +11,13 @@ import time
 
 import pytest
 
+from tests.environment import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(script, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, os.path.join("examples", script), "--devices", "8", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -29,7 +31,7 @@ def test_image_classifier_on_grain_killed_and_resumed_ends_like_an_uninterrupted
     steps, ckpt = 30, tmp_path / "ckpt"
     args = ["--strategy", "fsdp", "--config.pipeline=grain", f"--config.trainer.max_steps={steps}",
             "--config.trainer.progress=False", "--config.trainer.eval_every=1000"]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     command = [sys.executable, os.path.join("examples", "image_classifier.py"), "--devices", "8", *args,
                f"--config.trainer.checkpoint_dir={ckpt}", "--config.trainer.checkpoint_every=1"]
     killed = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

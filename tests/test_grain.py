@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from tests.environment import child_env
 from tests.models import MLP, batches, classifier_loss
 from tests.reference import TOL, max_diff, run_plain
 
@@ -292,7 +293,7 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
 def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_on_fewer_devices(tmp_path, map_straight):
     out = tmp_path / "two"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "4",
                            "--timeout", "240", SCRIPT, str(out), "--form", "map", "--steps", "6"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

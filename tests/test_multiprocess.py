@@ -38,6 +38,7 @@ import pytest
 
 import parallax as px
 from parallax.train.checkpoint import Checkpointer
+from tests.environment import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "multiprocess_run.py")
@@ -53,7 +54,7 @@ _spec.loader.exec_module(multiprocess_run)
 def launch(out, *args, processes=2, devices=4, timeout=240):
     """Runs the script under the launcher; returns (completed process, when it returned)."""
     os.makedirs(out, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     command = [sys.executable, "-m", "parallax.launch", "--processes", str(processes), "--devices-per-process",
                str(devices), "--timeout", str(timeout), SCRIPT, str(out), *map(str, args)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 60)
@@ -211,7 +212,7 @@ def test_initialize_after_jax_started_says_to_call_it_first():
 
 
 def test_ctrl_c_to_the_launcher_stops_every_process_at_one_step(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     command = [sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "4", "--timeout",
                "240", SCRIPT, str(tmp_path), "--steps", STEPS, "--progress", *SLOW]
     proc = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -24,6 +24,7 @@ import parallax as px
 from parallax.inspect import collective_bytes, memory_bytes
 from parallax.plan.candidates import parse_strategy
 from parallax.pricing.timing import closest
+from tests.environment import child_env
 from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +116,7 @@ def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
 
 
 def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "parallax.plan", "tests.test_plan:cli_model", "--batch",
                            "tests.test_plan:cli_batch", "--loss", "tests.models:classifier_loss", "--strategies",
                            "dp,fsdp,tp3", "--devices", "8,16", "--budget", "200KB", "--target", "gpu"],
