@@ -10,8 +10,9 @@ VENV_LATEST ?= .venv-latest
 PY := $(VENV)/bin/python
 PY_LATEST := $(VENV_LATEST)/bin/python
 # Test files run in parallel, one file per worker (its compiled fixtures stay shared): as many
-# workers as cores, at most 4 (each holds a JAX runtime with 8 simulated devices).
-PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
+# workers as cores, at most 4 (each holds a JAX runtime with 8 simulated devices); the longest
+# files first, in the order tests/conftest.py gives them (three workers on two cores was slower).
+PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 STAMP := $(VENV)/.installed
 STAMP_LATEST := $(VENV_LATEST)/.installed
 

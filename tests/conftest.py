@@ -43,6 +43,7 @@ def pytest_sessionstart(session):
         print(line)
 
 
+@pytest.hookimpl(trylast=True)  # after the slowest tests' list
 def pytest_terminal_summary(terminalreporter):
     """Prints the fault suite's ``faults survived k/n`` line (also from xdist workers) and the tests
     over their time budget."""
@@ -56,6 +57,25 @@ def pytest_terminal_summary(terminalreporter):
             for name, value in getattr(report, "user_properties", ()):
                 if name == "faults_survived" and getattr(report, "when", "call") == "call":
                     terminalreporter.write_line(f"faults survived {value}")
+
+
+# Each file's cold seconds, summed over its tests (two workers, jax 0.10.2; tests/README.md), so
+# that xdist starts the long files first (``--no-loadscope-reorder`` in the Makefile keeps this
+# order): its own order, the files with the most tests first, left the one-test files that start
+# processes (faults, docs pages, benchmarks) to run last, alone. Files not listed go last.
+FILE_SECONDS = {
+    "test_equivalence.py": 255, "test_third_party.py": 215, "test_nnx.py": 189, "test_multiprocess.py": 154,
+    "test_zoo.py": 141, "test_docs_pages.py": 130, "test_offload.py": 122, "test_examples.py": 112,
+    "test_auto.py": 104, "test_trainer.py": 85, "test_faults.py": 82, "test_step.py": 69, "test_your_mesh.py": 68,
+    "test_losses.py": 67, "test_plan.py": 64, "test_grain.py": 55, "test_docs.py": 51, "test_testing.py": 50,
+    "test_resharding.py": 48, "test_fsdp.py": 40, "test_per_example_proof.py": 38, "test_benchmarks.py": 37,
+    "test_tp_layout.py": 29, "test_elastic.py": 20, "test_model_habits.py": 15, "test_distribution.py": 9,
+}
+
+
+def pytest_collection_modifyitems(items):
+    """The longest files first (a stable sort: each file's tests keep their order)."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
 
 
 @pytest.fixture

@@ -48,6 +48,8 @@ def clean_env(devices=None, **extra):
     return child_env(devices, JAX_PLATFORMS="cpu", **extra)
 
 
+@pytest.mark.budget(90, "every python block of the README and the docs, run in order in one process: what the pages "
+                        "promise")
 @pytest.mark.slow
 def test_python_blocks_run_in_order(tmp_path):
     script = tmp_path / "pages.py"
@@ -83,6 +85,8 @@ def test_multiprocess_snippet_matches_one_process(tmp_path):
     np.testing.assert_allclose(two_processes, one_process, atol=2e-6)
 
 
+@pytest.mark.budget(90, "the page's snippet plans a 1B transformer for 8 and 64 devices from a cold cache, so a "
+                        "second process calibrates 64 devices")
 def test_plan_snippet_plans_a_1b_transformer_for_8_and_64_devices_without_allocating_it(tmp_path):
     (snippet,) = blocks("python plan")
     script = tmp_path / "plan.py"

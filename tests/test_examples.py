@@ -24,6 +24,7 @@ def run_example(script, *args):
     return proc.stdout
 
 
+@pytest.mark.budget(60, "the example twice in its own process, a checkpoint every step of 30, killed and resumed")
 @pytest.mark.slow
 def test_image_classifier_on_grain_killed_and_resumed_ends_like_an_uninterrupted_run(tmp_path):
     """SIGKILLed as soon as its first checkpoint is committed, then run again with --resume (FSDP;

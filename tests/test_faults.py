@@ -67,6 +67,8 @@ def scenarios(seed=0):
     return out
 
 
+@pytest.mark.budget(120, "8 faults, each an interrupted and a resumed run in processes of their own (about 20 "
+                         "processes)")
 @pytest.mark.slow
 def test_faults_survived(tmp_path, record_property):
     references = {}

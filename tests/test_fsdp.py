@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
@@ -126,6 +127,7 @@ def test_split_chooses_the_output_or_input_dim_where_it_divides():
     assert px.FSDP(split="output").dim_order((512,)) == [0]
 
 
+@pytest.mark.budget(60, "five equivalence runs: each split on each compile path, and a hybrid")
 def test_every_split_trains_like_one_device():
     """Each split is a correct plan: against an independent one-device loop (px.testing), on both paths."""
     model, data = TinyLM(vocab=64, features=32), batches("lm", 4, batch_size=16)
@@ -139,8 +141,6 @@ def test_every_split_trains_like_one_device():
 
 
 def test_a_bad_split_is_a_clear_error():
-    import pytest
-
     with pytest.raises(ValueError, match=r"FSDP\(split='rows'\): use 'largest', 'output' .*, 'input' or 'auto'"):
         px.FSDP(split="rows")
 

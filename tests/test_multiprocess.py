@@ -99,6 +99,8 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.budget(100, "three launches of 2 processes whose steps are slowed to 0.3 s for JAX's preemption "
+                         "notifier, and the same runs here")
 def test_preempted_by_one_process_then_two_signals_apart_stops_all_at_one_step_and_resumes_exactly(
         reference, tmp_path, caplog):
     losses, evals = reference["fsdp"]
@@ -162,6 +164,8 @@ def test_a_process_that_raises_ends_the_launch_within_seconds_naming_it(referenc
     assert checkpointer.verify(checkpointer.latest_step()) is None  # what was committed stays intact
 
 
+@pytest.mark.budget(60, "a checkpoint written here, a launch of 2 processes with host offload killed after a commit, "
+                        "and the resume here")
 def test_written_by_one_resumed_by_two_then_sigkilled_after_a_commit_resumes_verified(reference, tmp_path, caplog):
     losses, _ = reference["fsdp"]
     here(tmp_path, "--steps", 4)

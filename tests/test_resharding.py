@@ -8,6 +8,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,6 +57,8 @@ def test_shardy_and_gspmd_wordings_are_both_read():
     assert parse("nothing to see") == []
 
 
+@pytest.mark.budget(75, "every layout the defaults and hybrids give the three test models, compiled without the "
+                        "cache to read the compiler's report")
 def test_every_default_and_hybrid_on_the_test_models_is_free_of_it_or_names_it(fresh_compiles, caplog):
     """Each of the step's compiled paths: no replicating reshard, or one the step names (the op or
     the params that ask for it) in describe() and a warning. The one-axis defaults have none. FSDP's
