@@ -1,12 +1,12 @@
 """The XLA options the suite compiles with, and the environment of the processes it starts.
 
-Compiling is most of the suite's time (76% of its in-process CPU before these options), and the
-suite's programs are tiny: what it checks is what they compute, not how fast. So it asks XLA's
-CPU backend for its cheapest code generation (LLVM at -O0, the element-wise emitters instead of
-the MLIR fusion pipeline), which changes no result the suite compares: every comparison is
-between two programs compiled alike (a strategy against a plain one-device loop in the same
-process), and both stacks and the AVX2 / SSE4_2 vector widths pass with them (measured:
-tests/README.md). Run with ``PARALLAX_TEST_XLA_FLAGS=`` (empty) to compile as a user's run does.
+Compiling was most of the suite's time (76% of its in-process CPU), and the suite's programs are
+tiny: what it checks is what they compute, not how fast. So it asks XLA's CPU backend for its
+cheapest code generation (LLVM at -O0; on jaxlib 0.10 also the element-wise emitters instead of
+the MLIR fusion pipeline). No conclusion changes: every comparison is between programs compiled
+alike in one run (a strategy against a plain one-device loop), and both stacks pass with them, as
+do the equivalence tests under ``--xla_cpu_max_isa=AVX2`` and ``SSE4_2`` (tests/README.md). Run
+with ``PARALLAX_TEST_XLA_FLAGS=`` (empty) to compile as a user's run does.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 import re
 from importlib.metadata import version
 
-# Measured on a sample of the suite's programs (tests/README.md): jaxlib 0.10 compiles them 2.8x
-# faster with both options, 1.8x with -O0 alone; jaxlib 0.12 has no MLIR-emitter switch (an
-# unknown flag aborts XLA), and -O0 alone gives it 1.7x.
+# Measured on a sample of the suite's programs (tests/README.md), tracing and compiling them: 2.8x
+# faster on jaxlib 0.10 with both options (XLA's own compile 5.2x), 1.8x with -O0 alone; jaxlib
+# 0.12 has no MLIR-emitter switch (an unknown flag aborts XLA), and -O0 alone gives it 1.7x.
 _FAST_COMPILE = {"0.10": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"}
 _FAST_COMPILE_NEWER = "--xla_backend_optimization_level=0"
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
