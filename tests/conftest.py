@@ -1,6 +1,7 @@
 """Eight fake CPU devices and the suite's XLA options (``tests/environment.py``), set before JAX
 starts its backend."""
 
+import gc
 import os
 import tempfile
 
@@ -23,6 +24,14 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
 jax.config.update("jax_enable_compilation_cache", False)  # this process only: its children inherit the variables
+
+# Tracing and compiling allocate millions of short-lived objects; with CPython's default thresholds
+# the cyclic collector ran every 700 allocations and, in full, over every module and compiled
+# program the worker had kept: a tenth to a fifth of a worker's time (tests/README.md). What is
+# imported stays out of its sight, and it runs a hundred times less often.
+gc.collect()
+gc.freeze()
+gc.set_threshold(70_000, 20, 20)
 
 pytest_plugins = ["parallax.pytest_plugin"]  # the parallax_devices fixture users get (tests/test_testing.py)
 

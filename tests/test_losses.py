@@ -21,8 +21,7 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, params_bound, run_plain, run_steps,
-                             with_params)
+from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, params_bound, run_plain, run_steps)
 
 STEPS = 6
 
@@ -113,9 +112,8 @@ def reference(case: str, opt_name: str):
 def initial_state(case: str, opt_name: str, strategy: px.Strategy) -> px.TrainState:
     model_cls, loss_fn = CASES[case]
     init_params = reference(case, opt_name)[0]
-    state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), make_batches(case, 1)[0], strategy=strategy, rng=0,
-                          loss_fn=loss_fn)
-    return with_params(state, init_params)
+    return px.init_state(model_cls(), OPTIMIZERS[opt_name](), make_batches(case, 1)[0], strategy=strategy, rng=0,
+                         loss_fn=loss_fn, params=init_params)
 
 
 def train(case: str, opt_name: str, strategy: px.Strategy, **step_options):

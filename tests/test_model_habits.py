@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import parallax as px
-from tests.reference import run_plain, run_steps, with_params
+from tests.reference import run_plain, run_steps
 
 STEPS = 4
 TOL = 1e-5
@@ -100,9 +100,9 @@ def test_trains_like_one_device(case, strategy_name, compile_mode):
     init_params, ref_losses, ref_params = reference(case)
     strategy = STRATEGIES[strategy_name]()
     with nn.logical_axis_rules(RULES):
-        state = px.init_state(model_cls(), optax.sgd(0.1), data[0], strategy=strategy, loss_fn=loss_fn)
-        state, losses = run_steps(px.make_train_step(loss_fn, strategy, compile=compile_mode),
-                                  with_params(state, init_params), data)
+        state = px.init_state(model_cls(), optax.sgd(0.1), data[0], strategy=strategy, loss_fn=loss_fn,
+                              params=init_params)
+        state, losses = run_steps(px.make_train_step(loss_fn, strategy, compile=compile_mode), state, data)
     np.testing.assert_allclose(losses, ref_losses, atol=TOL)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=TOL), jax.device_get(state.params), ref_params)
     if case == "tied" and "fsdp" in strategy_name:

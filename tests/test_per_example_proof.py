@@ -23,7 +23,7 @@ from parallax.models import ModelRun, adapter_for
 from parallax.pricing.per_example_proof import prove_loss
 from parallax.step.loss import loss_closure
 from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
-from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, params_bound, run_plain, run_steps, with_params
+from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, params_bound, run_plain, run_steps
 
 SHARDS = 4
 
@@ -190,8 +190,8 @@ def test_an_unmarked_mean_loss_gets_the_cost_models_choice_and_trains_like_one_d
                           mesh=single.make_mesh(jax.devices()[:1]))
     reference = run_plain(TinyLM(), OPTIMIZERS[opt_name](), lm_loss, start, lm_data)
     def on_mesh():
-        return with_params(px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=strategy, rng=0,
-                                         loss_fn=lm_loss), jax.device_get(start.params))
+        return px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=strategy, rng=0, loss_fn=lm_loss,
+                             params=jax.device_get(start.params))
 
     state = on_mesh()  # donated by the step
     step = px.make_train_step(lm_loss, strategy)

@@ -17,7 +17,7 @@ import pytest
 
 import parallax as px
 from tests.reference import (OPTIMIZERS, TOL, assert_like_reference, assert_named, drift_floor, max_diff, run_plain,
-                             run_steps, with_params)
+                             run_steps)
 from tests.third_party import MODELS, batches
 
 STEPS = 6
@@ -62,8 +62,8 @@ def test_third_party_model_matches_one_device(model_name, strategy_name, opt_nam
     strategy = STRATEGIES[strategy_name]()
 
     def start():  # the step donates its input state: each run gets its own
-        return with_params(px.init_state(module(model_name), OPTIMIZERS[opt_name](), data[0], strategy=strategy,
-                                         rng=0, loss_fn=loss_fn), init_params)
+        return px.init_state(module(model_name), OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0,
+                             loss_fn=loss_fn, params=init_params)
 
     # DP and FSDP take the default (the cost model's path where the loss's trace is per-example);
     # the hybrids take jit, the path exact for any loss, to keep one compile per test.

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from tests.models import CNN, classifier_loss
-from tests.reference import OPTIMIZERS, bound, drift_floor, params_bound, run_plain, run_steps, with_params
+from tests.reference import OPTIMIZERS, bound, drift_floor, params_bound, run_plain, run_steps
 
 TP2 = lambda: px.combine(px.DataParallel(4), px.TensorParallel(2))  # noqa: E731
 
@@ -214,8 +214,8 @@ def test_derived_layout_trains_like_one_device(name, strategy_name, opt_name):
     strategy = HYBRIDS[strategy_name]()
 
     def start():  # the step donates its input state: each run gets its own
-        return with_params(px.init_state(model, OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0,
-                                         loss_fn=classifier_loss), init_params)
+        return px.init_state(model, OPTIMIZERS[opt_name](), data[0], strategy=strategy, rng=0,
+                             loss_fn=classifier_loss, params=init_params)
 
     state, losses = run_steps(px.make_train_step(classifier_loss, strategy), start(), data)
     diff = float(np.abs(losses - ref.losses).max())

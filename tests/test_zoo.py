@@ -21,7 +21,7 @@ import pytest
 
 import parallax as px
 from benchmarks.zoo_models import zoo
-from tests.reference import OPTIMIZERS, assert_like_reference, drift_floor, run_plain, run_steps, with_params
+from tests.reference import OPTIMIZERS, assert_like_reference, drift_floor, run_plain, run_steps
 
 STEPS = 2
 MIN = 256  # FSDP splits params above this many elements (the shrunk zoo's kernels)
@@ -79,8 +79,8 @@ def test_zoo_member_trains_like_one_device(name, strategy_name, opt_name):
     data = [member.batch] * STEPS
 
     def start():
-        return with_params(px.init_state(member.build(), OPTIMIZERS[opt_name](), member.batch, strategy=strategy,
-                                         rng=0, loss_fn=member.loss_fn), init_params)
+        return px.init_state(member.build(), OPTIMIZERS[opt_name](), member.batch, strategy=strategy, rng=0,
+                             loss_fn=member.loss_fn, params=init_params)
 
     state, losses = run_steps(px.make_train_step(member.loss_fn, strategy, compile="jit"), start(), data)
     floor = functools.cache(lambda: drift_floor(member.build(), OPTIMIZERS[opt_name](), member.loss_fn, start(), data,

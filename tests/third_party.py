@@ -32,21 +32,21 @@ def _transformers():
 
 def gpt2():
     t = _transformers()
-    config = t.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+    config = t.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0)
     return t.models.gpt2.modeling_flax_gpt2.FlaxGPT2LMHeadModule(config)
 
 
 def llama():
     t = _transformers()
-    config = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     return t.models.llama.modeling_flax_llama.FlaxLlamaForCausalLMModule(config)
 
 
 def bert():
     t = _transformers()
-    config = t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    config = t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                           intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0)
     return t.models.bert.modeling_flax_bert.FlaxBertForMaskedLMModule(config)
@@ -54,7 +54,7 @@ def bert():
 
 def vit():
     t = _transformers()
-    config = t.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    config = t.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=1,
                          num_attention_heads=4, intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0,
                          attention_probs_dropout_prob=0.0)
     return t.models.vit.modeling_flax_vit.FlaxViTForImageClassificationModule(config)
