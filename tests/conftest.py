@@ -27,8 +27,8 @@ jax.config.update("jax_enable_compilation_cache", False)  # this process only: i
 
 # Tracing and compiling allocate millions of short-lived objects; with CPython's default thresholds
 # the cyclic collector ran every 700 allocations and, in full, over every module and compiled
-# program the worker had kept: a tenth to a fifth of a worker's time (tests/README.md). What is
-# imported stays out of its sight, and it runs a hundred times less often.
+# program the worker had kept: 5.7 of test_equivalence.py's 150 s, 0.6 s after this
+# (tests/README.md). What is imported stays out of its sight, and it runs a hundred times less often.
 gc.collect()
 gc.freeze()
 gc.set_threshold(70_000, 20, 20)
@@ -73,12 +73,12 @@ def pytest_terminal_summary(terminalreporter):
 # order): its own order, the files with the most tests first, left the one-test files that start
 # processes (faults, docs pages, benchmarks) to run last, alone. Files not listed go last.
 FILE_SECONDS = {
-    "test_equivalence.py": 255, "test_third_party.py": 215, "test_nnx.py": 189, "test_multiprocess.py": 154,
-    "test_zoo.py": 141, "test_docs_pages.py": 130, "test_offload.py": 122, "test_examples.py": 112,
-    "test_auto.py": 104, "test_trainer.py": 85, "test_faults.py": 82, "test_step.py": 69, "test_your_mesh.py": 68,
-    "test_losses.py": 67, "test_plan.py": 64, "test_grain.py": 55, "test_docs.py": 51, "test_testing.py": 50,
-    "test_resharding.py": 48, "test_fsdp.py": 40, "test_per_example_proof.py": 38, "test_benchmarks.py": 37,
-    "test_tp_layout.py": 29, "test_elastic.py": 20, "test_model_habits.py": 15, "test_distribution.py": 9,
+    "test_multiprocess.py": 177, "test_offload.py": 155, "test_docs_pages.py": 152, "test_nnx.py": 143,
+    "test_equivalence.py": 138, "test_auto.py": 132, "test_third_party.py": 116, "test_trainer.py": 105,
+    "test_zoo.py": 100, "test_step.py": 100, "test_your_mesh.py": 91, "test_faults.py": 90, "test_examples.py": 89,
+    "test_plan.py": 86, "test_grain.py": 65, "test_testing.py": 56, "test_benchmarks.py": 45, "test_resharding.py": 43,
+    "test_losses.py": 42, "test_fsdp.py": 41, "test_docs.py": 37, "test_per_example_proof.py": 36,
+    "test_elastic.py": 29, "test_tp_layout.py": 26, "test_model_habits.py": 14, "test_distribution.py": 11,
 }
 
 
