@@ -42,11 +42,10 @@ def initial_state(model_name: str, opt_name: str, strategy: px.Strategy, random_
     """
     model_cls, loss_fn = MODELS[model_name]
     init_params = reference(model_name, opt_name)[0]
-    if not random_init:
-        return px.init_state(model_cls(), OPTIMIZERS[opt_name](), batches(model_name, 1)[0], strategy=strategy, rng=0,
-                             loss_fn=loss_fn, params=init_params)
     state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), batches(model_name, 1)[0], strategy=strategy, rng=0,
-                          loss_fn=loss_fn)
+                          loss_fn=loss_fn, params=None if random_init else init_params)
+    if not random_init:
+        return state
     # The sharded init computes the same values as one device (to the last bit or two:
     # newer XLA versions round a few elements of a partitioned init differently) ...
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),

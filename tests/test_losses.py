@@ -21,7 +21,7 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, params_bound, run_plain, run_steps)
+from tests.reference import OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, params_bound, run_plain, run_steps
 
 STEPS = 6
 
