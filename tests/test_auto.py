@@ -7,6 +7,7 @@ model's own rules (fastest that fits the budget), not against timers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax._src import monitoring as jax_monitoring  # the listener's removal: not public
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,6 +31,22 @@ from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
 MARKED = px.per_example_loss(classifier_loss)
+
+
+@contextlib.contextmanager
+def compiled_functions():
+    """The names of the functions XLA compiles within the block, in order (JAX's compile events)."""
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax_monitoring.unregister_event_duration_listener(listener)
 LONG = 10**9  # steps of a run long enough that every split is worth pricing
 
 
@@ -212,8 +230,10 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     # The search's clock reads 1 s more at each look: pricing the first split took longer than
     # 2 estimated steps, whatever this machine's speed, so the rest are not tried.
     monkeypatch.setattr(search, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
-    trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept
+    with compiled_functions() as compiled:
+        trainer.fit({"x": np.concatenate([b["x"] for b in data])})  # 2 steps: the first split priced is kept
     monkeypatch.undo()
+    assert compiled.count("jit(train_step)") == 1, compiled  # the search's program trains: not compiled twice
     assert trainer.search.choice.picked == "split=largest, jit" and len(trainer.search.skipped) == 3
     assert all(why.startswith("not tried: the search had spent") for why in trainer.search.skipped.values()), \
         trainer.search.skipped

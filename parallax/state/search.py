@@ -36,7 +36,7 @@ from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state
 from parallax.state.summary import summarize
-from parallax.step.build import Step
+from parallax.step.build import Step, make_train_step
 from parallax.step.options import StepOptions
 
 log = logging.getLogger("parallax")
@@ -74,6 +74,8 @@ class Resolved:
         compile: the compile path the pick was priced on (``None`` when nothing was searched);
             with ``compile="auto"`` the Trainer builds its step on it (an FSDP split is only
             priced on the paths it is fast on: :data:`SPLIT_PLANS`).
+        step: the pick's train step as the search compiled it (``None`` when nothing was
+            searched): :meth:`train_step` trains with its program instead of compiling it again.
     """
 
     strategy: Strategy
@@ -83,6 +85,7 @@ class Resolved:
     seconds: float = 0.0
     changes: dict[str, Any] = dataclasses.field(default_factory=dict)
     compile: str | None = None
+    step: Step | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def timed(self) -> dict[str, float]:
@@ -97,6 +100,13 @@ class Resolved:
         if self.compile is not None and options.compile == "auto":
             fields["compile"] = self.compile
         return dataclasses.replace(options, **fields) if fields else options
+
+    def train_step(self, loss_fn: LossFn, options: StepOptions) -> Step:
+        """The step that trains the pick (:meth:`step_options` of ``options``), running the program
+        the search compiled for it where that is the same step (:meth:`Step.reuse`)."""
+        step = make_train_step(loss_fn, self.strategy, self.step_options(options))
+        step.reuse(self.step)
+        return step
 
     def describe(self) -> str:
         """One line: what was chosen, its estimate, the runner-up, and what the search cost."""
@@ -202,8 +212,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     if not stopped and all(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(example_batch)):
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices)
-    picked, picked_mesh, path = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path)
+    picked, picked_mesh, path, step = found[choice.picked]
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step)
     log.info("%s", resolved.describe())
     return resolved
 
@@ -320,7 +330,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
         label = f"{base}, {step_choice.picked}"  # the path it compiled on (the loss may allow only jit)
         laid_out.setdefault((step_choice.picked, layout), label)
         estimates[label] = step_choice.estimates[step_choice.picked]
-        found[label] = (planned.strategy, candidate_mesh, step_choice.picked)
+        found[label] = (planned.strategy, candidate_mesh, step_choice.picked, step)
         runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
                            state_bytes)
     return estimates, found, skipped, runnable

@@ -1,4 +1,5 @@
-"""Checks on a batch and a state before a step compiles: sizes, devices, layouts."""
+"""Checks on a batch and a state before a step compiles (sizes, devices, layouts), and what a compiled
+step is specific to."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 
 
@@ -82,3 +84,19 @@ def state_specs_of(state: Any) -> tuple[Mesh, Any]:
     if len(meshes) != 1:
         raise ValueError(f"The state's arrays live on {len(meshes)} different meshes; expected one.")
     return meshes.pop(), specs
+
+
+def layout_key(state: Any, offloaded: tuple[str, ...]) -> tuple:
+    """What a step compiled for ``state`` is specific to: its tree, specs and mesh, and the parts it
+    keeps in host memory (a batch is checked against the state's mesh before it runs)."""
+    mesh, specs = state_specs_of(state)
+    return jax.tree.structure(state), tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh, offloaded
+
+
+def host_leaves_placed(batch: Any, sharding: NamedSharding) -> Any:
+    """A batch's host leaves (NumPy arrays) placed with ``sharding``, in one process, as ``jit``
+    would place them: typed as placed arrays, they find a program compiled ahead of time for
+    placed arrays (a search's pick) instead of compiling another for host arrays."""
+    if jax.process_count() > 1:
+        return batch
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, sharding), batch)

@@ -27,19 +27,20 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import mesh_context
-from parallax.models import LossFn, adapter_for
+from parallax.models import LossFn
 from parallax.pricing.choice import Choice, choose, memory_budget
-from parallax.pricing.per_example_proof import Proof, prove_loss
+from parallax.pricing.per_example_proof import Proof
 from parallax.sharding.auto import AUTO, check_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
-from parallax.step.batch import check_batch, check_batch_devices, leading_dims, state_specs_of
-from parallax.step.jit import jit_gradients, jit_run
-from parallax.step.loss import loss_closure
+from parallax.step.batch import (check_batch, check_batch_devices, host_leaves_placed, layout_key, leading_dims,
+                                 state_specs_of)
+from parallax.step.jit import jit_gradients
 from parallax.step.mesh_mode import check_jit_only
 from parallax.step.offload import moved, placement, with_memory_kinds
 from parallax.step.options import StepOptions
+from parallax.step.paths import allowed_paths, preferred, read_proof
 from parallax.step.per_example import is_per_example_loss
 from parallax.step.resharding import Resharding, compile_reporting, describe_all
 from parallax.step.shard_map import shard_map_gradients
@@ -90,6 +91,7 @@ class Step:
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
         self.reshardings: dict[str, list[Resharding]] = {}
         self.prefer = prefer
+        self._compiled: dict[tuple, tuple[Any, Any]] = {}  # (layout, path) -> jitted step, program (reuse())
 
     def modes(self) -> tuple[str, ...]:
         """The compile paths this step may take: one, or ``("jit", "shard_map")`` when the cost
@@ -98,35 +100,11 @@ class Step:
 
     def _paths(self) -> tuple[tuple[str, ...], str]:
         """The compile paths this step may take, and why: one decision for :meth:`modes` and :meth:`describe`."""
-        modes, why = self._allowed()
-        preferred = tuple(mode for mode in modes if mode in self.prefer)
-        return (preferred, f"{why}; priced on {preferred[0]}") if preferred and preferred != modes else (modes, why)
+        return preferred(self._allowed(), self.prefer)
 
     def _allowed(self) -> tuple[tuple[str, ...], str]:
-        if self.strategy is None:
-            raise ValueError("strategy='auto': the step learns its strategy from the state at the first call.")
-        if self.replicated_batch or not self.strategy.data_axes:
-            return ("jit",), "no data axis to split the batch over"
-        if self.explicit:
-            return ("jit",), "the mesh's axes are Explicit (the model shards itself): only jit compiles it"
-        if self.options.batch_stats == "local":  # per-shard statistics only exist where shards are explicit
-            return ("shard_map",), "batch_stats='local' needs explicit shards"
-        if self.options.compile != "auto":
-            return (self.options.compile,), "compile= as given"
-        marked = is_per_example_loss(self.loss_fn)
-        if not marked and not self.train:
-            return ("jit",), "the loss sees the global batch"
-        if not marked and self.proof is None:
-            return ("jit", "shard_map"), ("jit, or the cost model's pick if the loss's trace shows a mean of "
-                                          "per-example terms (read at the first call)")
-        if not marked and not self.proof:  # per-shard losses averaged would change a batch-level loss
-            return ("jit",), (f"the loss sees the global batch: {self.proof.reason} (if it is a mean of "
-                              "per-example terms, mark it px.per_example_loss to let the cost model choose)")
-        if not self.train:  # an eval step is not worth a second compile
-            return (("jit",) if self.strategy.fsdp_axes and not self.strategy.model_axes else ("shard_map",),
-                    "eval steps take the path measured faster in benchmarks/")
-        why = "marked px.per_example_loss" if marked else self.proof.reason
-        return ("jit", "shard_map"), f"{why}: the cost model picks jit or shard_map at the first call"
+        return allowed_paths(self.strategy, self.options, self.loss_fn, self.proof, train=self.train,
+                             replicated_batch=self.replicated_batch, explicit=self.explicit)
 
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call decides it).
@@ -186,26 +164,54 @@ class Step:
         with mesh_context(mesh):
             self.prove(state, batch)
             parts = self._placed(state)[1]
-            functions = {mode: self._function(mode, mesh, specs, parts) for mode in self.modes()}
-            compiled, failed, params_layout = {}, None, (state.params, specs.params, mesh)
-            for mode, fn in functions.items():
+            layout = layout_key(state, parts)
+            functions, compiled, failed, params_layout = {}, {}, None, (state.params, specs.params, mesh)
+            for mode in self.modes():
+                if (layout, mode) in self._compiled:  # compiled before for this layout
+                    functions[mode], compiled[mode] = self._compiled[layout, mode]
+                    continue
+                fn = self._function(mode, mesh, specs, parts)
                 try:
                     compiled[mode], self.reshardings[mode] = compile_reporting(fn.lower(state, batch), *params_layout)
                 except (ValueError, TypeError, NotImplementedError) as err:  # a path may not support this model
                     log.info("Compile path %s does not apply here (%s); not a candidate.", mode,
                              str(err).splitlines()[0])
                     failed = failed or err
+                    continue
+                functions[mode] = fn
+                self._compiled[layout, mode] = fn, compiled[mode]
         if not compiled:
             raise failed
         devices = list(mesh.devices.flat)
         choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices))
         return choice, {mode: functions[mode] for mode in compiled}, compiled
 
+    def reuse(self, priced: Step | None) -> bool:
+        """Takes over the programs ``priced`` compiled where it is this step (the same loss, strategy,
+        kind and options, the compile path aside: the search prices its pick under ``compile="auto"``,
+        the step that trains it names the path), so a state laid out alike runs them uncompiled again.
+
+        Returns:
+            Whether it took any over (``False``: they differ, or ``priced`` is ``None``).
+        """
+        same = (priced is not None and priced.loss_fn is self.loss_fn and priced.train == self.train
+                and priced.replicated_batch == self.replicated_batch and None not in (priced.strategy, self.strategy)
+                and dataclasses.replace(priced.options, compile=self.options.compile) == self.options)
+        taken = False
+        for (layout, mode), program in priced._compiled.items() if same else ():
+            mesh = layout[2]  # the strategies alike on it (``FSDP()`` is ``FSDP(8)`` on 8 devices)
+            if priced.strategy.resolved(mesh) == self.strategy.resolved(mesh):
+                self._compiled.setdefault((layout, mode), program)
+                self.reshardings.setdefault(mode, priced.reshardings.get(mode, []))
+                taken = True
+        return taken
+
     def __call__(self, state: TrainState, batch: Any):
         state, _ = self._placed(state)
         function, mesh = self._jitted(state, batch)
         with mesh_context(mesh):  # the state's mesh, whatever mesh the caller has set
-            return function(state, batch)
+            return function(state, batch if self.replicated_batch else
+                            host_leaves_placed(batch, NamedSharding(mesh, self.strategy.batch_spec())))
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
@@ -246,7 +252,7 @@ class Step:
         else:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
         parts, params_layout = self._placed(state)[1], (state.params, specs.params, mesh)
-        key = (treedef, tuple(jax.tree.leaves(specs, is_leaf=is_spec)), mesh, parts)
+        key = layout_key(state, parts)
         if key not in self._cache:
             with mesh_context(mesh):  # the loss's proof decides the paths
                 self.prove(state, batch)
@@ -255,6 +261,8 @@ class Step:
                 self.choice = timed_paths(self.choice, functions, programs, state, batch, self.options, mesh)
                 log.info("Train step (%s): %s", self.strategy.describe(mesh), self.choice.describe())
                 self._cache[key] = functions[self.choice.picked], mesh
+            elif (key, self.mode()) in self._compiled:  # compiled by compile_paths (this step's or the search's)
+                self._cache[key] = self._compiled[key, self.mode()][0], mesh
             else:
                 function = self._function(self.mode(), mesh, specs, parts)
                 with mesh_context(mesh):  # compiled here to read the compiler's report; the call reuses it
@@ -284,16 +292,7 @@ class Step:
             self.strategy = from_mesh(mesh)
         if self.proof is not None or len(self._allowed()[0]) == 1 or is_per_example_loss(self.loss_fn):
             return self.proof
-        adapter = adapter_for(state.model)
-        # The model as the shard_map path runs it: BatchNorm's statistics summed over the data
-        # shards (batch_stats="global"), which the proof reads as the whole batch's.
-        data_axes = tuple(self.strategy.data_axes)
-        run = dataclasses.replace(jit_run(self.options, mesh, self.train), batch_stats_axes=data_axes)
-        loss = loss_closure(adapter, self.loss_fn, self.options.rng_streams, run)
-        rows = leading_dims(batch)[0][1] // self.options.grad_accum  # one microbatch, as the loss sees it
-        microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
-        self.proof = prove_loss(loss, state.params, state.model_state, microbatch, state.rng,
-                                self.strategy.data_shards(mesh), [(axis, mesh.shape[axis]) for axis in data_axes])
+        self.proof = read_proof(self.loss_fn, self.strategy, self.options, self.train, state, batch, mesh)
         log.info("Loss as written: %s", self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
         return self.proof
 

@@ -173,8 +173,8 @@ def assert_equivalent(
     if strategy != AUTO and is_auto(strategy):  # FSDP(split="auto"): settled as for a run of len(batches) steps
         found = resolve(model, optimizer, batches[0], strategy, loss_fn=loss_fn, mesh=mesh, options=options, rng=rng,
                         rng_streams=options.rng_streams, steps=len(batches))
-        strategy, mesh, options = found.strategy, found.mesh, found.step_options(options)
-        step = make_train_step(loss_fn, strategy, options)
+        step = found.train_step(loss_fn, options)  # runs the program the search compiled for its pick
+        strategy, mesh, options = found.strategy, found.mesh, step.options
     state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
                        rng_streams=options.rng_streams, options=options)
     initial = jax.device_get(state)

@@ -106,9 +106,8 @@ class Trainer:
         self.hooks: list[Hook] = []
         self.state: TrainState | None = None
         self.plan: StatePlan | None = None
-        self.start_step = 0
         self.max_steps: int | None = None
-        self.history = History()
+        self.start_step, self.history = 0, History()
         self.batch_size: int | None = None  # global batch size of the data being fit
         self.steps_per_epoch: int | None = None
         self.data_offset = 0  # data position (in batches) minus step: nonzero after resuming with another batch size
@@ -123,6 +122,7 @@ class Trainer:
         """Trains with ``strategy`` on ``mesh`` (``None`` for ``"auto"`` until a batch is seen): the steps for them."""
         self.strategy, self.mesh, options = strategy, mesh, self.config.step
         self.train_step = make_train_step(self.loss_fn, strategy, options)
+        self.train_step.reuse(getattr(self.search, "step", None))  # the program the search compiled for its pick
         self.eval_step = make_eval_step(self.eval_loss_fn, strategy, options)
         self.eval_step_any_size = make_eval_step(self.eval_loss_fn, strategy, options, compile="auto", replicated_batch=True)
         self.batch_sharding = NamedSharding(mesh, strategy.batch_spec()) if mesh is not None else None
