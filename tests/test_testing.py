@@ -29,11 +29,24 @@ from tests.reference import STRATEGIES
 per_example_loss = px.per_example_loss(classifier_loss)
 
 
+@pytest.fixture(scope="module")
+def pretrained():
+    """Params as a fine-tuning run starts from (not the model's init with the runs' seed), and their
+    first loss by a plain one-device forward pass."""
+    data = batches("mlp", 4, 32)
+    params = jax.tree.map(lambda x: x + 0.05, MLP().init(jax.random.key(7), data[0]["x"])["params"])
+    first = classifier_loss(MLP().bind({"params": params}), data[0])[0]
+    return data, jax.device_get(params), float(first)
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_every_built_in_strategy_passes(name):
-    report = px.testing.assert_equivalent(MLP(), optax.adamw(3e-3), classifier_loss, batches("mlp", 4, 32),
-                                          STRATEGIES[name]())
+def test_every_built_in_strategy_passes_from_the_params_given(name, pretrained):
+    data, params, first = pretrained
+    report = px.testing.assert_equivalent(MLP(), optax.adamw(3e-3), classifier_loss, data, STRATEGIES[name](),
+                                          params=params)
     assert report.passed and report.max_diff <= 1e-5 and "trains like one device" in str(report)
+    assert abs(report.losses[0] - first) <= 1e-5, (report.losses[0], first)  # both runs started from params=
+    assert "=-1" not in report.strategy  # the sizes it ran with: FSDP(fsdp=8), not FSDP(fsdp=-1)
 
 
 @pytest.mark.parametrize("strategy_name, loss, options", [

@@ -132,6 +132,7 @@ def assert_equivalent(
     tolerance: float | str = "auto",
     rng: Any = 0,
     mesh: Any = None,
+    params: Any = None,
     **step_options: Any,
 ) -> EquivalenceReport:
     """Trains ``model`` under ``strategy`` and on one device, and fails unless they agree.
@@ -150,6 +151,9 @@ def assert_equivalent(
             rounding (:mod:`parallax.testing.rounding`: near-zero gradients under Adam).
         rng: the seed of both runs.
         mesh: the device mesh; ``strategy.make_mesh()`` by default.
+        params: the params both runs start from (a pretrained model's, for a fine-tuning run), as
+            :func:`parallax.init_state` takes them: a pytree of host or device arrays, or an orbax
+            checkpoint path; the model's initialisation with ``rng`` by default.
         **step_options: options of the sharded step (``compile``, ``grad_accum``,
             ``precision``, ``rng_streams``, ...), as :func:`parallax.make_train_step` takes them.
 
@@ -176,7 +180,7 @@ def assert_equivalent(
         step = found.train_step(loss_fn, options)  # runs the program the search compiled for its pick
         strategy, mesh, options = found.strategy, found.mesh, step.options
     state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
-                       rng_streams=options.rng_streams, options=options)
+                       rng_streams=options.rng_streams, options=options, params=params)
     initial = jax.device_get(state)
     mesh_of = jax.tree.leaves(state.params)[0].sharding.mesh
     if strategy == AUTO:
@@ -192,7 +196,7 @@ def assert_equivalent(
     reference = Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
                           per_shard=mode == "shard_map")
     ref = reference.run(initial, batches)
-    report = _report(strategy, mode, np.array(losses), ref.losses, final, ref.final, FLOAT32_TOLERANCE,
+    report = _report(strategy, mesh_of, mode, np.array(losses), ref.losses, final, ref.final, FLOAT32_TOLERANCE,
                      "float32 rounding")
     if tolerance == "auto" and not report.passed:
         report = _auto_tolerance(report, reference, ref, initial, batches, final, state, strategy, mesh_of, options)
@@ -205,11 +209,11 @@ def assert_equivalent(
     return report
 
 
-def _report(strategy, mode, losses, ref_losses, final, ref_final, tolerance, basis) -> EquivalenceReport:
+def _report(strategy, mesh, mode, losses, ref_losses, final, ref_final, tolerance, basis) -> EquivalenceReport:
     diffs = {"params": excess(final.params, ref_final.params),
              "optimizer state": excess(final.opt_state, ref_final.opt_state),
              "model state": excess(final.model_state, ref_final.model_state)}
-    return EquivalenceReport(strategy.describe(), mode, losses, ref_losses, diffs, tolerance, basis)
+    return EquivalenceReport(strategy.describe(mesh), mode, losses, ref_losses, diffs, tolerance, basis)
 
 
 def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state, strategy, mesh, options):
@@ -234,7 +238,7 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
                                    jax.device_get(other))
     compared = report.state_diffs["params"]  # the floating leaves
     allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if path in compared}
-    drift = dataclasses.replace(_report(strategy, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
+    drift = dataclasses.replace(_report(strategy, mesh, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
                                 param_allowance=allowed,
                                 param_excess=excess(placed.final.params, ref.final.params, allowance))
     floor = drift.max_held
