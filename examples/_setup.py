@@ -38,11 +38,19 @@ flags.DEFINE_integer("devices", None, "simulate this many CPU devices")
 
 def quiet_logs() -> None:
     """Library log lines (absl's ``I…``/``W…`` of every Python logger at INFO) hidden unless
-    ``--verbosity``/``-v`` asks for them: the progress line and the results stay readable."""
+    ``--verbosity``/``-v`` asks for them: the progress line and the results stay readable.
+    parallax's own warnings read as sentences (``parallax: ...``), not in absl's format."""
+    import logging as std_logging
+
     from absl import logging
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    handler = std_logging.StreamHandler()
+    handler.setFormatter(std_logging.Formatter("parallax: %(message)s"))
+    ours = std_logging.getLogger("parallax")
+    ours.addHandler(handler)
+    ours.propagate = False  # not again through absl's handler on the root logger
 
 
 def strategy_from_name(name: str, tp_rules=None, min_weight_size: int = 2**10) -> px.Strategy | str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +33,8 @@ import threading
 import time
 from typing import Sequence
 
+_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected "
+                             rb"peer ranks is : \d+")
 FAILURE_GRACE = 3.0  # seconds after a first failure in which other failing processes are named too
 
 
@@ -90,7 +93,12 @@ class Launch:
             self.out.flush()
 
     def _read(self, index: int, stream) -> None:
+        quiet = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") != "0"  # as the runtime's INFO lines: unless asked for
         for line in iter(stream.readline, b""):
+            if quiet:  # Gloo prints each connection itself (not through the runtime's log), at times mid-line
+                line = _GLOO_CONNECTED.sub(b"", line)
+                if not line.strip():
+                    continue
             self.say(f"[{index}] " + line.decode(errors="replace"))
 
     def start(self) -> None:

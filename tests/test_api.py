@@ -48,7 +48,7 @@ def test_step_options_are_declared_once_and_shared():
     ({"precision": "fp8"}, r"precision='fp8'"),
     ({"remat": "Block"}, r"remat='Block'; pass a tuple"),
     ({"rng_streams": [1]}, r"rng_streams takes rng names"),
-    ({"grad_acum": 2}, r"Unknown step option\(s\) \['grad_acum'\]"),
+    ({"grad_acum": 2}, r"Unknown step option\(s\) \['grad_acum'\] \(did you mean 'grad_accum'\?\)"),
 ])
 def test_bad_step_options_are_named(options, message):
     with pytest.raises(ValueError, match=message):

@@ -41,6 +41,9 @@ def fsdp_state():
         (lambda: px.make_train_step(classifier_loss, px.FSDP(), batch_stats="local", compile="jit"),
          r"batch_stats='local' needs compile='shard_map'"),
         (lambda: px.Trainer(None, optax.sgd(0.1), classifier_loss, max_steps=0), r"max_steps=0"),
+        (lambda: px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy="zero3"),
+         r"strategy 'zero3': 'zero3' is not dp, fsdp or tp.*e.g. 'fsdp', 'dp2\+fsdp'"),
+        (lambda: px.make_train_step(classifier_loss, 8), r"a short name \(e.g. 'fsdp', 'dp2\+fsdp'\) or 'auto', got 8"),
         (lambda: px.Trainer(None, optax.sgd(0.1), classifier_loss, checkpoint_every=5),
          r"checkpoint_every is set but checkpoint_dir is not"),
     ],
@@ -48,6 +51,11 @@ def fsdp_state():
 def test_bad_configuration(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_a_strategy_by_the_short_name_px_plan_takes():
+    trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy="dp2+fsdp")
+    assert trainer.strategy.describe(trainer.mesh) == "DataParallel(data=2) × FSDP(fsdp=4)"
 
 
 def test_mesh_from_another_strategy():

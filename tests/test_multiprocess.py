@@ -19,7 +19,11 @@ several things:
 * E: process 1's batches are one token shorter: an error before anything compiles;
 * F: process 1 has 2 devices, process 0 has 4: an error from ``px.distributed.initialize``;
 * G: Ctrl-C to the launcher, once training prints: passed on to both processes, which stop
-  at one step and save it.
+  at one step and save it;
+* H: every layout of the batch over the processes in one launch (``tests/scripts/layouts_run.py``):
+  DP, FSDP, TP, their 2-axis combinations in either order and user meshes, on array data (each
+  process reads the rows its devices hold) and on iterables (where their parts fit; an error
+  naming the layout where not).
 """
 
 from __future__ import annotations
@@ -46,17 +50,25 @@ STEPS = 16
 TOL = 1e-5
 SLOW = ("--slow", "0.3")  # a step time long enough for JAX's preemption notifier (it looks once a second)
 
-_spec = importlib.util.spec_from_file_location("multiprocess_run", SCRIPT)
-multiprocess_run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(multiprocess_run)
+LAYOUTS = os.path.join(ROOT, "tests", "scripts", "layouts_run.py")
 
 
-def launch(out, *args, processes=2, devices=4, timeout=240):
+def _script(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+multiprocess_run, layouts_run = _script(SCRIPT), _script(LAYOUTS)
+
+
+def launch(out, *args, processes=2, devices=4, timeout=240, script=SCRIPT):
     """Runs the script under the launcher; returns (completed process, when it returned)."""
     os.makedirs(out, exist_ok=True)
     env = child_env()
     command = [sys.executable, "-m", "parallax.launch", "--processes", str(processes), "--devices-per-process",
-               str(devices), "--timeout", str(timeout), SCRIPT, str(out), *map(str, args)]
+               str(devices), "--timeout", str(timeout), script, str(out), *map(str, args)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 60)
     return proc, time.time()
 
@@ -232,3 +244,28 @@ def test_ctrl_c_to_the_launcher_stops_every_process_at_one_step(tmp_path):
     done = results(tmp_path)
     assert {r["stop_reason"] for r in done} == {"preempted"} and done[0]["step"] == done[1]["step"] < STEPS
     assert done[0]["checkpoints"][-1] == done[0]["step"]
+
+
+@pytest.mark.budget(60, "eleven layouts of the batch over 2 processes, 15 runs in one launch, and the same here")
+def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tmp_path):
+    """Each process feeds exactly the rows its devices hold, however the mesh's axes fall on the
+    processes: with TP(4) x FSDP(2) the tensor axis spans the processes and each holds every row."""
+    proc, _ = launch(tmp_path, script=LAYOUTS)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "[Gloo]" not in proc.stdout, proc.stdout[-2000:]  # its connection lines, hidden by the launcher
+    os.makedirs(tmp_path / "here")
+    reference = layouts_run.run(str(tmp_path / "here"))  # 1 x 8, in this process
+    cannot_fit = "tp4+fsdp2, iterable"
+    for index, record in enumerate(json.load(open(tmp_path / f"layouts{i}.json")) for i in (0, 1)):
+        assert set(record) == set(reference), (set(record) ^ set(reference))
+        for run, losses in record.items():
+            if run == cannot_fit:
+                continue
+            assert isinstance(losses, list), (index, run, losses)
+            assert max(abs(a - b) for a, b in zip(losses, reference[run])) <= TOL, (index, run, losses, reference[run])
+        message = record[cannot_fit]
+        assert message.startswith("ValueError: The training data is an iterable"), message
+        assert ("{'tensor': 4, 'fsdp': 2}" in message and "process 0: rows 0-15; process 1: rows 0-15" in message
+                and "px.combine(px.FSDP(2), px.TensorParallel(4))" in message), message
+    assert isinstance(reference[cannot_fit], list)  # one process holds every row: its one part fits
+    assert_no_process_left(tmp_path)

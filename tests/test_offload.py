@@ -184,6 +184,15 @@ LM_BATCH = batches("lm", 1)[0]
 TWO_BLOCK_LM = TwoBlockLM()
 
 
+def test_the_repeated_blocks_remat_may_name_are_read_from_shapes_alone():
+    """px.plan with a batch of ``jax.ShapeDtypeStruct`` s (as the guide plans a model it does not
+    allocate) still finds the blocks to rematerialise, so remat is among the options it tries."""
+    from parallax.models.blocks import repeated_blocks
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), LM_BATCH)
+    assert repeated_blocks(TWO_BLOCK_LM, shapes, lm_loss) == repeated_blocks(TWO_BLOCK_LM, LM_BATCH, lm_loss) != ()
+
+
 def test_the_cli_takes_offload_and_remat_options(capsys):
     from parallax.plan.__main__ import main
 

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 
 import parallax as px
 from parallax.inspect import collective_bytes, memory_bytes
-from parallax.plan.candidates import parse_strategy
+from parallax.sharding.named import parse_strategy
 from parallax.pricing.timing import closest
 from tests.environment import child_env
 from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
@@ -109,6 +109,14 @@ def test_fsdp_plans_less_state_per_device_and_the_budgets_say_what_fits(reports)
     assert "note: Per device." in text
 
 
+def test_advice_for_each_device_count_nothing_fits_on():
+    report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
+                     strategies=[px.DataParallel()], devices=[4, 8], memory_budget="8KB", compile="jit")
+    assert set(report.fixes) == {"8KB on 4 devices", "8KB on 8 devices"}, report.fixes
+    assert [fix.row["devices"] for fix in report.fixes["8KB on 4 devices"]][0] == 4  # then more devices, if need be
+    assert "Nothing fits 8KB on 4 devices; for DataParallel(data=4)" in str(report)
+
+
 def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
     here = reports["mlp"]
     there = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
@@ -131,6 +139,7 @@ def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
         ["8", "DataParallel(data=8)"], ["8", "FSDP(fsdp=8)"], ["16", "DataParallel(data=16)"], ["16", "FSDP(fsdp=16)"]]
     assert re.search(r"TensorParallel\(tensor=3\): does not apply: .*3", proc.stdout)
     assert "compiled for cpu; on gpu they are backend-dependent" in proc.stdout
+    assert "note: Budgets in the table's units: 200KB = 195.3 KiB." in proc.stdout  # decimal in, binary out
     # The default min_weight_size keeps this MLP whole: the FSDP rows equal DP's, and say why.
     for devices in (8, 16):
         assert f"  {devices} devices: FSDP(fsdp={devices}) splits only 0.0% of the train state over 'fsdp': every " \

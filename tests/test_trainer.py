@@ -177,7 +177,7 @@ def test_configdict_and_keywords(tmp_path):
                          max_steps=5)
     assert trainer.config.max_steps == 5 and trainer.config.seed == 3
     assert len(trainer.fit(data()).history.train) == 5
-    with pytest.raises(ValueError, match=r"Unknown Trainer option\(s\) \['max_step'\]"):
+    with pytest.raises(ValueError, match=r"Unknown Trainer option\(s\) \['max_step'\] \(did you mean 'max_steps'\?\)"):
         px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, max_step=5)
 
 

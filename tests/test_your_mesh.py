@@ -23,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from tests.reference import TOL, max_diff, run_plain
+from tests.reference import TOL, max_diff, run_plain, run_steps
 
 E, A = AxisType.Explicit, AxisType.Auto
 MESH_TYPES = {"explicit": (E, E), "auto": (A, A), "mixed": (E, A)}
@@ -99,10 +99,10 @@ def check_against_one_device(model, tx, lf, state, step, names=("fsdp", "tensor"
 @pytest.mark.parametrize("types", list(MESH_TYPES))
 @pytest.mark.parametrize("kind", list(STRATEGIES))
 def test_init_state_takes_your_mesh_of_any_axis_types_inside_your_set_mesh(kind, types):
-    mesh = jax.make_mesh(SHAPES[kind], ("fsdp", "tensor"), axis_types=MESH_TYPES[types])
+    mesh = jax.make_mesh(SHAPES[kind], ("fsdp", "tensor"), devices=jax.devices()[::-1], axis_types=MESH_TYPES[types])
     strategy, tx = STRATEGIES[kind](), (optax.sgd(0.1) if kind == "tp" else optax.adam(1e-2))
-    with jax.set_mesh(mesh):  # as a user's script sets it (outside it: the Trainer test and the rest of this file)
-        state = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, mesh=mesh)
+    with jax.set_mesh(mesh):  # as a user's script sets it, and no mesh=: the mesh in context is the one used
+        state = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn)
         placed = state.params["Dense_0"]["kernel"].sharding.mesh
         assert list(placed.devices.flat) == list(mesh.devices.flat)  # the user's devices in the user's order
         assert placed.axis_types == (A, A)  # an ordinary model runs with Auto axes
@@ -119,8 +119,8 @@ def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys, types):
     first = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, mesh=mesh)
     with jax.set_mesh(one_device_mesh(("fsdp", "tensor"))):
         ref = run_plain(Net(), tx, loss_fn, first, BATCHES)
-    for context in (contextlib.nullcontext(), jax.set_mesh(mesh)):
-        trainer = px.Trainer(Net(), tx, loss_fn, strategy=strategy, mesh=mesh, batch_size=16, max_steps=3,
+    for given, context in ((mesh, contextlib.nullcontext()), (None, jax.set_mesh(mesh))):  # mesh=, or set the JAX way
+        trainer = px.Trainer(Net(), tx, loss_fn, strategy=strategy, mesh=given, batch_size=16, max_steps=3,
                              shuffle=False, progress=True, summary=False)
         with context:
             state, history = trainer.fit(data)
@@ -129,6 +129,11 @@ def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys, types):
         losses = np.array([row["loss"] for row in history.train])
         assert np.abs(losses - ref.losses).max() <= TOL
         assert max_diff(jax.device_get(state.params), ref.params) <= TOL
+    # px.plan plans on the mesh in context: its devices (4 of the 8 here), and the mesh itself for a strategy it fits
+    four = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=list(devices[:4]), axis_types=MESH_TYPES[types])
+    with jax.set_mesh(four):
+        (row,) = px.plan(Net(), tx, BATCHES[0], loss_fn=loss_fn, strategies=[strategy]).rows
+    assert row["error"] is None and row["devices"] == 4 and row["mesh"] == {"fsdp": 2, "tensor": 2}, row
     said = capsys.readouterr().out
     if types != "auto":  # axis types changed: said with progress
         assert f"Sharding mode: Auto axes, an ordinary model (the mesh's own axes were fsdp=4 " \
@@ -167,6 +172,58 @@ def test_models_that_shard_themselves_train_like_one_device(call, kind):
     check_against_one_device(model, tx, lf, state, step, names=names, explicit=explicit)
     if explicit:
         assert step.mode() == "jit" and "Explicit" in step.describe()
+
+
+class ExplicitNnx(nnx.Module):
+    """NNX code written for Explicit axes: built under its author's ``jax.set_mesh``, its first layer
+    told the sharding of its output (``out_sharding``), no gather by index."""
+
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(4, 64, rngs=rngs), nnx.Linear(64, 8, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = tokens.astype(jnp.float32) / 32
+        return self.down(nnx.relu(self.up(x, out_sharding=P("fsdp", None))))
+
+
+@pytest.mark.parametrize("model", ["linen reshard", "nnx out_sharding"])
+def test_explicit_mode_models_train_inside_your_explicit_set_mesh(model):
+    """A model written for Explicit axes, run as its author runs it: inside ``jax.set_mesh`` of an
+    Explicit mesh (devices reversed) and given no ``mesh=``; the state on that mesh."""
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[::-1], axis_types=(E,))
+    strategy, tx = px.FSDP(min_weight_size=0), optax.adam(1e-2)
+    with jax.set_mesh(mesh):
+        net = Net("reshard", ("fsdp", None)) if model.startswith("linen") else ExplicitNnx(nnx.Rngs(0))
+        state = px.init_state(net, tx, BATCHES[0], strategy=strategy, loss_fn=onehot_loss)
+        placed = jax.tree.leaves(state.params)[0].sharding.mesh
+        assert list(placed.devices.flat) == list(mesh.devices.flat) and placed.axis_types == (E,), placed
+        step = px.make_train_step(onehot_loss, strategy)
+        if model.startswith("linen"):
+            check_against_one_device(net, tx, onehot_loss, state, step, names=("fsdp",), explicit=True)
+        else:
+            initial = jax.device_get(state.params)
+            final, losses = run_steps(step, state, BATCHES)
+            with jax.set_mesh(one_device_mesh(("fsdp",), explicit=True)):  # where its author runs it on one device
+                ref_params, ref_losses = plain_nnx(net, tx, onehot_loss, initial, BATCHES)
+            assert np.abs(losses - ref_losses).max() <= TOL and max_diff(jax.device_get(final.params), ref_params) <= TOL
+    assert step.mode() == "jit" and "Explicit" in step.describe()
+
+
+def plain_nnx(module, tx, lf, params, batches):
+    """value_and_grad over an NNX module's params + optax, one jitted step: what its author writes."""
+    graphdef, _, rest = nnx.split(module, nnx.Param, ...)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(lambda p: lf(nnx.merge(graphdef, p, rest), batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        params, opt_state, value = step(params, opt_state, batch)
+        losses.append(float(value))
+    return jax.device_get(params), np.array(losses)
 
 
 def test_a_model_naming_an_axis_the_mesh_lacks_is_told_which_and_how():
@@ -283,6 +340,14 @@ def test_hugging_face_params_start_training_under_fsdp_tp():
     wte = trainer.plan.build().params["transformer"]["wte"]["embedding"]
     assert {s.data.shape for s in wte.addressable_shards} != {wte.shape}  # placed shard by shard
     np.testing.assert_array_equal(jax.device_get(wte), hf.params["transformer"]["wte"]["embedding"])
+    # The model object as it is: its module, and its params as the start; proven against one device from them.
+    batches = [{"tokens": tokens}] * 2
+    report = px.testing.assert_equivalent(hf, optax.adam(1e-3), causal_lm_loss, batches, strategy)
+    assert report.passed and abs(report.losses[0] - own) <= TOL, (report.losses[0], own)
+    assert report.strategy == "FSDP(fsdp=4) × TensorParallel(tensor=2)"
+    trainer = px.Trainer(hf, optax.adam(1e-3), causal_lm_loss, strategy=strategy, batch_size=8, max_steps=1,
+                         shuffle=False, progress=False)
+    assert abs(trainer.fit({"tokens": tokens}).history.train[0]["loss"] - own) <= TOL
 
 
 def test_pretrained_params_from_a_tree_or_an_orbax_path_with_named_mismatches(tmp_path):
@@ -299,6 +364,13 @@ def test_pretrained_params_from_a_tree_or_an_orbax_path_with_named_mismatches(tm
     checkpointer.wait_until_finished()
     state = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, params=tmp_path / "ckpt")
     assert max_diff(jax.device_get(state.params), init) == 0.0
+    # A run's params resumed with a new optimizer: params= its checkpoint directory (the newest step) or a step.
+    run = px.Trainer(Net(), optax.adam(1e-2), loss_fn, strategy=strategy, params=init, batch_size=16, max_steps=2,
+                     shuffle=False, progress=False, checkpoint_dir=tmp_path / "run", checkpoint_every=1)
+    trained = jax.device_get(run.fit({k: np.concatenate([b[k] for b in BATCHES]) for k in BATCHES[0]}).state.params)
+    for given in (tmp_path / "run", tmp_path / "run" / "1"):
+        state = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, params=given)
+        assert (max_diff(jax.device_get(state.params), trained) == 0.0) == (given.name == "run"), given
     assert tuple(state.params["Dense_0"]["kernel"].sharding.spec) != ()
     wrong = {**init, "Dense_1": {**init["Dense_1"], "kernel": np.zeros((64, 9), np.float32)}}
     with pytest.raises(ValueError, match=r"Dense_1/kernel is \(64, 9\) there but \(64, 8\) in the model"):

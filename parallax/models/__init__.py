@@ -12,7 +12,28 @@ from parallax.models.adapter import LossFn, ModelAdapter, ModelRun, ParamGather
 from parallax.models.linen import LinenModel, is_linen_class, is_linen_model
 from parallax.models.nnx import NNXModel, is_nnx_class, is_nnx_model
 
-__all__ = ["LossFn", "ModelAdapter", "ModelRun", "ParamGather", "adapter_for", "check_model"]
+__all__ = ["LossFn", "ModelAdapter", "ModelRun", "ParamGather", "adapter_for", "check_model", "unwrap_pretrained"]
+
+
+def unwrap_pretrained(model: Any, params: Any = None) -> tuple[Any, Any]:
+    """``(model, params)`` with a Hugging Face Flax model object (``FlaxGPT2LMHeadModel(config)``,
+    ``FlaxOPTForCausalLM.from_pretrained(...)``) taken as it is: its flax module, and its params as
+    the start unless ``params=`` gives others. Anything else is returned as given.
+
+    Raises:
+        ValueError: such an object built without params (``_do_init=False``) and no ``params=``.
+    """
+    if not any(cls.__name__ == "FlaxPreTrainedModel" for cls in type(model).__mro__):
+        return model, params
+    if params is None:
+        try:
+            params = model.params
+        except ValueError:  # transformers: "`params` cannot be accessed ... created with `_do_init=False`"
+            params = None
+        if params is None:
+            raise ValueError(f"{type(model).__name__} was loaded without its params (_do_init=False); pass them: "
+                             "params=the params from_pretrained returned with it.")
+    return model.module, params
 
 
 def check_model(model: Any) -> None:

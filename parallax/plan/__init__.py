@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 import types
@@ -36,10 +37,13 @@ import jax
 
 from parallax._units import format_bytes, parse_bytes
 from parallax.plan import isolated
-from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate, parse_strategy
+from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate
+from parallax.models import unwrap_pretrained
 from parallax.models.blocks import repeated_blocks
 from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
+from parallax.sharding.context import mesh_in_context
+from parallax.sharding.named import parse_strategy
 from parallax.sharding.strategy import Strategy
 from parallax.step.options import StepOptions
 
@@ -67,8 +71,9 @@ class PlanReport:
         budgets: the memory budgets in bytes.
         labels: the budgets as given (``"16GB"``).
         target: the backend the plan is for.
-        fixes: for each budget label no candidate fits, the options tried to make the
-            smallest one fit (:mod:`parallax.plan.fixes`): the last fits if any does.
+        fixes: for each budget label no candidate fits (with several device counts, per count:
+            ``"16GB on 8 devices"``), the options tried to make the smallest one fit
+            (:mod:`parallax.plan.fixes`): the last fits if any does.
     """
 
     rows: tuple[dict, ...]
@@ -89,6 +94,10 @@ class PlanReport:
         notes = ["Per device. State bytes and collective bytes are exact; the grads column is the gradient "
                  "sharded like the params, held within temps. peak = arguments + outputs - donated + temps, in "
                  "device memory; host: the state offloaded to host memory (offload=)."]
+        other_units = [f"{label} = {format_bytes(budget)}" for label, budget in zip(self.labels, self.budgets)
+                       if format_bytes(budget) != label]
+        if other_units:
+            notes.append(f"Budgets in the table's units: {', '.join(other_units)}.")
         planned_on = sorted({row["backend"] for row in self.rows})
         if planned_on != [self.target]:
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
@@ -162,7 +171,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         loss_fn: ``loss_fn(model, batch)``, as for the Trainer.
         strategies: px strategies, or short names: ``"dp"``, ``"fsdp"``, ``"tp"``, joined by
             ``+`` with optional sizes (``"fsdp+tp2"``).
-        devices: the device count(s) to plan for; this process's by default. A count this
+        devices: the device count(s) to plan for; this process's by default (a ``jax.set_mesh``'s
+            around the call: its devices, and the mesh itself for a strategy it fits). A count this
             process does not have is planned in a subprocess with that many simulated CPU
             devices (objects travel by ``cloudpickle``; strings are imported there).
         memory_budget: bytes per device (``"16GB"``, ``"80GiB"`` or an int), or a list.
@@ -177,17 +187,19 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         A :class:`PlanReport`.
     """
     options = StepOptions.create(**step_options)
-    counts = [jax.device_count()] if devices is None else ([devices] if isinstance(devices, int) else list(devices))
+    around = mesh_in_context()  # a jax.set_mesh around the call: its devices, in its order
+    local = list(around.devices.flat) if around is not None else jax.devices()
+    counts = [len(local)] if devices is None else ([devices] if isinstance(devices, int) else list(devices))
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
         raise ValueError(f"devices={devices!r}; give a device count (an int >= 1) or a list of them.")
     given = [] if memory_budget is None else (
         list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget])
     budgets = tuple(parse_bytes(b) for b in given)
     parsed = [parse_strategy(s) for s in strategies]  # a bad name fails here, before anything compiles
-    local = jax.devices()
     if isolate is False and max(counts) > len(local):
         raise ValueError(f"devices={max(counts)} but this process has {len(local)}; let it plan in a subprocess "
                          "(isolate=None or True).")
+    model = unwrap_pretrained(model)[0]  # a Hugging Face model object: its module (a plan needs no params)
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
     resolved: dict = {}
 
@@ -202,9 +214,9 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())
     fixes, memo = {}, {}
-    for index, (budget, label) in enumerate(zip(budgets, report.labels)):
+    for count, (index, (budget, label)) in itertools.product(counts, enumerate(zip(budgets, report.labels))):
         planned = [(row, parsed[i % len(parsed)]) for i, row in enumerate(rows)
-                   if row["devices"] == max(counts) and not row.get("error")]
+                   if row["devices"] == count and not row.get("error")]
         if not planned or any(report.fits(row, index) for row, _ in planned):
             continue
         row, strategy = min(planned, key=lambda pair: pair[0]["peak"])
@@ -222,7 +234,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
                 memo[key] = rows_for([strategy], count, opts)[0]
             return memo[key]
 
-        fixes[label] = find_fix(tried, options, max(counts), budget, resolved["blocks"])
+        fixes[label if len(counts) == 1 else f"{label} on {count} devices"] = find_fix(
+            tried, options, count, budget, resolved["blocks"])
     return dataclasses.replace(report, fixes=fixes)
 
 

@@ -13,7 +13,8 @@ import sys
 
 from parallax.models.remat_policy import NAMED_POLICIES, named_policy
 from parallax.plan import plan
-from parallax.plan.candidates import DEFAULT_STRATEGIES, parse_strategy, with_options
+from parallax.plan.candidates import DEFAULT_STRATEGIES, with_options
+from parallax.sharding.named import parse_strategy
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,6 @@ bytes and collectives are those of the step that would run.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Sequence
 
 import jax
@@ -16,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from parallax import inspect
 from parallax.pricing.timing import closest
-from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
+from parallax.sharding.context import mesh_on
 from parallax.sharding.strategy import Strategy, combine
 from parallax.state.plan import plan_state, unsharded_reason
 from parallax.state.search import abstract_batch
@@ -25,36 +24,12 @@ from parallax.step.build import make_train_step
 from parallax.step.options import StepOptions
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
-_PARTS = {"dp": DataParallel, "fsdp": FSDP, "tp": TensorParallel}
-_TOKEN = re.compile(r"^(dp|fsdp|tp)(\d*)$")
-
-
-def parse_strategy(text: str | Strategy) -> Strategy:
-    """A strategy from a short name: ``dp``, ``fsdp``, ``tp``, joined by ``+``, each with an
-    optional size (``fsdp+tp2``: tensor axis of 2, FSDP over the devices left).
-
-    Example:
-        >>> parse_strategy("dp2+fsdp").describe()
-        'DataParallel(data=2) × FSDP(fsdp=-1)'
-    """
-    if isinstance(text, Strategy):
-        return text
-    parts = []
-    for token in str(text).lower().split("+"):
-        match = _TOKEN.match(token.strip())
-        if match is None:
-            raise ValueError(f"strategy {text!r}: {token!r} is not dp, fsdp or tp with an optional size "
-                             "(e.g. 'fsdp', 'dp2+fsdp', 'fsdp+tp2'); or pass a px strategy object.")
-        parts.append(_PARTS[match.group(1)](int(match.group(2)) if match.group(2) else -1))
-    return parts[0] if len(parts) == 1 else combine(*parts)
-
-
 def with_options(strategy: Strategy, **options: Any) -> Strategy:
     """``strategy`` with ``options`` set on every part that has them (``min_weight_size`` and
     ``split`` reach the FSDP part of a hybrid); an option no part has is an error.
 
     Example:
-        >>> with_options(parse_strategy("dp2+fsdp"), min_weight_size=0).parts[1].min_weight_size
+        >>> with_options(px.combine(px.DataParallel(2), px.FSDP()), min_weight_size=0).parts[1].min_weight_size
         0
     """
     if not options:
@@ -76,7 +51,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply)."""
     row = {"strategy": strategy.describe(), "devices": len(devices), "backend": devices[0].platform}
     try:
-        mesh = strategy.make_mesh(devices)
+        mesh = mesh_on(strategy, devices)  # a jax.set_mesh's mesh where it fits
         row["mesh"] = {name: int(size) for name, size in mesh.shape.items()}
         strategy.check_batch_size(int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0]), mesh,
                                   multiple=options.grad_accum)

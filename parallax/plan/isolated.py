@@ -63,7 +63,8 @@ def main(argv: list[str]) -> None:
 
     import jax
 
-    from parallax.plan.candidates import evaluate, parse_strategy
+    from parallax.plan.candidates import evaluate
+    from parallax.sharding.named import parse_strategy
     from parallax.plan.refs import resolve
 
     with open(argv[0], "rb") as f:

@@ -11,6 +11,7 @@ import itertools
 
 from jax.sharding import Mesh
 
+from parallax.sharding.named import parse_strategy
 from parallax.sharding.parts import FSDP, FSDP_SPLITS, DataParallel, TensorParallel
 from parallax.sharding.strategy import Strategy, combine
 
@@ -28,7 +29,22 @@ def check_strategy(strategy: object) -> None:
     """A clear error for anything that is neither a parallax strategy nor ``"auto"``."""
     if isinstance(strategy, Strategy) or strategy == AUTO:
         return
-    raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()) or 'auto', got {strategy!r}.")
+    raise ValueError(f"strategy must be a parallax strategy (e.g. px.FSDP()), a short name (e.g. 'fsdp', "
+                     f"'dp2+fsdp') or 'auto', got {strategy!r}.")
+
+
+def as_strategy(strategy: object) -> Strategy | str:
+    """``strategy`` as given, or read from a short name as ``px.plan`` takes it (``"fsdp"``,
+    ``"dp2+fsdp"``, ``"fsdp+tp2"``); ``"auto"`` stays; anything else is a clear error.
+
+    Example:
+        >>> as_strategy("fsdp+tp2").describe()
+        'FSDP(fsdp=-1) × TensorParallel(tensor=2)'
+    """
+    if isinstance(strategy, str) and strategy != AUTO:
+        return parse_strategy(strategy)
+    check_strategy(strategy)
+    return strategy
 
 
 def _joined(parts: list[Strategy]) -> Strategy:

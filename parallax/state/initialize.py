@@ -9,8 +9,9 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from parallax.models import LossFn
-from parallax.sharding.auto import check_strategy
+from parallax.models import LossFn, unwrap_pretrained
+from parallax.sharding.auto import as_strategy
+from parallax.sharding.context import mesh_or_context
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state, warn_if_unsharded
 from parallax.state.search import describe_changes, resolve
@@ -60,7 +61,8 @@ def init_state(
         loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
             which calls the model exactly as training will. Otherwise the model is
             called on ``example_batch`` (unpacked if it is a tuple).
-        mesh: the device mesh: ``strategy.make_mesh()`` by default, or your own (e.g.
+        mesh: the device mesh: the mesh set with ``jax.set_mesh`` around the call, else
+            ``strategy.make_mesh()``; or your own (e.g.
             ``jax.make_mesh``'s, Explicit, Auto or mixed axes) with an axis of each strategy
             part's name; its devices and their order are kept, its axis types follow the model
             (``sharding_mode``).
@@ -90,7 +92,9 @@ def init_state(
         >>> tuple(state.params["Dense_1"]["kernel"].sharding.spec), int(state.step)
         (('fsdp',), 0)
     """
-    check_strategy(strategy)
+    strategy = as_strategy(strategy)
+    model, params = unwrap_pretrained(model, params)  # a Hugging Face model object: its module and params
+    mesh, devices = mesh_or_context(strategy, mesh, devices)  # a jax.set_mesh around the call, where none is given
     found = resolve(model, optimizer, example_batch, strategy, loss_fn=loss_fn, devices=devices, mesh=mesh,
                     options=options, rng=rng, rng_streams=rng_streams, steps=steps)
     plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,

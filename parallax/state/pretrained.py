@@ -3,13 +3,15 @@
 Params come as a pytree (host ``numpy`` or device arrays: a Hugging Face Flax model's
 ``params``, ``nnx.state(model, nnx.Param)``, ...) or as the path of an orbax checkpoint
 holding them (the tree itself, or its ``"params"`` entry: a ``StandardCheckpointer`` save of
-``{"params": ...}``, or the ``state`` folder of a parallax checkpoint step). Either way each
+``{"params": ...}``; a parallax checkpoint directory, whose newest step's params are read, or
+one of its steps: a run's params resumed with another optimizer). Either way each
 device receives only its own shards: ``jax.device_put`` of a host array to a
 ``NamedSharding`` sends each device its slice, and orbax reads each shard from disk.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -17,6 +19,8 @@ import jax
 import numpy as np
 
 from parallax._tree import path_str
+
+log = logging.getLogger("parallax")
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -57,7 +61,8 @@ def read_params(path: str | os.PathLike, expected: Any, shardings: Any) -> Any:
     """The params saved in the orbax checkpoint at ``path``, read shard by shard onto ``shardings``.
 
     Args:
-        path: an orbax pytree checkpoint whose tree is the params, or has them under ``"params"``.
+        path: an orbax pytree checkpoint whose tree is the params, or has them under ``"params"``;
+            or a parallax checkpoint directory (its newest step) or step folder.
         expected: the model's params as ``ShapeDtypeStruct`` s (checked before anything is read).
         shardings: a ``NamedSharding`` per param.
 
@@ -69,6 +74,7 @@ def read_params(path: str | os.PathLike, expected: Any, shardings: Any) -> Any:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise ValueError(f"params={path!r}: no such directory; pass an orbax checkpoint folder or a pytree of arrays.")
+    path = _params_folder(path)
     checkpointer = ocp.PyTreeCheckpointer()
     try:
         metadata = checkpointer.metadata(path)
@@ -87,6 +93,19 @@ def read_params(path: str | os.PathLike, expected: Any, shardings: Any) -> Any:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=nested))
     return restored["params"] if nested else restored
+
+
+def _params_folder(path: str) -> str:
+    """Where the params of ``path`` are: a parallax checkpoint step's ``state`` folder (given the step,
+    or the checkpoint directory: its newest step), else ``path`` itself."""
+    if os.path.isdir(os.path.join(path, "state")):
+        return os.path.join(path, "state")
+    steps = sorted(int(name) for name in os.listdir(path)
+                   if name.isdigit() and os.path.isdir(os.path.join(path, name, "state")))
+    if not steps:
+        return path
+    log.info("params=%s: the params of its newest checkpoint, step %d.", path, steps[-1])
+    return os.path.join(path, str(steps[-1]), "state")
 
 
 def _fits(tree: Any, expected: Any) -> bool:

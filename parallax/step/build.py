@@ -30,7 +30,7 @@ from parallax._compat import mesh_context
 from parallax.models import LossFn
 from parallax.pricing.choice import Choice, choose, memory_budget
 from parallax.pricing.per_example_proof import Proof
-from parallax.sharding.auto import AUTO, check_strategy, from_mesh
+from parallax.sharding.auto import AUTO, as_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
@@ -75,7 +75,7 @@ class Step:
                  replicated_batch: bool = False, prefer: tuple[str, ...] = ()):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
-        check_strategy(strategy)
+        strategy = as_strategy(strategy)
         self.loss_fn = loss_fn
         # "auto": the state was built by init_state(strategy="auto"); its mesh says which strategy.
         self.strategy: Strategy | None = None if strategy == AUTO else strategy

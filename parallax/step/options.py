@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from parallax._names import did_you_mean
 from parallax._units import parse_bytes
 from parallax.models.remat_policy import check_remat, is_policy
 from parallax.step.offload import check_offload
@@ -141,5 +142,6 @@ class StepOptions:
         base.update(overrides)
         unknown = sorted(set(base) - set(cls.names()))
         if unknown:
-            raise ValueError(f"Unknown step option(s) {unknown}; the options are {sorted(cls.names())}.")
+            raise ValueError(f"Unknown step option(s) {unknown}{did_you_mean(unknown, cls.names())}; the options are "
+                             f"{sorted(cls.names())}.")
         return cls(**base)

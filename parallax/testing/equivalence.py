@@ -14,8 +14,9 @@ import optax
 from jax.sharding import NamedSharding
 
 from parallax._tree import path_str
-from parallax.models import LossFn, adapter_for
-from parallax.sharding.auto import AUTO, from_mesh, is_auto
+from parallax.models import LossFn, adapter_for, unwrap_pretrained
+from parallax.sharding.auto import AUTO, as_strategy, from_mesh, is_auto
+from parallax.sharding.context import mesh_or_context
 from parallax.sharding.strategy import Strategy
 from parallax.state.initialize import init_state
 from parallax.state.search import resolve
@@ -150,7 +151,8 @@ def assert_equivalent(
             for each param element also twice what its optimizer amplifies of the gradients'
             rounding (:mod:`parallax.testing.rounding`: near-zero gradients under Adam).
         rng: the seed of both runs.
-        mesh: the device mesh; ``strategy.make_mesh()`` by default.
+        mesh: the device mesh: the mesh set with ``jax.set_mesh`` around the call, else
+            ``strategy.make_mesh()``.
         params: the params both runs start from (a pretrained model's, for a fine-tuning run), as
             :func:`parallax.init_state` takes them: a pytree of host or device arrays, or an orbax
             checkpoint path; the model's initialisation with ``rng`` by default.
@@ -169,9 +171,13 @@ def assert_equivalent(
         >>> report.passed, report.mode in ("jit", "shard_map")  # the mode: the cost model's pick
         (True, True)
     """
+    strategy = as_strategy(strategy)
+    model, params = unwrap_pretrained(model, params)  # a Hugging Face model object: its module and params
     batches = list(batches)[:steps]
     if not batches:
         raise ValueError("assert_equivalent needs at least one batch.")
+    if strategy != AUTO:  # "auto" searches the devices of a jax.set_mesh in init_state
+        mesh = mesh_or_context(strategy, mesh, None)[0]
     step = make_train_step(loss_fn, strategy, **step_options)
     options = step.options
     if strategy != AUTO and is_auto(strategy):  # FSDP(split="auto"): settled as for a run of len(batches) steps

@@ -16,6 +16,7 @@ from parallax.state.summary import summarize
 from parallax.step.train_state import TrainState, model_rngs
 from parallax.train.data import ArrayData, batch_signature
 from parallax.train.evaluation import eval_source
+from parallax.train.rows import rows_held
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -91,21 +92,22 @@ def check_eval_data(adapter: Any, abstract: Any, eval_data: Any, eval_loss_fn: A
     check_eval_batch(adapter, abstract, batch, eval_loss_fn, cfg.step.rng_streams)
 
 
-def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, mesh: Any, grad_accum: int) -> None:
+def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, sharding: Any, grad_accum: int) -> None:
     """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
     local = int(np.shape(jax.tree.leaves(batch)[0])[0])
-    rows = local * jax.process_count()
-    if rows != batch_size and jax.process_count() > 1:
-        raise ValueError(
-            f"Process {jax.process_index()}: its part of the batch for step {step} has {local} examples, its part "
-            f"of the first batch had {batch_size // jax.process_count()}. With several processes every part of "
-            "every batch must have the first's size (the processes cannot see each other's); drop or pad the last "
-            "batch.")
-    if rows != batch_size:
+    if jax.process_count() > 1:
+        held = len(rows_held(sharding, batch_size))  # this process's part of a full batch
+        if local != held:
+            raise ValueError(
+                f"Process {jax.process_index()}: its part of the batch for step {step} has {local} examples, its "
+                f"part of the first batch had {held}. With several processes every part of every batch must have "
+                "the first's size (the processes cannot see each other's); drop or pad the last batch.")
+        return
+    if local != batch_size:
         try:
-            strategy.check_batch_size(rows, mesh, multiple=grad_accum)
+            strategy.check_batch_size(local, sharding.mesh, multiple=grad_accum)
         except ValueError as err:
-            raise ValueError(f"The batch for step {step} has {rows} examples (the first had {batch_size}). "
+            raise ValueError(f"The batch for step {step} has {local} examples (the first had {batch_size}). "
                              f"{err} Drop or pad the last batch of the data.") from None
 
 

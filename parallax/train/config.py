@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from parallax._names import did_you_mean
 from parallax.step.mesh_mode import check_sharding_mode
 from parallax.step.options import StepOptions
 from parallax.train import elastic
@@ -146,7 +147,8 @@ class TrainerConfig:
         step_names = set(StepOptions.names())
         unknown = sorted(set(merged) - own - step_names)
         if unknown:
-            raise ValueError(f"Unknown Trainer option(s) {unknown}; the options are {sorted((own | step_names) - {'step'} - set(_TRAINER_OWNED))}.")
+            options = sorted((own | step_names) - {'step'} - set(_TRAINER_OWNED))
+            raise ValueError(f"Unknown Trainer option(s) {unknown}{did_you_mean(unknown, options)}; the options are {options}.")
         step = StepOptions.create(merged.pop("step", None), **{k: merged.pop(k) for k in list(merged) if k in step_names})
         return cls(**merged, step=step)
 

@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from parallax.train.rows import rows_held
+
 log = logging.getLogger("parallax")
 
 
@@ -40,7 +42,7 @@ class ArrayData:
 
     The order of epoch ``e`` depends only on ``(seed, e)``, so a run resumed at any step
     sees exactly the batches an uninterrupted run would. With several processes each
-    process takes its own slice of every global batch.
+    process takes the rows of every global batch its devices hold (:meth:`hold`).
 
     Args:
         arrays: ``(x, y)``, a dict of arrays, or one array; rows are examples.
@@ -66,6 +68,7 @@ class ArrayData:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
+        self.hold(None)
         if drop_remainder and self.rows < batch_size:
             raise ValueError(f"The data has {self.rows} examples, fewer than batch_size={batch_size}.")
 
@@ -83,11 +86,22 @@ class ArrayData:
             return np.arange(self.rows)
         return np.random.default_rng([self.seed, epoch]).permutation(self.rows)
 
+    def hold(self, sharding: NamedSharding | None) -> None:
+        """Lays each global batch out with ``sharding`` from now on: each process takes the rows its
+        devices hold (:func:`parallax.train.rows.rows_held`), whatever the mesh; ``None``: an equal
+        slice per process, by process index."""
+        self._layout: NamedSharding | None = sharding
+        self._held: dict[int, np.ndarray] = {}  # batch rows -> the positions this process takes
+
     def take(self, rows: np.ndarray, *, whole: bool = False) -> Any:
-        """The examples ``rows`` of one global batch: this process's share of them (an equal
-        slice per process), or all of them on every process (``whole``)."""
+        """The examples ``rows`` of one global batch: this process's part of them (the rows its
+        devices hold under :meth:`hold`'s layout), or all of them on every process (``whole``)."""
         processes, index = jax.process_count(), jax.process_index()
-        if processes > 1 and not whole:
+        if processes > 1 and not whole and self._layout is not None:
+            if len(rows) not in self._held:
+                self._held[len(rows)] = rows_held(self._layout, len(rows))
+            rows = rows[self._held[len(rows)]]
+        elif processes > 1 and not whole:
             if len(rows) % processes:
                 raise ValueError(f"A batch of {len(rows)} rows does not split over {processes} processes.")
             share = len(rows) // processes

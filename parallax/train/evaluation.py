@@ -23,6 +23,7 @@ import numpy as np
 from parallax import _multihost
 from parallax.step import metrics as metric_lib
 from parallax.train.data import ArrayData, to_global
+from parallax.train.rows import parts_fit
 from parallax.train.sources import as_data
 
 
@@ -30,16 +31,19 @@ def _rows(batch: Any) -> int:
     return int(np.shape(jax.tree.leaves(batch)[0])[0])
 
 
-def eval_batches(source: Any, shards: int) -> Iterator[tuple[Any, bool]]:
+def eval_batches(source: Any, shards: int, sharding: Any = None) -> Iterator[tuple[Any, bool]]:
     """``(batch, split)`` for each eval batch of ``source``: ``split`` is True for this
-    process's part of a batch that splits over the ``shards`` data shards, False for a whole
-    batch, the same on every process.
+    process's part of a batch that splits over the ``shards`` data shards (laid out with
+    ``sharding``: the rows this process's devices hold), False for a whole batch, the same on
+    every process.
 
     An iterable yields each process's own part of every batch; with several processes
-    they must yield the same number of batches (a clear error otherwise).
+    they must yield the same number of batches (a clear error otherwise), and a batch whose
+    parts do not fit ``sharding`` (:func:`parallax.train.rows.parts_fit`) is given whole.
     """
     processes = jax.process_count()
     if isinstance(source, ArrayData):
+        source.hold(sharding)
         for rows in source.epoch_rows():
             split = len(rows) % shards == 0 and len(rows) % processes == 0
             yield source.take(rows, whole=not split), split
@@ -62,7 +66,8 @@ def eval_batches(source: Any, shards: int) -> Iterator[tuple[Any, bool]]:
                 f"{int(np.argmax(present))}'s yields more. With several processes each must yield its own part of "
                 "every eval batch, so the same number of batches."
             )
-        if (rows == rows[0]).all() and int(rows.sum()) % shards == 0:
+        total = int(rows.sum())
+        if (rows == rows[0]).all() and total % shards == 0 and (sharding is None or parts_fit(sharding, total)):
             yield batch, True
         else:
             yield _multihost.gather_rows(batch, [int(n) for n in rows]), False
@@ -77,7 +82,7 @@ def evaluate(trainer: Any, eval_data: Any, state: Any) -> dict[str, float]:
     """The metric means of ``trainer``'s eval loss over the whole of ``eval_data`` at ``state``."""
     source = eval_source(eval_data, trainer.config)
     totals = None
-    for batch, split in eval_batches(source, trainer.strategy.data_shards(trainer.mesh)):
+    for batch, split in eval_batches(source, trainer.strategy.data_shards(trainer.mesh), trainer.batch_sharding):
         if split:
             sums = trainer.eval_step(state, to_global(batch, trainer.batch_sharding))
         else:

@@ -16,6 +16,7 @@ import numpy as np
 
 from parallax.train.data import ArrayData, IterableData, check_batch_leaves, is_array_data
 from parallax.train.grain_data import MapData, allow_grain_workers, grain_kind
+from parallax.train.rows import check_parts_fit
 
 log = logging.getLogger("parallax")
 _FORMS = {"map": "a grain.MapDataset", "iter": "a grain.IterDataset", "loader": "a grain.DataLoader"}
@@ -124,3 +125,14 @@ def check_first_batch(first: Any, source: Any, batch_size: int | None) -> None:
     expected = "" if wanted is None else f" of batch_size={batch_size} ({wanted} per process)"
     raise ValueError(f"The training data ({form}) yields {what}, where parallax reads each element as a "
                      f"batch{expected}. {fix[0].upper()}{fix[1:]}.")
+
+
+def lay_out(source: Any, sharding: Any, batch_size: int) -> None:
+    """Each process feeds the rows of every batch its devices hold under ``sharding``, whatever the
+    mesh: array data and a ``grain.MapDataset`` read exactly those rows; an iterable's per-process
+    parts must fit the layout (a ``ValueError`` before training otherwise:
+    :func:`parallax.train.rows.check_parts_fit`)."""
+    if isinstance(source, ArrayData):
+        source.hold(sharding)
+    else:
+        check_parts_fit(sharding, batch_size)

@@ -20,13 +20,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import _multihost
-from parallax.models import LossFn, adapter_for
-from parallax.sharding.auto import AUTO, check_strategy, is_auto
-from parallax.sharding.mesh import is_explicit
+from parallax.models import LossFn, adapter_for, unwrap_pretrained
+from parallax.sharding.auto import AUTO, as_strategy
 from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
-from parallax.state.plan import StatePlan, plan_state, warn_if_unsharded
-from parallax.state.search import Resolved, resolve
+from parallax.state.plan import StatePlan
+from parallax.state.search import Resolved
 from parallax.step.build import make_eval_step, make_train_step
 from parallax.step.train_state import TrainState
 from parallax.train import elastic
@@ -40,9 +39,10 @@ from parallax.train.evaluation import evaluate
 from parallax.train.feed import Feed, saved_state
 from parallax.train.guard import NonFiniteGuard
 from parallax.train.hooks import Checkpointing, Evaluation, Hook
+from parallax.train.planning import plan_run
 from parallax.train.preemption import Preemption
 from parallax.train.resume import data_position
-from parallax.train.sources import as_data, check_first_batch, epoch_steps
+from parallax.train.sources import as_data, check_first_batch, epoch_steps, lay_out
 
 log = logging.getLogger("parallax")
 
@@ -82,6 +82,7 @@ class Trainer:
                  callbacks: Sequence[Any] = (), devices: Sequence[jax.Device] | None = None,
                  mesh: Mesh | None = None, params: Any = None, **options: Any):
         self.config = cfg = TrainerConfig.create(config, **options)
+        model, params = unwrap_pretrained(model, params)  # a Hugging Face model object: its module and params
         self.adapter = adapter_for(model)
         self.tx = self.adapter.optimizer(optimizer)[0]  # an nnx.Optimizer gives its optax transformation
         check_optimizer(self.tx)
@@ -90,12 +91,18 @@ class Trainer:
             check_loss_fn(eval_loss_fn, "eval_loss_fn")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.eval_loss_fn = eval_loss_fn or loss_fn
-        strategy = strategy if strategy is not None else DataParallel()
-        check_strategy(strategy)
+        strategy = as_strategy(strategy if strategy is not None else DataParallel())  # "fsdp" as px.plan reads it
         self.devices, self.pretrained = devices, params
         self.search: Resolved | None = None  # what strategy="auto" or FSDP(split="auto") chose, once a batch is seen
         check_mesh_option(mesh, devices, strategy)
-        self._use(strategy, mesh if mesh is not None or strategy == AUTO else strategy.make_mesh(devices))
+        self.given_mesh = mesh is not None or devices is not None  # else a jax.set_mesh around fit is used
+        if mesh is None and strategy != AUTO:
+            try:
+                mesh = strategy.make_mesh(devices)
+            except ValueError:  # sizes only a mesh settles (two parts of size -1): a jax.set_mesh around fit
+                if self.given_mesh:
+                    raise
+        self._use(strategy, mesh)
         # With several processes, process 0 alone runs the callbacks that print or write logs.
         self.callbacks = [cb for cb in callbacks if _multihost.is_primary() or not getattr(cb, "primary_only", False)]
         if cfg.progress and _multihost.is_primary():  # one process prints
@@ -130,27 +137,8 @@ class Trainer:
 
     # --- state ---------------------------------------------------------------------------
     def _plan(self, example_batch: Any) -> StatePlan:
-        if self.plan is None and is_auto(self.strategy):
-            self.search = resolve(self.model, self.optimizer, example_batch, self.strategy, loss_fn=self.loss_fn,
-                                  devices=self.devices, mesh=self.mesh, options=self.config.step, rng=self.config.seed,
-                                  rng_streams=self.config.step.rng_streams,
-                                  steps=self.max_steps if self.max_steps is not None else self.config.max_steps)
-            # What the search had to change to fit the budget, and the compile path it priced its pick on.
-            self.config = dataclasses.replace(self.config, step=self.search.step_options(self.config.step))
-            self._use(self.search.strategy, self.search.mesh)
-            if self.config.progress and _multihost.is_primary():
-                print(self.search.describe())
-        if self.plan is None:
-            self.plan = plan_state(self.model, self.optimizer, example_batch, strategy=self.strategy,
-                                   rng=self.config.seed, loss_fn=self.loss_fn, mesh=self.mesh,
-                                   rng_streams=self.config.step.rng_streams, params=self.pretrained,
-                                   sharding_mode=self.config.sharding_mode, offload=self.config.step.offload)
-            changed = self.plan.mesh is not self.mesh or is_explicit(self.plan.mesh)  # axis types follow the model
-            self._use(self.strategy.resolved(self.plan.mesh), self.plan.mesh)
-            warn_if_unsharded(self.plan)
-            if changed and self.config.progress and _multihost.is_primary():
-                print(self.plan.sharding_note)
-        return self.plan
+        """The run's plan, made at the first use of a batch (:func:`parallax.train.planning.plan_run`)."""
+        return plan_run(self, example_batch)
 
     def init(self, example_batch: Any) -> TrainState:
         """Builds a fresh sharded state from an example (host) batch."""
@@ -204,7 +192,7 @@ class Trainer:
             raise
         try:
             with self._preemption:
-                check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.mesh,
+                check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.batch_sharding,
                                                               self.config.step.grad_accum)
                 self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
                                  cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
@@ -239,12 +227,13 @@ class Trainer:
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else epoch_steps(source, cfg.epochs)
         summary = (cfg.progress if cfg.summary is None else cfg.summary) and _multihost.is_primary()
         check_plan(self._plan(first), summary, cfg.fail_if_replicated_over)
+        self.batch_size = int(getattr(source, "batch_size", None) or
+                              np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
+        lay_out(source, self.batch_sharding, self.batch_size)  # each process feeds the rows its devices hold
         if eval_data is not None:
             check_eval_data(self.adapter, self.plan.abstract, eval_data, self.eval_loss_fn, cfg)
         if self.checkpointer is not None:
             self.checkpointer.check_writable(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.plan.abstract_arrays())))
-        self.batch_size = int(getattr(source, "batch_size", None) or
-                              np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         self.steps_per_epoch = source.steps_per_epoch
         self.start_step = self._start(first, resume_step, metadata)
         self._stop_reason = None

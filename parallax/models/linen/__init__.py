@@ -78,9 +78,9 @@ class LinenModel:
                 calls.add((type(context.module).__name__, tuple(context.module.path)))
             return next_fun(*args, **kwargs)
 
-        with nn.intercept_methods(record):
-            jax.eval_shape(lambda key: self.model.init({"params": key, "dropout": key}, batch,
-                                                       method=_method(batch, loss_fn)), jax.random.key(0))
+        with nn.intercept_methods(record):  # the batch traced (not a constant): shapes alone will do
+            jax.eval_shape(lambda key, batch: self.model.init({"params": key, "dropout": key}, batch,
+                                                              method=_method(batch, loss_fn)), jax.random.key(0), batch)
         return calls
 
     def values(self) -> None:

@@ -1,0 +1,92 @@
+"""Every layout of the batch over the processes, trained in one launch (``python -m parallax.launch``).
+
+usage: layouts_run.py OUT_DIR
+
+For each layout of :data:`LAYOUTS` (DP, FSDP, TP, each 2-axis combination of them in either
+order, and user meshes whose axes fall across the processes in other ways), a small MLP trains
+3 steps with AdamW on array data (each process reads the rows its devices hold), and the
+aligned layouts once more on an iterable of each process's own part of every batch. Each
+process writes OUT_DIR/layouts<index>.json: per run its losses, or the error it raised before
+training (an iterable whose parts cannot fit the layout).
+
+The test imports :func:`run` to train the same runs in one process on 8 devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import parallax as px  # noqa: E402
+from tests.models import MLP, classifier_loss  # noqa: E402
+
+BATCH, STEPS = 16, 3
+FSDP = dict(min_weight_size=0, split="largest")  # the split is not under test: nothing to search
+
+
+def user_mesh(order, shape, names):
+    """A mesh of the 8 devices taken in ``order`` (positions in ``jax.devices()``: process 0's first), of ``shape``."""
+    devices = jax.devices()
+    return Mesh(np.array([devices[i] for i in order]).reshape(shape), names)
+
+
+# name -> (strategy, mesh or None): on 2 processes x 4 devices, process 0 has devices 0-3.
+LAYOUTS = {
+    "dp": (lambda: px.DataParallel(), None),
+    "fsdp": (lambda: px.FSDP(**FSDP), None),
+    "tp": (lambda: px.TensorParallel(), None),  # the batch whole on every device, of both processes
+    "dp2+fsdp4": (lambda: px.combine(px.DataParallel(2), px.FSDP(4, **FSDP)), None),
+    "fsdp4+dp2": (lambda: px.combine(px.FSDP(4, **FSDP), px.DataParallel(2)), None),
+    "dp2+tp4": (lambda: px.combine(px.DataParallel(2), px.TensorParallel(4)), None),
+    "tp4+dp2": (lambda: px.combine(px.TensorParallel(4), px.DataParallel(2)), None),  # every process: all rows
+    "fsdp2+tp4": (lambda: px.combine(px.FSDP(2, **FSDP), px.TensorParallel(4)), None),
+    "tp4+fsdp2": (lambda: px.combine(px.TensorParallel(4), px.FSDP(2, **FSDP)), None),  # every process: all rows
+    # Your own meshes: the FSDP axis inside each process, the tensor axis across them; the devices reversed.
+    "mesh fsdp4 in a process": (lambda: px.combine(px.FSDP(4, **FSDP), px.TensorParallel(2)),
+                                lambda: user_mesh([0, 4, 1, 5, 2, 6, 3, 7], (4, 2), ("fsdp", "tensor"))),
+    "mesh reversed": (lambda: px.FSDP(**FSDP), lambda: user_mesh(range(7, -1, -1), (8,), ("fsdp",))),
+}
+ITERABLE = ("fsdp", "dp2+fsdp4", "mesh reversed", "tp4+fsdp2")  # the last: parts that cannot fit, an error
+
+
+def batches(index, count, iterable):
+    """The global batches as arrays, or each process's own part of every batch as a list."""
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(BATCH * STEPS, 24)).astype(np.float32),
+            "y": rng.integers(0, 10, BATCH * STEPS).astype(np.int32)}
+    if not iterable:
+        return data
+    share = BATCH // count
+    return [{k: v[step * BATCH + index * share:step * BATCH + (index + 1) * share] for k, v in data.items()}
+            for step in range(STEPS)]
+
+
+def run(out, index=0, count=1):
+    """Trains every layout; returns (and writes) this process's record: {run: losses or error}."""
+    record = {}
+    for name, (strategy, mesh) in LAYOUTS.items():
+        for iterable in (False, True) if name in ITERABLE else (False,):
+            trainer = px.Trainer(MLP(), optax.adamw(3e-3), classifier_loss, strategy=strategy(),
+                                 mesh=mesh() if mesh else None, max_steps=STEPS, batch_size=BATCH,
+                                 shuffle=False, progress=False, compile="jit")
+            try:
+                result = trainer.fit(batches(index, count, iterable))
+                record[f"{name}, {'iterable' if iterable else 'arrays'}"] = [r["loss"] for r in result.history.train]
+            except ValueError as err:
+                record[f"{name}, {'iterable' if iterable else 'arrays'}"] = f"ValueError: {err}"
+    with open(os.path.join(out, f"layouts{index}.json"), "w") as stream:
+        json.dump(record, stream)
+    return record
+
+
+if __name__ == "__main__":
+    processes = px.distributed.initialize()
+    run(sys.argv[1], processes.index, processes.count)
