@@ -33,8 +33,11 @@ import threading
 import time
 from typing import Sequence
 
-_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected "
-                             rb"peer ranks is : \d+")
+# Gloo's "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+# written piece by piece, so that a line may hold part of it (or another process line part of one).
+_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d* ?(is connected to ?)?\d* ?(peer ranks\. )?"
+                             rb"(Expected number of connected peer ranks is : \d+)?"
+                             rb"|\d* ?peer ranks\. Expected number of connected peer ranks is : \d+")
 FAILURE_GRACE = 3.0  # seconds after a first failure in which other failing processes are named too
 
 

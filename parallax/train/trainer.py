@@ -224,6 +224,9 @@ class Trainer:
         check_batch_leaves(first, "a training batch")
         _multihost.check_same(batch_signature(first), "The first training batch (each process's part)",
                               "give every process a part of each batch with the same shapes and dtypes.")
+        _multihost.check_same(source.steps_per_epoch, "The training data's batches per epoch (each process's)",
+                              "give each process as many batches (drop the extra ones), or data parallax splits "
+                              "itself: arrays or a grain.MapDataset with batch_size=.")
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else epoch_steps(source, cfg.epochs)
         summary = (cfg.progress if cfg.summary is None else cfg.summary) and _multihost.is_primary()
         check_plan(self._plan(first), summary, cfg.fail_if_replicated_over)

@@ -5,9 +5,10 @@ usage: layouts_run.py OUT_DIR
 For each layout of :data:`LAYOUTS` (DP, FSDP, TP, each 2-axis combination of them in either
 order, and user meshes whose axes fall across the processes in other ways), a small MLP trains
 3 steps with AdamW on array data (each process reads the rows its devices hold), and the
-aligned layouts once more on an iterable of each process's own part of every batch. Each
-process writes OUT_DIR/layouts<index>.json: per run its losses, or the error it raised before
-training (an iterable whose parts cannot fit the layout).
+aligned layouts once more on an iterable of each process's own part of every batch; last (with
+several processes) lists of parts one batch shorter on process 1. Each process writes
+OUT_DIR/layouts<index>.json: per run its losses, or the error it raised before training (an
+iterable whose parts cannot fit the layout, parts of unequal lengths).
 
 The test imports :func:`run` to train the same runs in one process on 8 devices.
 """
@@ -82,6 +83,15 @@ def run(out, index=0, count=1):
                 record[f"{name}, {'iterable' if iterable else 'arrays'}"] = [r["loss"] for r in result.history.train]
             except ValueError as err:
                 record[f"{name}, {'iterable' if iterable else 'arrays'}"] = f"ValueError: {err}"
+    if count > 1:  # each process's list of parts, process 1's one batch shorter, one epoch: refused on both, at start
+        parts = batches(index, count, True)[:STEPS - index]
+        trainer = px.Trainer(MLP(), optax.adamw(3e-3), classifier_loss, strategy=px.FSDP(**FSDP), epochs=1,
+                             progress=False, compile="jit")
+        try:
+            trainer.fit(parts)
+            record["uneven parts"] = "trained"
+        except ValueError as err:
+            record["uneven parts"] = f"ValueError: {err}"
     with open(os.path.join(out, f"layouts{index}.json"), "w") as stream:
         json.dump(record, stream)
     return record
