@@ -189,11 +189,8 @@ class Step:
     def reuse(self, priced: Step | None) -> bool:
         """Takes over the programs ``priced`` compiled where it is this step (the same loss, strategy,
         kind and options, the compile path aside: the search prices its pick under ``compile="auto"``,
-        the step that trains it names the path), so a state laid out alike runs them uncompiled again.
-
-        Returns:
-            Whether it took any over (``False``: they differ, or ``priced`` is ``None``).
-        """
+        the step that trains it names the path), so a state laid out alike runs them uncompiled
+        again; returns whether it took any (not where they differ, or ``priced`` is ``None``)."""
         same = (priced is not None and priced.loss_fn is self.loss_fn and priced.train == self.train
                 and priced.replicated_batch == self.replicated_batch and None not in (priced.strategy, self.strategy)
                 and dataclasses.replace(priced.options, compile=self.options.compile) == self.options)
@@ -210,15 +207,19 @@ class Step:
         state, _ = self._placed(state)
         function, mesh = self._jitted(state, batch)
         with mesh_context(mesh):  # the state's mesh, whatever mesh the caller has set
-            return function(state, batch if self.replicated_batch else
-                            host_leaves_placed(batch, NamedSharding(mesh, self.strategy.batch_spec())))
+            return function(state, self._taken(batch, mesh))
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` of the step, for inspecting HLO and memory."""
         state, _ = self._placed(state)
         function, mesh = self._jitted(state, batch)
         with mesh_context(mesh):
-            return function.lower(state, batch)
+            return function.lower(state, self._taken(batch, mesh))
+
+    def _taken(self, batch: Any, mesh: Mesh) -> Any:
+        """``batch`` as the step takes it, its host leaves placed: every program of the step is compiled
+        for placed arrays and called with them (one program, whether the caller placed them or not)."""
+        return batch if self.replicated_batch else host_leaves_placed(batch, NamedSharding(mesh, self.strategy.batch_spec()))
 
     def _placed(self, state: TrainState) -> tuple[TrainState, tuple[str, ...]]:
         """``state`` in the memory the step keeps each part in, and the parts in host memory
@@ -251,7 +252,7 @@ class Step:
             leading_dims(batch)
         else:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
-        parts, params_layout = self._placed(state)[1], (state.params, specs.params, mesh)
+        parts, params_layout, batch = self._placed(state)[1], (state.params, specs.params, mesh), self._taken(batch, mesh)
         key = layout_key(state, parts)
         if key not in self._cache:
             with mesh_context(mesh):  # the loss's proof decides the paths
