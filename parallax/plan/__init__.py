@@ -95,7 +95,7 @@ class PlanReport:
                  "sharded like the params, held within temps. peak = arguments + outputs - donated + temps, in "
                  "device memory; host: the state offloaded to host memory (offload=)."]
         other_units = [f"{label} = {format_bytes(budget)}" for label, budget in zip(self.labels, self.budgets)
-                       if format_bytes(budget) != label]
+                       if format_bytes(budget) != label and not label.isdigit()]
         if other_units:
             notes.append(f"Budgets in the table's units: {', '.join(other_units)}.")
         planned_on = sorted({row["backend"] for row in self.rows})

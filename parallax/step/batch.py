@@ -99,4 +99,5 @@ def host_leaves_placed(batch: Any, sharding: NamedSharding) -> Any:
     placed arrays (a search's pick) instead of compiling another for host arrays."""
     if jax.process_count() > 1:
         return batch
-    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, sharding), batch)
+    return jax.tree.map(lambda x: x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jax.device_put(x, sharding),
+                        batch)  # device arrays, tracers and shapes (a step lowered from shapes) as they are
