@@ -73,12 +73,12 @@ def pytest_terminal_summary(terminalreporter):
 # order): its own order, the files with the most tests first, left the one-test files that start
 # processes (faults, docs pages, benchmarks) to run last, alone. Files not listed go last.
 FILE_SECONDS = {
-    "test_multiprocess.py": 177, "test_offload.py": 155, "test_docs_pages.py": 152, "test_nnx.py": 143,
-    "test_equivalence.py": 138, "test_auto.py": 132, "test_third_party.py": 116, "test_trainer.py": 105,
-    "test_zoo.py": 100, "test_step.py": 100, "test_your_mesh.py": 91, "test_faults.py": 90, "test_examples.py": 89,
-    "test_plan.py": 86, "test_grain.py": 65, "test_testing.py": 56, "test_benchmarks.py": 45, "test_resharding.py": 43,
-    "test_losses.py": 42, "test_fsdp.py": 41, "test_docs.py": 37, "test_per_example_proof.py": 36,
-    "test_elastic.py": 29, "test_tp_layout.py": 26, "test_model_habits.py": 14, "test_distribution.py": 11,
+    "test_multiprocess.py": 204, "test_offload.py": 145, "test_docs_pages.py": 142, "test_equivalence.py": 139,
+    "test_nnx.py": 104, "test_zoo.py": 101, "test_auto.py": 95, "test_your_mesh.py": 92, "test_plan.py": 90,
+    "test_examples.py": 87, "test_third_party.py": 81, "test_faults.py": 81, "test_trainer.py": 79,
+    "test_step.py": 66, "test_grain.py": 58, "test_testing.py": 46, "test_losses.py": 45, "test_benchmarks.py": 45,
+    "test_resharding.py": 38, "test_fsdp.py": 37, "test_docs.py": 35, "test_per_example_proof.py": 31,
+    "test_elastic.py": 22, "test_tp_layout.py": 20, "test_model_habits.py": 15, "test_distribution.py": 9,
 }
 
 
