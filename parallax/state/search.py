@@ -122,7 +122,8 @@ class Resolved:
             text += ", the closest timed on the devices"
         if self.changes:
             text += f"; with {describe_changes(self.changes)} to fit the memory budget"
-        return text + f"; {len(choice.estimates)} candidates compiled in {self.seconds:.1f} s"
+        count = len(choice.estimates)
+        return text + f"; {count} candidate{'s' if count != 1 else ''} compiled in {self.seconds:.1f} s"
 
     def describe(self) -> str:
         """One line: what was chosen, its estimate, the runner-up, and what the search cost."""

@@ -138,9 +138,10 @@ class ProgressBar:
             print(f"step {trainer.start_step}{total} compiling…", file=self.stream, flush=True)
 
     def _rate(self, step: int, now: float) -> float | None:
-        """Steps per second since the first step was done (``None`` before a second step)."""
+        """Steps per second since the first step was done (``None`` before two more: the step after
+        the first was dispatched before the first's metrics were read, and is nearly done by then)."""
         first, at = self._compiled
-        return (step - first) / (now - at) if step > first and now > at else None
+        return (step - first) / (now - at) if step > first + 1 and now > at else None
 
     def on_step(self, info: StepInfo) -> None:
         now = time.perf_counter()
