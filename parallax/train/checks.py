@@ -16,7 +16,6 @@ from parallax.state.summary import summarize
 from parallax.step.train_state import TrainState, model_rngs
 from parallax.train.data import ArrayData, batch_signature
 from parallax.train.evaluation import eval_source
-from parallax.train.rows import rows_held
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -92,11 +91,12 @@ def check_eval_data(adapter: Any, abstract: Any, eval_data: Any, eval_loss_fn: A
     check_eval_batch(adapter, abstract, batch, eval_loss_fn, cfg.step.rng_streams)
 
 
-def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, sharding: Any, grad_accum: int) -> None:
-    """A batch of another size than the first (an iterable's last one) must still split over the data axes."""
+def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, sharding: Any, grad_accum: int,
+                      held: int) -> None:
+    """A batch of another size than the first (an iterable's last one) must still split over the data axes;
+    with several processes each part has ``held`` rows, what this process's devices hold of a full batch."""
     local = int(np.shape(jax.tree.leaves(batch)[0])[0])
     if jax.process_count() > 1:
-        held = len(rows_held(sharding, batch_size))  # this process's part of a full batch
         if local != held:
             raise ValueError(
                 f"Process {jax.process_index()}: its part of the batch for step {step} has {local} examples, its "

@@ -42,6 +42,7 @@ from parallax.train.hooks import Checkpointing, Evaluation, Hook
 from parallax.train.planning import plan_run
 from parallax.train.preemption import Preemption
 from parallax.train.resume import data_position
+from parallax.train.rows import rows_held
 from parallax.train.sources import as_data, check_first_batch, epoch_steps, lay_out
 
 log = logging.getLogger("parallax")
@@ -192,8 +193,9 @@ class Trainer:
             raise
         try:
             with self._preemption:
+                held = len(rows_held(self.batch_sharding, self.batch_size))  # once, not at every step
                 check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.batch_sharding,
-                                                              self.config.step.grad_accum)
+                                                              self.config.step.grad_accum, held)
                 self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
                                  cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
                 stop_reason = self._loop(source)
