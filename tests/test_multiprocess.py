@@ -23,7 +23,10 @@ several things:
 * H: every layout of the batch over the processes in one launch (``tests/scripts/layouts_run.py``):
   DP, FSDP, TP, their 2-axis combinations in either order and user meshes, on array data (each
   process reads the rows its devices hold) and on iterables (where their parts fit; an error
-  naming the layout where not).
+  naming the layout where not);
+* I: scripts that call ``jax.distributed.initialize`` themselves (``tests/scripts/own_init_run.py``),
+  through the launcher and started by hand: data of unknown length that ends on one process
+  first, a raise at a step, a SIGKILL (four launches at once).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import time
 import pytest
 
 import parallax as px
+from parallax.launch import _free_port
 from parallax.train.checkpoint import Checkpointer
 from tests.environment import child_env
 
@@ -51,6 +55,7 @@ TOL = 1e-5
 SLOW = ("--slow", "0.3")  # a step time long enough for JAX's preemption notifier (it looks once a second)
 
 LAYOUTS = os.path.join(ROOT, "tests", "scripts", "layouts_run.py")
+OWN_INIT = os.path.join(ROOT, "tests", "scripts", "own_init_run.py")
 
 
 def _script(path):
@@ -272,3 +277,74 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
                 and "px.combine(px.FSDP(2), px.TensorParallel(4))" in message), message
     assert isinstance(reference[cannot_fit], list)  # one process holds every row: its one part fits
     assert_no_process_left(tmp_path)
+
+
+def _start_own_init(out, args, launcher):
+    """2 processes x 2 devices of ``own_init_run.py``: through the launcher, or started by hand as
+    a cluster's scheduler starts them (each with the coordinator's address, nothing watching them)."""
+    os.makedirs(out, exist_ok=True)
+    if launcher:
+        command = [sys.executable, "-m", "parallax.launch", "--processes", "2", "--devices-per-process", "2",
+                   "--timeout", "150", OWN_INIT, str(out), *args]
+        return [subprocess.Popen(command, cwd=ROOT, env=child_env(), stdout=open(out / "out.txt", "w"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)]
+    port = _free_port()
+    started = []
+    for index in range(2):
+        env = child_env(devices=2, PARALLAX_COORDINATOR=f"127.0.0.1:{port}", PARALLAX_NUM_PROCESSES="2",
+                        PARALLAX_PROCESS_ID=str(index), PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
+        started.append(subprocess.Popen([sys.executable, OWN_INIT, str(out), *args], cwd=ROOT, env=env,
+                                        stdout=open(out / f"out{index}.txt", "w"), stderr=subprocess.STDOUT,
+                                        start_new_session=True))
+    return started
+
+
+@pytest.mark.budget(45, "four launches of 2 processes at once (through the launcher and by hand; a raise and a "
+                        "SIGKILL), one of them waiting out a 10 s heartbeat")
+def test_a_script_that_starts_jax_itself_ends_every_process_together_on_short_data_a_raise_or_a_kill(tmp_path):
+    runs = {(mode, fault): tmp_path / f"{mode}_{fault}" for mode in ("launcher", "by_hand") for fault in ("raise", "kill")}
+    faults = {"raise": ["--short", "1:3", "--raise", "1:5"], "kill": ["--sigkill", "1:7"]}
+    started = {key: _start_own_init(out, faults[key[1]], key[0] == "launcher") for key, out in runs.items()}
+    ended: dict = {}
+    deadline = time.time() + 200
+    try:
+        while len(ended) < sum(map(len, started.values())) and time.time() < deadline:
+            for key, procs in started.items():
+                for index, proc in enumerate(procs):
+                    if (key, index) not in ended and proc.poll() is not None:
+                        ended[key, index] = (proc.returncode, time.time())
+            time.sleep(0.2)
+    finally:
+        for procs in started.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    for (mode, fault), out in runs.items():
+        text = {i: open(out / name).read() for i, name in enumerate(sorted(p.name for p in out.glob("out*.txt")))}
+        whole = "\n".join(text.values())
+        codes = [ended.get(((mode, fault), i), (None, None))[0] for i in range(len(started[mode, fault]))]
+        fault_record = json.load(open(out / "fault.json"))
+        assert fault_record["process"] == 1, whole[-3000:]
+        slowest = max(when for (key, _), (_, when) in ended.items() if key == (mode, fault))
+        assert slowest - fault_record["time"] < 30, (mode, fault, slowest - fault_record["time"], whole[-3000:])
+        # One line says what parallax applied to a run JAX was started for without it, and how to get the rest.
+        assert "jax.distributed was started without px.distributed.initialize()" in text[0], whole[-3000:]
+        assert mode == "by_hand" or "[Gloo]" not in whole, whole[-2000:]  # the launcher hides Gloo's lines
+        if fault == "raise":
+            # The generator of process 1 ends 3 batches early: both stop at its last step, saying so.
+            short = [json.load(open(out / f"short{i}.json")) for i in (0, 1)]
+            assert short[0] == short[1] and short[0]["stop_reason"] == "data exhausted" and short[0]["step"] == 9, short
+            assert whole.count("The training data of process 1 ended after step 9 while the other processes had "
+                               "more; every process stops at step 9") == 2, whole[-3000:]
+            assert "RuntimeError: planted failure in process 1 at step 5" in whole
+            assert ("parallax: process 1 of 2 failed at step 5 (RuntimeError: planted failure in process 1 at step 5); "
+                    "process 0 stops too") in whole, whole[-3000:]
+            assert codes == ([1] if mode == "launcher" else [1, 1]), (codes, whole[-3000:])
+        else:
+            if mode == "launcher":
+                assert codes == [128 + 9] and "[launch] process 1 was killed by SIGKILL" in whole, whole[-3000:]
+            else:
+                assert codes == [1, -9], (codes, whole[-3000:])
+                assert "parallax: process 1 of 2 has sent no heartbeat for 10 s" in text[0], text[0][-3000:]
+        assert not any(out.glob("done*.json"))  # no process carried on as if it had finished
+        assert_no_process_left(out)

@@ -111,16 +111,6 @@ def check_later_batch(batch: Any, step: int, batch_size: int, strategy: Any, sha
                              f"{err} Drop or pad the last batch of the data.") from None
 
 
-def check_data_continues(step: int, max_steps: int) -> None:
-    """With several processes, training data that ends before ``max_steps`` is an error: the
-    process it ended on cannot tell the others, which would wait for it in the next step."""
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"Process {jax.process_index()}: the training data ended after step {step}, before max_steps="
-            f"{max_steps}. With several processes a process whose data ends cannot tell the others; pass "
-            "max_steps at most every process's number of batches, or data with a len().")
-
-
 def check_mesh_option(mesh: Any, devices: Any, strategy: Any) -> None:
     """``Trainer(mesh=...)``: a ``jax.sharding.Mesh`` with an axis of each strategy part's name."""
     if mesh is None:

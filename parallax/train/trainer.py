@@ -31,7 +31,7 @@ from parallax.step.train_state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, resume_step_of
-from parallax.train.checks import (check_data_continues, check_eval_data, check_later_batch, check_loss_fn,
+from parallax.train.checks import (check_eval_data, check_later_batch, check_loss_fn,
                                    check_mesh_option, check_optimizer, check_plan)
 from parallax.train.config import FitResult, History, TrainerConfig
 from parallax.train.data import batch_signature, check_batch_leaves
@@ -39,6 +39,7 @@ from parallax.train.evaluation import evaluate
 from parallax.train.feed import Feed, saved_state
 from parallax.train.guard import NonFiniteGuard
 from parallax.train.hooks import Checkpointing, Evaluation, Hook
+from parallax.train.peers import Peers
 from parallax.train.planning import plan_run
 from parallax.train.preemption import Preemption
 from parallax.train.resume import data_position
@@ -186,27 +187,32 @@ class Trainer:
         cfg = self.config
         source = as_data(train_data, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, drop_remainder=True)
         self.feed = None
-        try:
-            self._prepare(source, eval_data, resume)
-        except BaseException:
-            source.close()  # a Grain loader it already started (its workers) ends with the error
-            raise
-        try:
-            with self._preemption:
-                held = len(rows_held(self.batch_sharding, self.batch_size))  # once, not at every step
-                check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy, self.batch_sharding,
-                                                              self.config.step.grad_accum, held)
-                self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
-                                 cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
-                stop_reason = self._loop(source)
-        finally:
-            if self.feed is not None:
-                self.feed.close()  # a Grain loader's workers end with fit, however it ends
-            for callback in self.callbacks:
-                if hasattr(callback, "on_fit_end"):
-                    callback.on_fit_end(self)
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
+        with Peers() as self.peers:  # several processes: all end when one fails, falls silent or runs out of data
+            try:
+                self._prepare(source, eval_data, resume)
+            except BaseException as error:
+                self.peers.failed(error)  # the others end now, not after a heartbeat timeout
+                source.close()  # a Grain loader it already started (its workers) ends with the error
+                raise
+            try:
+                with self._preemption:
+                    held = len(rows_held(self.batch_sharding, self.batch_size))  # once, not at every step
+                    check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy,
+                                                                  self.batch_sharding, self.config.step.grad_accum, held)
+                    self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
+                                     cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
+                    stop_reason = self._loop(source)
+            except BaseException as error:
+                self.peers.failed(error)
+                raise
+            finally:
+                if self.feed is not None:
+                    self.feed.close()  # a Grain loader's workers end with fit, however it ends
+                for callback in self.callbacks:
+                    if hasattr(callback, "on_fit_end"):
+                        callback.on_fit_end(self)
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()
         self.adapter.write_back(self.state.params, self.state.model_state)
         if stop_reason == "preempted":
             saving = self.hook(Checkpointing)
@@ -277,8 +283,8 @@ class Trainer:
         pending: list[tuple] = []  # (step, epoch, device metrics) not yet read from the device
         while step < self.max_steps:
             batch, placed = next(self.feed, (None, None))
-            if batch is None:
-                check_data_continues(step, self.max_steps)
+            if self.peers.data_ended(batch is None, step + 1, length_known=source.steps_per_epoch is not None,
+                                     max_steps=self.max_steps):
                 reason = "data exhausted"
                 break
             epoch = (step + self.data_offset) // source.steps_per_epoch if source.steps_per_epoch else None
