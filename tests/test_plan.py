@@ -234,11 +234,21 @@ def test_default_rules_that_match_nothing_are_listed_and_the_trainer_prints_the_
                          mesh=tp.make_mesh(jax.devices()[:2]))
     unmatched = px.summarize(plan).lint.unmatched_rules
     assert unmatched and set(unmatched) <= {pattern for pattern, _ in px.DEFAULT_RULES}
-    trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy=small("fsdp"), summary=True,
+    assert px.summarize(plan).lint.frozen == () and "frozen" not in str(px.summarize(plan))  # SGD trains every param
+    # The first layer frozen the optax way: marked in the table and the lint, never changed by training.
+    frozen_up = optax.multi_transform({"train": optax.adam(1e-3), "freeze": optax.set_to_zero()},
+                                      lambda params: {name: "freeze" if name == "up" else "train" for name in params})
+    trainer = px.Trainer(MLP(), frozen_up, classifier_loss, strategy=small("fsdp"), summary=True,
                          batch_size=16, max_steps=1, progress=False)
     trainer.fit(batch)
     printed = capsys.readouterr().out
     assert "FSDP(fsdp=8) on mesh {'fsdp': 8}" in printed and re.search(r"params +\d", printed)
+    assert re.search(r"up/kernel \(frozen\) +\(24, 64\)", printed) and "hidden/kernel (frozen)" not in printed, printed
+    assert ("frozen: 2 param(s) the optimizer never changes (no gradient reaches their update): up/bias, up/kernel"
+            in printed), printed
+    start = px.init_state(MLP(), frozen_up, batch, strategy=small("fsdp"), loss_fn=classifier_loss)
+    assert np.array_equal(trainer.state.params["up"]["kernel"], start.params["up"]["kernel"])
+    assert not np.array_equal(trainer.state.params["down"]["kernel"], start.params["down"]["kernel"])
     out = io.StringIO()
     px.summarize(trainer.plan).print(file=out)  # not a terminal: plain text
     assert out.getvalue().strip() == str(px.summarize(trainer.plan)).strip()

@@ -57,7 +57,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
                                   multiple=options.grad_accum)
         plan = plan_state(model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
                           rng_streams=options.rng_streams, offload=options.offload)
-        totals = summarize(plan).totals
+        totals = summarize(plan, find_frozen=False).totals
         step = make_train_step(loss_fn, plan.strategy, options)
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
         compiled = step.lower(plan.abstract_arrays(), batch).compile()

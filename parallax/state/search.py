@@ -332,7 +332,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
                 skipped[label] = f"{SAME_AS}{laid_out[path, layout]} (every array laid out alike, on the same path)"
                 continue
             laid_out[path, layout] = label
-            total = summarize(planned).totals["total"]
+            total = summarize(planned, find_frozen=False).totals["total"]
             state_bytes = total["per_device"] - total["host"]  # in device memory
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"

@@ -5,8 +5,9 @@ built one (:class:`parallax.TrainState`): every param's path, global shape, dtyp
 ``PartitionSpec`` and bytes per device; totals for params, optimizer state and model state,
 per device and global (element counts are global, not per shard). Its lint names the large
 params that stay whole on every device and why (below ``min_weight_size``, no divisible dim,
-no tensor-parallel rule or derived split), rules that matched nothing, and the fraction of
-state bytes that is sharded; ``fail_if_replicated_over=`` makes a large replicated param an
+no tensor-parallel rule or derived split), rules that matched nothing, the params the
+optimizer never changes (frozen: marked in the table too), and the fraction of state bytes
+that is sharded; ``fail_if_replicated_over=`` makes a large replicated param an
 error.
 
 Example:
@@ -34,6 +35,7 @@ from parallax._units import format_bytes, parse_bytes
 from parallax.models import adapter_for
 from parallax.sharding import rules as tp_rules
 from parallax.sharding.strategy import Strategy
+from parallax.state.frozen import frozen_paths
 from parallax.state.plan import StatePlan
 from parallax.step.train_state import TrainState
 
@@ -57,6 +59,8 @@ class LeafRow:
         bytes_per_device: bytes of one device's shard.
         memory_kind: where the shards live: ``"device"``, or ``"pinned_host"`` for state
             offloaded to host memory (``StepOptions.offload``).
+        frozen: a param the optimizer never changes (its update does not depend on the
+            gradient: ``optax.set_to_zero()`` for it, :mod:`parallax.state.frozen`).
     """
 
     path: str
@@ -66,6 +70,7 @@ class LeafRow:
     bytes_global: int
     bytes_per_device: int
     memory_kind: str = "device"
+    frozen: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -95,18 +100,23 @@ class Lint:
         sharded_fraction: the fraction of the state's (global) bytes in arrays split over
             some mesh axis.
         large_bytes: the size from which a replicated param is reported.
+        frozen: the params the optimizer never changes, by path (marked in the table too).
     """
 
     replicated: tuple[Replicated, ...]
     unmatched_rules: tuple[str, ...]
     sharded_fraction: float
     large_bytes: int
+    frozen: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"lint: {100 * self.sharded_fraction:.1f}% of state bytes sharded; {len(self.replicated)} param(s) "
                  f"over {format_bytes(self.large_bytes)} replicated on every device"]
         lines += [f"  replicated: {entry}" for entry in self.replicated]
         lines += [f"  rule matches no param: {rule!r}" for rule in self.unmatched_rules]
+        if self.frozen:
+            lines.append(f"  frozen: {len(self.frozen)} param(s) the optimizer never changes (no gradient reaches "
+                         f"their update): {', '.join(self.frozen[:4])}{', ...' if len(self.frozen) > 4 else ''}")
         return "\n".join(lines)
 
 
@@ -139,7 +149,8 @@ class Summary:
                 "totals": {k: dict(v) for k, v in self.totals.items()},
                 "lint": {"replicated": [dataclasses.asdict(r) for r in self.lint.replicated],
                          "unmatched_rules": list(self.lint.unmatched_rules),
-                         "sharded_fraction": self.lint.sharded_fraction, "large_bytes": self.lint.large_bytes}}
+                         "sharded_fraction": self.lint.sharded_fraction, "large_bytes": self.lint.large_bytes,
+                         "frozen": list(self.lint.frozen)}}
 
     def figure(self, path: str | None = None, budget: int | str | None = None) -> Any:
         """A matplotlib figure of the mesh and of each device's bytes, device and host memory
@@ -151,8 +162,8 @@ class Summary:
         return draw(summary_bars(self), budgets, "px.summarize", path)
 
     def _param_cells(self) -> list[tuple[str, ...]]:
-        return [(row.path, str(row.shape), row.dtype, _spec_text(row.spec), format_bytes(row.bytes_per_device))
-                for row in self.params]
+        return [(row.path + (" (frozen)" if row.frozen else ""), str(row.shape), row.dtype, _spec_text(row.spec),
+                 format_bytes(row.bytes_per_device)) for row in self.params]
 
     def _total_cells(self) -> list[tuple[str, ...]]:
         host = self.totals["total"]["host"] > 0
@@ -192,7 +203,8 @@ class Summary:
 
 
 def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None = None, *,
-              large_bytes: int = 2**20, fail_if_replicated_over: int | None = None) -> Summary:
+              large_bytes: int = 2**20, fail_if_replicated_over: int | None = None,
+              find_frozen: bool = True) -> Summary:
     """Each param's spec and bytes per device, the state's totals, and the sharding lint.
 
     Args:
@@ -202,6 +214,8 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
         large_bytes: params of more bytes than this that stay whole are reported.
         fail_if_replicated_over: raise :class:`ReplicatedParamError` if a param of more
             bytes than this is whole on every device.
+        find_frozen: mark the params the optimizer never changes (traces its update: about a
+            second for a few hundred params; ``False`` where only the bytes are wanted).
 
     Returns:
         A :class:`Summary`.
@@ -219,6 +233,8 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
         raise ValueError(f"summarize takes a px.StatePlan (px.plan_state(...)) or a px.TrainState, got "
                          f"{type(plan_or_state).__name__}.")
     rows = {part: _rows(getattr(arrays, part)) for part in PARTS}
+    frozen = frozen_paths(arrays.tx, arrays.params, arrays.opt_state) if find_frozen else ()
+    rows["params"] = [dataclasses.replace(row, frozen=row.path in frozen) for row in rows["params"]]
     totals = {part: _total(part_rows) for part, part_rows in rows.items()}
     totals["other"] = _total(_rows((arrays.step, arrays.rng)))
     totals["total"] = {k: sum(t[k] for t in totals.values()) for k in ("count", "global", "per_device", "host")}
@@ -228,7 +244,7 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     whole = _replicated_params(rows["params"], strategy, sizes)
     sharded = sum(row.bytes_global for row in all_rows if row.sharded) / state_bytes if state_bytes else 0.0
     lint = Lint(tuple(r for r in whole if r.bytes > large_bytes),
-                _unmatched_rules(strategy, [row.path for row in rows["params"]]), sharded, large_bytes)
+                _unmatched_rules(strategy, [row.path for row in rows["params"]]), sharded, large_bytes, frozen)
     summary = Summary(strategy.describe(mesh) if strategy is not None else "(strategy not given)", sizes,
                       tuple(rows["params"]), totals, lint)
     if fail_if_replicated_over is not None:

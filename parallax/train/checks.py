@@ -72,7 +72,7 @@ def check_plan(plan: StatePlan, summary: bool, fail_if_replicated_over: int | No
     """Prints the state's summary (``summary=True``) and raises ``px.ReplicatedParamError`` for a param
     of more than ``fail_if_replicated_over`` bytes whole on every device, before anything is built."""
     if summary or fail_if_replicated_over is not None:
-        report = summarize(plan, fail_if_replicated_over=fail_if_replicated_over)
+        report = summarize(plan, fail_if_replicated_over=fail_if_replicated_over, find_frozen=summary)
         if summary:
             report.print()
 

@@ -10,10 +10,12 @@ that raised waits at JAX's shutdown barrier for processes that wait for it). Dur
 * a watch thread on every process counts up a heartbeat key each second and reads the
   others': a process whose heartbeat stops for ``silence`` seconds (killed, out of memory, its
   host gone) ends every other process, with a line naming it;
-* a process whose fit raises writes its error there; the others print it and end at once
-  (process 0, whose store the others read, last); the raising process itself exits after its
-  traceback (an uncaught exception: :func:`parallax.distributed.initialize`'s ``fail_fast``,
-  applied here to a run JAX was started for without it);
+* a process whose fit raises writes its error there; the others print it and end within
+  ``grace`` (3 s) unless their own fit ends too (an error every process raises alike, such as
+  a check's, ends none; process 0, whose store the others read, ends last); the raising
+  process itself exits after its traceback (an uncaught exception:
+  :func:`parallax.distributed.initialize`'s ``fail_fast``, applied here to a run JAX was
+  started for without it);
 * data of unknown length (an iterator without ``len()``) may end on one process before
   another: before each step the processes meet at a barrier, each saying whether it has a
   batch, and all stop at the same step (a warning names the process whose data ended).
@@ -38,7 +40,7 @@ import jax
 log = logging.getLogger("parallax")
 
 _FITS = itertools.count()  # this process's fits, in order: every process numbers its fits alike (they call fit together)
-FAILED, ALIVE, ENDED, DONE = "failed", "alive", "ended", "done"
+FAILED, ALIVE, ENDED, GONE, DONE = "failed", "alive", "ended", "gone", "done"
 
 
 def _client() -> Any:
@@ -58,8 +60,9 @@ class Peers:
     Args:
         interval: seconds between heartbeats (and between reads of the others').
         silence: seconds without a heartbeat after which a process counts as dead.
-        grace: seconds process 0 waits, after another process's failure, before it ends
-            (the others read from its store: it ends last, so that they print their lines).
+        grace: seconds a process waits, once another's fit failed, for its own fit to end too
+            (an error every process raises alike, a check's, ends no process); and at most
+            what process 0, whose store the others read, waits for them to end before it does.
 
     Example:
         >>> with Peers() as peers:  # a single process: nothing to watch
@@ -79,6 +82,9 @@ class Peers:
 
     def _key(self, kind: str, index: int | None = None) -> str:
         return f"{self._prefix}/{kind}/" + ("" if index is None else str(index))
+
+    def _read(self, kind: str) -> dict[int, str]:
+        return {int(key.rsplit("/", 1)[1]): value for key, value in self.client.key_value_dir_get(self._key(kind))}
 
     def __enter__(self) -> "Peers":
         if self.client is None:
@@ -105,54 +111,70 @@ class Peers:
 
     def failed(self, error: BaseException | None) -> None:
         """Tells the others this process's fit raises ``error`` (once; before the fit's cleanup,
-        which may itself wait for them): they end at once, naming it."""
+        which may itself wait for them). Those whose fit does not end within ``grace`` seconds
+        end, naming it; an error every process raises alike (a check's) ends no process."""
         if self.client is None or error is None or isinstance(error, KeyboardInterrupt) or self._reported:
             return
         self._reported = True
         summary = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:400]
         try:
             self.client.key_value_set(self._key(FAILED, self.index), f"{self.step}|{summary}", allow_overwrite=True)
-        except Exception:
+            if self.index == 0:  # the others read from process 0's store: it raises once they fail or end
+                self._wait_for_others(2 * self.grace + self.interval)
+        except Exception:  # the coordinator is gone: JAX ends this process itself
             return
-        if self.index == 0:  # the others read from process 0's store: it ends last
-            time.sleep(self.grace + self.interval)
+
+    def _wait_for_others(self, seconds: float, silent: tuple[int, ...] = ()) -> None:
+        """Waits until every other process (but the ``silent``) failed or ended, at most ``seconds``."""
+        others = set(range(self.count)) - {self.index, *silent}
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not others <= set(self._read(FAILED)) | set(self._read(GONE)):
+            time.sleep(0.1)
 
     def _beat(self, count: int) -> None:
         self.client.key_value_set(self._key(ALIVE, self.index), str(count), allow_overwrite=True)
 
     def _watch(self) -> None:
-        """Beats, and ends this process when another failed or fell silent."""
-        heard: dict[str, tuple[str, float]] = {}  # key -> (last value, when it last changed)
+        """Beats, and ends this process when another failed (and this one's fit did not end too
+        within ``grace``) or fell silent."""
+        heard: dict[int, tuple[str, float]] = {}  # process -> (its last heartbeat, when it changed)
+        failure_seen: float | None = None
         for count in itertools.count(1):
             if self._stop.wait(self.interval):
                 return
             try:
                 self._beat(count)
-                failed = self.client.key_value_dir_get(self._key(FAILED))
-                alive = self.client.key_value_dir_get(self._key(ALIVE))
+                failed = {index: value for index, value in self._read(FAILED).items() if index != self.index}
+                alive = self._read(ALIVE)
             except Exception:  # the coordinator is gone: JAX's client ends this process itself
                 return
-            if failed:
-                key, value = failed[0]
-                step, _, summary = value.partition("|")
-                self._end(f"process {key.rsplit('/', 1)[1]} of {self.count} failed at step {step} ({summary})")
             now = time.monotonic()
-            for key, value in alive:
-                if key == self._key(ALIVE, self.index) or value == DONE:
+            if failed:
+                failure_seen = now if failure_seen is None else failure_seen
+                if now - failure_seen >= self.grace and not self._stop.is_set():
+                    index, value = min(failed.items())
+                    step, _, summary = value.partition("|")
+                    self._end(f"process {index} of {self.count} failed at step {step} ({summary})")
+            for index, value in alive.items():
+                if index == self.index or value == DONE:
                     continue
-                if heard.get(key, ("", 0.0))[0] != value:
-                    heard[key] = (value, now)
-                elif now - heard[key][1] > self.silence:
-                    self._end(f"process {key.rsplit('/', 1)[1]} of {self.count} has sent no heartbeat for "
-                              f"{self.silence:g} s (killed, out of memory, or its host is gone)")
+                if heard.get(index, ("", 0.0))[0] != value:
+                    heard[index] = (value, now)
+                elif now - heard[index][1] > self.silence and not self._stop.is_set():
+                    self._end(f"process {index} of {self.count} has sent no heartbeat for {self.silence:g} s "
+                              "(killed, out of memory, or its host is gone)", silent=(index,))
 
-    def _end(self, why: str) -> None:
+    def _end(self, why: str, silent: tuple[int, ...] = ()) -> None:
         """Ends this process, which waits in a collective for one that will never join it."""
         sys.stderr.write(f"parallax: {why}; process {self.index} stops too, at step {self.step} (exit code 1).\n")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        if self.index == 0:  # the others read from process 0's store: it ends last
-            time.sleep(self.grace)
+        try:
+            self.client.key_value_set(self._key(GONE, self.index), "1", allow_overwrite=True)
+            if self.index == 0:  # the others read from process 0's store: it ends last
+                self._wait_for_others(self.grace, silent)
+        except Exception:
+            pass
         logging.shutdown()
         os._exit(1)
 
