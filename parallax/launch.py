@@ -38,6 +38,10 @@ from typing import Sequence
 _GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d* ?(is connected to ?)?\d* ?(peer ranks\. )?"
                              rb"(Expected number of connected peer ranks is : \d+)?"
                              rb"|\d* ?peer ranks\. Expected number of connected peer ranks is : \d+")
+# JAX's preemption notifier reports the SIGTERM each process sends itself on a first Ctrl-C (that is
+# how a SIGINT reaches every process through JAX's preemption service): hidden once the launcher
+# forwarded a SIGINT, since each process already says "SIGINT: finishing this step and saving it".
+_SIGTERM_CAUGHT = re.compile(rb"preemption_notifier\.cc:\d+\] SIGTERM caught")
 FAILURE_GRACE = 3.0  # seconds after a first failure in which other failing processes are named too
 
 
@@ -87,7 +91,7 @@ class Launch:
         self.children: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
-        self._interrupts = 0
+        self._interrupts, self._terminated = 0, False
         self._exits: queue.Queue = queue.Queue()  # (index, code) in the order the processes end
 
     def say(self, line: str) -> None:
@@ -100,7 +104,7 @@ class Launch:
         for line in iter(stream.readline, b""):
             if quiet:  # Gloo prints each connection itself (not through the runtime's log), at times mid-line
                 line = _GLOO_CONNECTED.sub(b"", line)
-                if not line.strip():
+                if not line.strip() or (self._interrupts and not self._terminated and _SIGTERM_CAUGHT.search(line)):
                     continue
             self.say(f"[{index}] " + line.decode(errors="replace"))
 
@@ -116,6 +120,7 @@ class Launch:
 
     def forward(self, signum: int, frame=None) -> None:
         """Passes SIGINT/SIGTERM on to every process; a second SIGINT kills them."""
+        self._terminated = self._terminated or signum == signal.SIGTERM
         if signum == signal.SIGINT:
             self._interrupts += 1
             if self._interrupts > 1:

@@ -246,6 +246,11 @@ def test_ctrl_c_to_the_launcher_stops_every_process_at_one_step(tmp_path):
             break
     lines += proc.stdout.readlines()
     assert proc.wait(timeout=120) == 0, "".join(lines)[-4000:]
+    printed = "".join(lines)
+    # A Ctrl-C is called one: not JAX's "SIGTERM caught" (the SIGTERM each process sends itself to reach
+    # JAX's preemption service), nor orbax's "Reached preemption sync point", printed by every thread.
+    assert "[0] WARNING:parallax:SIGINT: finishing this step and saving it" in printed, printed[-3000:]
+    assert "SIGTERM caught" not in printed and "Reached preemption sync point" not in printed, printed[-3000:]
     done = results(tmp_path)
     assert {r["stop_reason"] for r in done} == {"preempted"} and done[0]["step"] == done[1]["step"] < STEPS
     assert done[0]["checkpoints"][-1] == done[0]["step"]

@@ -66,6 +66,20 @@ def _write_checksums(folder: str) -> None:
     os.replace(partial, os.path.join(folder, CHECKSUMS))
 
 
+class _OrbaxSyncLine(logging.Filter):
+    """Drops orbax's ``Reached preemption sync point, step=N`` warning, which every process prints
+    from several threads at a preemption: the Trainer says once per process what it saved."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Reached preemption sync point" not in str(record.msg)
+
+
+def _quiet_orbax_sync_line() -> None:
+    absl = logging.getLogger("absl")  # orbax logs through absl
+    if not any(isinstance(f, _OrbaxSyncLine) for f in absl.filters):
+        absl.addFilter(_OrbaxSyncLine())
+
+
 class Checkpointer:
     """Saves every ``every`` steps (async), keeps the last ``keep``, restores by step.
 
@@ -91,6 +105,7 @@ class Checkpointer:
             raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
+        _quiet_orbax_sync_line()
         # The checksums go into the step's temporary folder just before orbax renames it into
         # place, so a committed checkpoint is verifiable however the process ends afterwards.
         commit = ocp.AsyncOptions(post_finalization_callback=self._record_before_commit) if async_save else None
