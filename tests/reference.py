@@ -203,6 +203,8 @@ def assert_named(step, log_text: str) -> None:
     if found:
         assert describe_all(found) in step.describe()
         assert describe_all(found) in log_text
+        # and says what lays the step out without them (another split, path, or the search)
+        assert "Exact, but each copy costs memory and time. Laid out without them: " in log_text, log_text[-2000:]
 
 
 def assert_like_reference(label: str, params, losses: np.ndarray, ref: PlainRun, floor) -> float:

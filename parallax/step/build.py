@@ -42,7 +42,7 @@ from parallax.step.offload import moved, placement, with_memory_kinds
 from parallax.step.options import StepOptions
 from parallax.step.paths import allowed_paths, preferred, read_proof
 from parallax.step.per_example import is_per_example_loss
-from parallax.step.resharding import Resharding, compile_reporting, describe_all
+from parallax.step.resharding import Resharding, avoiding, compile_reporting, describe_all
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.timed_paths import timed_paths
 from parallax.step.train_state import TrainState
@@ -143,7 +143,7 @@ class Step:
     def _resharded(self) -> str:
         found = self.reshardings.get(self.mode(), []) if self.strategy is not None else []
         return (f"; the compiler replicated {len(found)} tensor(s) to reshard them (involuntary full "
-                f"rematerialization): {describe_all(found)}") if found else ""
+                f"rematerialization): {describe_all(found)}. {avoiding(self.strategy, self.mode(), self._allowed()[0])}") if found else ""
 
     def choose(self, state: TrainState, batch: Any) -> Choice:
         """Compiles every path of :meth:`modes` for this state and batch (real or abstract

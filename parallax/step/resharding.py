@@ -181,3 +181,24 @@ def describe_all(reshardings: list[Resharding], limit: int = 3) -> str:
     shown = "; ".join(r.describe() for r in reshardings[:limit])
     more = len(reshardings) - limit
     return shown + (f"; and {more} more" if more > 0 else "")
+
+
+def avoiding(strategy: Any, mode: str, paths: tuple[str, ...]) -> str:
+    """What lays the step out without such copies, for its warning: the other compile path where the
+    loss allows it (``shard_map`` gathers each FSDP param whole before its layer, so no activation is
+    resharded), another FSDP split, the search that prices them.
+
+    Example:
+        >>> avoiding(px.FSDP(split="output"), "jit", ("jit", "shard_map"))
+        "Exact, but each copy costs memory and time. Laid out without them: compile='shard_map' (each FSDP param gathered whole before its layer); FSDP(split='largest') or split='input' (the params named lie along another dim); or FSDP(split='auto') with the run's steps (init_state(steps=...), the Trainer), which prices every split and path"
+    """
+    ways = []
+    if mode == "jit" and "shard_map" in paths:
+        ways.append("compile='shard_map' (each FSDP param gathered whole before its layer)")
+    splits = [part.split for part in getattr(strategy, "parts", ()) if hasattr(part, "split")]
+    others = [split for split in ("largest", "input", "output") if splits and split != splits[0]]
+    if others:
+        ways.append(f"FSDP(split={others[0]!r}) or split={others[1]!r} (the params named lie along another dim)")
+        ways.append("or FSDP(split='auto') with the run's steps (init_state(steps=...), the Trainer), which prices "
+                    "every split and path")
+    return "Exact, but each copy costs memory and time." + (f" Laid out without them: {'; '.join(ways)}" if ways else "")
