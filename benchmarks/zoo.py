@@ -81,24 +81,33 @@ def specs_of(state) -> list:
 class Default:
     """The kind's default as a user's ``Trainer(max_steps=1000)`` builds it (FSDP's default
     ``split="auto"``: the cost model's pick of the split, its search bounded by 1,000 steps,
-    trained on the path it was priced on), or with a fixed ``split``."""
+    trained on the path it was priced on), or with a fixed ``split``; with ``pieces``, as
+    ``px.init_state`` + ``px.make_train_step`` build it with no ``steps=`` (the run's length
+    unknown: the split search bounded by ``search_seconds``, the step picking its own path)."""
 
-    def __init__(self, member: Member, kind: str, tx, split: str | None = None):
+    def __init__(self, member: Member, kind: str, tx, split: str | None = None, pieces: bool = False):
         from parallax.state.search import resolve
 
         start = time.perf_counter()
-        found = resolve(member.build(), tx, member.batch, strategy_of(kind, split), loss_fn=member.loss_fn,
-                        steps=STEPS)
-        self.search_s = time.perf_counter() - start if found.choice is not None else None
-        state = px.init_state(member.build(), tx, member.batch, strategy=found.strategy, loss_fn=member.loss_fn,
-                              mesh=found.mesh)
-        step = px.make_train_step(member.loss_fn, found.strategy, found.step_options(px.StepOptions()))
-        batch = px.data.to_global(member.batch, NamedSharding(found.mesh, found.strategy.batch_spec()))
+        if pieces:
+            state = px.init_state(member.build(), tx, member.batch, strategy=strategy_of(kind), loss_fn=member.loss_fn)
+            step = px.make_train_step(member.loss_fn, strategy_of(kind))
+            found = None
+            mesh = state.step.sharding.mesh
+        else:
+            found = resolve(member.build(), tx, member.batch, strategy_of(kind, split), loss_fn=member.loss_fn,
+                            steps=STEPS)
+            state = px.init_state(member.build(), tx, member.batch, strategy=found.strategy, loss_fn=member.loss_fn,
+                                  mesh=found.mesh)
+            step = px.make_train_step(member.loss_fn, found.strategy, found.step_options(px.StepOptions()))
+            mesh = found.mesh
+        self.search_s = time.perf_counter() - start if found is not None and found.choice is not None else None
+        batch = px.data.to_global(member.batch, NamedSharding(mesh, strategy_of(kind).batch_spec()))
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         self.setup_s = time.perf_counter() - start  # planning, the search, compiling, one step
         self.mode, self.specs, self.describe = step.mode(), specs_of(state), step.describe()
-        if found.choice is not None:
+        if found is not None and found.choice is not None:
             self.describe = f"{found.describe()}; {self.describe}"
         self.reshardings = [r.describe() for r in step.reshardings.get(self.mode, [])]
 
@@ -115,6 +124,7 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
         try:
             default = Default(member, kind, tx)
             largest = Default(member, kind, tx, split="largest") if "fsdp" in kind else None
+            pieces = Default(member, kind, tx, pieces=True) if "fsdp" in kind else None
         except Exception as exc:  # noqa: BLE001 (reported in the results)
             skipped[f"{kind} default"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
@@ -143,6 +153,8 @@ def build_configs(member: Member, kinds: list[str], tx) -> tuple[dict, dict, dic
                 defaults[kind] = (name, default)
             if largest is not None and f"{kind} split=largest" not in defaults and largest.matches(configs[name], mode):
                 defaults[f"{kind} split=largest"] = (name, largest)
+            if pieces is not None and f"{kind} pieces" not in defaults and pieces.matches(configs[name], mode):
+                defaults[f"{kind} pieces"] = (name, pieces)
         if kind not in defaults:
             skipped[f"{kind} default"] = f"matched no configuration ({default.describe})"
     return configs, defaults, skipped
@@ -194,9 +206,16 @@ def bench(member: Member, kinds: list[str], rounds: int, with_peers: bool, with_
             largest = {"label": fixed.label.split(" ", 1)[1], "over_best": round_ratios(fixed, configs[best]),
                        "default_search_s": default.search_s or 0.0,
                        "saves_s_per_1000_steps": 1000 * (fixed.median_s - configs[name].median_s)}
+        pieces = None
+        if f"{kind} pieces" in defaults:  # init_state + make_train_step, no steps=
+            built = configs[defaults[f"{kind} pieces"][0]]
+            pieces = {"label": built.label.split(" ", 1)[1], "over_best": round_ratios(built, configs[best]),
+                      "setup_s": defaults[f"{kind} pieces"][1].setup_s}
+        elif "fsdp" in kind:
+            skipped[f"{kind} pieces"] = "the pieces' default matched no configuration"
         results.append({
             "model": member.name, "family": member.family, "api": member.api, "kind": kind,
-            "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1],
+            "default": name.split(" ", 1)[1], "best": best.split(" ", 1)[1], "pieces": pieces,
             "default_over_best": round_ratios(configs[name], configs[best]),
             "default_ms": 1e3 * configs[name].median_s, "best_ms": 1e3 * configs[best].median_s,
             "default_setup_s": default.setup_s, "default_describe": default.describe,
@@ -231,7 +250,12 @@ def distribution(results: list[dict]) -> dict:
     for kind in KINDS:
         out[f"{kind} split=largest"] = _spread([r["split_largest"]["over_best"]["median"] for r in results
                                                 if r["kind"] == kind and r.get("split_largest")])
+    for kind in KINDS:
+        out[f"{kind} pieces"] = _spread([r["pieces"]["over_best"]["median"] for r in results
+                                         if r["kind"] == kind and r.get("pieces")])
     out["all"] = _spread([r["default_over_best"]["median"] for r in results if "default_over_best" in r])
+    out["all pieces"] = _spread([r["pieces"]["over_best"]["median"] if r.get("pieces") else r["default_over_best"]["median"]
+                                 for r in results if "default_over_best" in r])
     return {name: spread for name, spread in out.items() if spread}
 
 
@@ -260,14 +284,17 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines += ["", "Where FSDP is part of the kind, the default prices FSDP's splits (`split=\"auto\"`, bounded by "
               "1,000 steps); *split=largest* is what the fixed split would train, over the best, and *search s / "
               "saved s* what the default's search took beside what it saves over 1,000 steps against that fixed "
-              "split (the kinds' `split=largest` rows above: the same distribution for the fixed split). "
+              "split (the kinds' `split=largest` rows above: the same distribution for the fixed split); "
+              "*pieces* is the default of `px.init_state` + `px.make_train_step` with no `steps=` (the kinds' "
+              "`pieces` rows above; without FSDP the pieces build what the Trainer builds, so *all pieces* counts "
+              "the default there). "
               "*Replicated* counts the tensors "
               "the compiler replicated to reshard them in the default's program (involuntary full "
               "rematerialization; `default_reshardings` in the JSON names each).", "",
               "| model | kind | default | best | default ÷ best | default ms | split=largest ÷ best "
-              "| search s / saved s "
+              "| search s / saved s | pieces ÷ best "
               "| peers (÷ default) | replicated | setup s |",
-              "| --- | --- | --- | --- | --- | ---: | --- | --- | --- | ---: | ---: |"]
+              "| --- | --- | --- | --- | --- | ---: | --- | --- | --- | --- | ---: | ---: |"]
     for r in results:
         if r["kind"] == "auto" or "default_over_best" not in r:
             continue
@@ -278,8 +305,11 @@ def markdown(results: list[dict], meta: dict) -> str:
         fixed_text = (f"{fixed['label']} {fixed['over_best']['median']:.2f} ({fixed['over_best']['min']:.2f}–"
                       f"{fixed['over_best']['max']:.2f})" if fixed else "")
         saved = f"{fixed['default_search_s']:.1f} / {fixed['saves_s_per_1000_steps']:.1f}" if fixed else ""
+        built = r.get("pieces") or {}
+        pieces_text = (f"{built['label']} {built['over_best']['median']:.2f} ({built['over_best']['min']:.2f}–"
+                       f"{built['over_best']['max']:.2f})" if built else "")
         lines.append(f"| {r['model']} | {r['kind']} | {r['default']} | {r['best']} | {v['median']:.2f} "
-                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {fixed_text} | {saved} | {peers} "
+                     f"({v['min']:.2f}–{v['max']:.2f}) | {r['default_ms']:.1f} | {fixed_text} | {saved} | {pieces_text} | {peers} "
                      f"| {len(r['default_reshardings'])} | {r['default_setup_s']:.1f} |")
     searched = [r for r in results if r["kind"] == "auto"]
     if searched:

@@ -10,7 +10,7 @@ member's sizes from ``seed``; ``zoo(seed, scale=0.25)`` shrinks widths (the test
 Example:
     >>> members = zoo(0)
     >>> len(members), members[0].name
-    (22, 'mlp_square_a')
+    (24, 'mlp_square_a')
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _width(value: float, scale: float, multiple: int = 16) -> int:
 
 
 def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
-    """The 22 members, their sizes drawn from ``seed`` (``scale`` < 1 shrinks every width)."""
+    """The 24 members, their sizes drawn from ``seed`` (``scale`` < 1 shrinks every width)."""
     draws = np.random.default_rng(seed)  # the members' sizes: the same draws at every scale
     rng = np.random.default_rng([seed, 1])  # their batches
     pick = lambda options: options[int(draws.integers(len(options)))]  # noqa: E731
@@ -298,4 +298,13 @@ def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
         width=width, experts=experts, vocab=vocab)
     add("nnx_moe", "moe", "nnx", lambda v=vocab, d=width, e=experts: NNXMoE(v, d, 2 * d, e, nnx.Rngs(0)), lm_loss,
         _tokens(rng, 16, 32, vocab), width=width, experts=experts, vocab=vocab)
+
+    # Square hidden layers of 2048 between a narrow input and output, at batch 256 (the MNIST-style MLP
+    # a new user brings; google-parallax's FSDP rule, every kernel's output dim under jit, suits it).
+    # Fixed sizes, drawn last: the members above keep their draws.
+    wide, inputs = w(2048), w(784)
+    add("mlp_wide", "mlp", "linen", lambda wide=wide: Stack((wide,) * 3), classifier_loss,
+        _classifier_batch(rng, 256, (inputs,)), width=wide, depth=3, inputs=inputs)
+    add("nnx_mlp_wide", "mlp", "nnx", lambda wide=wide, inputs=inputs: NNXStack(inputs, (wide,) * 3, nnx.Rngs(0)),
+        classifier_loss, _classifier_batch(rng, 256, (inputs,)), width=wide, depth=3, inputs=inputs)
     return members

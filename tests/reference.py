@@ -24,7 +24,7 @@ TOL = 1e-5
 
 
 def _fsdp(size=-1):
-    return px.FSDP(size, min_weight_size=64)
+    return px.FSDP(size, min_weight_size=64, split="largest")
 
 
 STRATEGIES = {

@@ -89,7 +89,7 @@ def test_a_new_kind_of_part_is_classified_by_what_it_declares():
                 dims[0] = self.axis
             return dims
 
-    strategy = px.combine(px.FSDP(4, min_weight_size=0), Expert(2))
+    strategy = px.combine(px.FSDP(4, min_weight_size=0, split="largest"), Expert(2))
     assert strategy.data_axes == ("fsdp",) and strategy.fsdp_axes == ("fsdp",)
     assert strategy.model_axes == ("expert",)
     assert strategy.batch_spec() == jax.sharding.PartitionSpec("fsdp")

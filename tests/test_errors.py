@@ -16,7 +16,7 @@ from tests.models import MLP, batches, classifier_loss
 
 @pytest.fixture(scope="module")
 def fsdp_state():
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     return strategy, px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy,
                                    loss_fn=classifier_loss)
 
@@ -221,7 +221,7 @@ def test_a_python_float_inside_the_loss_is_named_before_compiling():
 
 
 def test_a_batch_placed_on_another_mesh_is_named():
-    strategy = px.FSDP(4, min_weight_size=0)
+    strategy = px.FSDP(4, min_weight_size=0, split="largest")
     batch = batches("mlp", 1)[0]
     state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=classifier_loss,
                           mesh=strategy.make_mesh(jax.devices()[:4]))

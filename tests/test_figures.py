@@ -13,7 +13,7 @@ from parallax.state.figure import COLORS, HOST, summary_bars
 from tests.models import MLP, batches, classifier_loss
 
 DATA = batches("mlp", 1, batch_size=16)[0]
-FSDP = px.FSDP(min_weight_size=0)
+FSDP = px.FSDP(min_weight_size=0, split="largest")
 
 
 class NNXMLP(nnx.Module):

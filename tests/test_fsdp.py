@@ -26,7 +26,7 @@ def _local_shape(array):
 
 def test_each_device_holds_one_eighth_of_large_params_and_moments():
     model = TinyLM(vocab=128, features=64)
-    strategy = px.FSDP(min_weight_size=MIN_SIZE)
+    strategy = px.FSDP(min_weight_size=MIN_SIZE, split="largest")
     state = px.init_state(model, optax.adamw(1e-3), batches("lm", 1)[0], strategy=strategy, loss_fn=lm_loss)
     adam = state.opt_state[0]
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
@@ -53,7 +53,7 @@ class Wide(nn.Module):
 
 
 def test_init_never_materialises_a_whole_param_on_one_device():
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     plan = px.plan_state(Wide(), optax.sgd(0.1), jnp.ones((8, 1024)), strategy=strategy)
     full_bytes = 1024 * 4096 * 4
     lowered = plan.lower()
@@ -70,7 +70,7 @@ def test_init_never_materialises_a_whole_param_on_one_device():
 def test_wrap_runs_the_notebook_recipe_inside_shard_map():
     """px.wrap_for_shard_map: shard on write at init, gather on read, inside the user's shard_map."""
     model = TinyLM(vocab=64, features=32)
-    strategy = px.FSDP(min_weight_size=256)
+    strategy = px.FSDP(min_weight_size=256, split="largest")
     mesh = strategy.make_mesh()
     wrapped = px.wrap_for_shard_map(model, strategy)
     tokens = batches("lm", 1)[0]["x"]
@@ -93,7 +93,7 @@ def test_wrap_runs_the_notebook_recipe_inside_shard_map():
 
 def test_wrapped_module_matches_the_unwrapped_one():
     model = TinyLM(vocab=64, features=32)
-    strategy = px.FSDP(min_weight_size=256)
+    strategy = px.FSDP(min_weight_size=256, split="largest")
     mesh = strategy.make_mesh()
     tokens = batches("lm", 1)[0]["x"]
     variables = model.init(jax.random.PRNGKey(0), tokens, train=False)

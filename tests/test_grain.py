@@ -43,7 +43,7 @@ _spec.loader.exec_module(grain_run)
 STEPS = 5
 BATCHES = batches("mlp", STEPS, 16)
 EXAMPLES = [{k: v[i] for k, v in batch.items()} for batch in BATCHES for i in range(16)]
-STRATEGY = px.FSDP(min_weight_size=0)
+STRATEGY = px.FSDP(min_weight_size=0, split="largest")
 
 
 class Stateful:

@@ -73,9 +73,9 @@ def make_batches(kind):
 CASES = {"tied": (TiedLM, lm_loss), "logical": (LogicalMLP, classifier_loss)}
 STRATEGIES = {
     "dp": lambda: px.DataParallel(),
-    "fsdp": lambda: px.FSDP(min_weight_size=64),
-    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64), px.TensorParallel(2)),
+    "fsdp": lambda: px.FSDP(min_weight_size=64, split="largest"),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64, split="largest"), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64, split="largest"), px.TensorParallel(2)),
 }
 
 
@@ -110,7 +110,7 @@ def test_trains_like_one_device(case, strategy_name, compile_mode):
 
 
 def test_tied_embedding_under_fsdp_keeps_the_reduce_scatter_gradient():
-    strategy = px.FSDP(min_weight_size=64)
+    strategy = px.FSDP(min_weight_size=64, split="largest")
     batch = make_batches("tied")[0]
     state = px.init_state(TiedLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
     step = px.make_train_step(lm_loss, strategy, compile="shard_map")

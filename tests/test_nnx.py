@@ -191,10 +191,10 @@ def floor(name, opt_name, state, strategy):
 
 STRATEGIES = {
     "dp": lambda: px.DataParallel(),
-    "fsdp": lambda: px.FSDP(min_weight_size=64),
+    "fsdp": lambda: px.FSDP(min_weight_size=64, split="largest"),
     "tp": lambda: px.TensorParallel(),
-    "dp+fsdp": lambda: px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64)),
-    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64), px.TensorParallel(2)),
+    "dp+fsdp": lambda: px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64, split="largest")),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64, split="largest"), px.TensorParallel(2)),
 }
 # Dropout draws one mask for the global batch under jit (what compile="auto" picks for a loss not
 # marked per-example), so it matches one device; per-shard streams (shard_map) are tested apart.
@@ -274,7 +274,7 @@ def test_a_model_built_from_a_function_is_never_whole_on_one_device():
             return self.down(nnx.relu(self.up(x)))
 
     state = px.init_state(lambda: Wide(nnx.Rngs(0)), optax.adam(1e-3), batches("mlp", 1)[0],
-                          strategy=px.FSDP(min_weight_size=0), loss_fn=loss_fn)
+                          strategy=px.FSDP(min_weight_size=0, split="largest"), loss_fn=loss_fn)
     kernel = state.params["up"]["kernel"]
     assert {shard.data.shape for shard in kernel.addressable_shards} == {(16, 128)}
     assert {shard.data.shape for shard in state.opt_state[0].mu["up"]["kernel"].addressable_shards} == {(16, 128)}
@@ -287,7 +287,7 @@ def test_an_instance_keeps_its_own_values():
     model = MLP(nnx.Rngs(7))
     model.down.bias.set_value(model.down.bias.get_value() + 1.0)  # as if trained
     expected = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    strategy = px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2))
+    strategy = px.combine(px.FSDP(4, min_weight_size=0, split="largest"), px.TensorParallel(2))
     state = px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy, loss_fn=loss_fn)
     assert max_diff(jax.device_get(state.params), expected) == 0.0
     assert state.params["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
@@ -378,11 +378,11 @@ def test_an_nnx_optimizer_gives_its_transformation_and_its_state():
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     data = batches("mlp", 2)
-    fresh = px.init_state(model, optimizer, data[0], strategy=px.FSDP(min_weight_size=64), loss_fn=loss_fn)
+    fresh = px.init_state(model, optimizer, data[0], strategy=px.FSDP(min_weight_size=64, split="largest"), loss_fn=loss_fn)
     assert int(fresh.opt_state[0].count) == 0 and fresh.tx is optimizer.tx
     grads = nnx.grad(lambda m: loss_fn(m, data[0]))(model)
     optimizer.update(model, grads)  # the user already trained a step, NNX style
-    state = px.init_state(model, optimizer, data[1], strategy=px.FSDP(min_weight_size=64), loss_fn=loss_fn)
+    state = px.init_state(model, optimizer, data[1], strategy=px.FSDP(min_weight_size=64, split="largest"), loss_fn=loss_fn)
     mu = nnx.to_pure_dict(nnx.state(optimizer.opt_state[0].mu))  # as the NNX optimizer holds it
     assert max_diff(jax.device_get(state.opt_state[0].mu), mu) == 0.0 and int(state.opt_state[0].count) == 1
     assert state.opt_state[0].mu["hidden"]["kernel"].sharding.spec == state.params["hidden"]["kernel"].sharding.spec
@@ -408,7 +408,7 @@ def test_sharding_annotations_on_nnx_variables_are_respected():
         def __call__(self, x):
             return self.down(nnx.relu(self.up(x)))
 
-    strategy = px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2))
+    strategy = px.combine(px.FSDP(4, min_weight_size=0, split="largest"), px.TensorParallel(2))
     state = px.init_state(lambda: Annotated(nnx.Rngs(0)), optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy,
                           loss_fn=loss_fn)
     # Unannotated, FSDP would split the larger dim (64) of up/kernel; the annotation asks for dim 0.
@@ -434,7 +434,7 @@ def test_variables_on_different_meshes_are_a_clear_error():
 @pytest.mark.parametrize("compile_mode", ["jit", "shard_map"])  # shard_map: FSDP shards gathered where read
 def test_remat_recomputes_nnx_modules_without_changing_results(compile_mode):
     """remat= names NNX module classes (or class names): same losses, and the step recomputes."""
-    strategy = px.FSDP(min_weight_size=64)
+    strategy = px.FSDP(min_weight_size=64, split="largest")
     data = batches("transformer", 3)
     trajectories, barriers = [], []
     for remat in ((), ("MultiHeadAttention", nnx.Linear)):
@@ -449,7 +449,7 @@ def test_remat_recomputes_nnx_modules_without_changing_results(compile_mode):
 def test_fsdp_shards_of_an_nnx_model_are_gathered_where_the_model_reads_them():
     """Inside shard_map each FSDP shard is all-gathered where its layer reads it (ZeRO-3), so a
     later layer's gather comes after an earlier layer's matmul, not all before the model runs."""
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     batch = batches("mlp", 1)[0]
     state = px.init_state(MODELS["mlp"], optax.sgd(0.1), batch, strategy=strategy, loss_fn=loss_fn)
     text = px.make_train_step(loss_fn, strategy, compile="shard_map").lower(state, batch).as_text()
@@ -460,7 +460,7 @@ def test_fsdp_shards_of_an_nnx_model_are_gathered_where_the_model_reads_them():
 def test_gradient_accumulation_and_bf16_on_an_nnx_model():
     """grad_accum=2 equals one step on the whole batch; precision="bf16" computes in bf16 with
     float32 params and still trains."""
-    strategy = px.FSDP(min_weight_size=64)
+    strategy = px.FSDP(min_weight_size=64, split="largest")
     data = batches("mlp", 2)
     results = {}
     for accum in (1, 2):
@@ -479,7 +479,7 @@ def test_gradient_accumulation_and_bf16_on_an_nnx_model():
 
 def test_inspect_reads_an_nnx_step():
     """parallax.inspect works on NNX state and steps: per-device bytes and collectives."""
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     data = batches("mlp", 1)
     state = px.init_state(MODELS["mlp"], optax.adam(1e-3), data[0], strategy=strategy, loss_fn=loss_fn)
     total = sum(x.nbytes for x in jax.tree.leaves(jax.device_get((state.params, state.opt_state))))

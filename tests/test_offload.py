@@ -21,7 +21,7 @@ from parallax.step.offload import state_memory_kinds
 from tests.models import MLP, Block, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, TOL
 
-FSDP = px.FSDP(min_weight_size=0)
+FSDP = px.FSDP(min_weight_size=0, split="largest")
 
 
 class TwoBlockLM(nn.Module):
@@ -137,7 +137,7 @@ def test_a_checkpoint_saved_with_offload_restores_without_it_and_on_another_mesh
     assert state_memory_kinds(first.state)["opt_state"] == {"pinned_host"}
     shutil.copytree(saved, copy)
     expected = [row["loss"] for row in whole.history.train][3:]
-    for directory, strategy, devices, offload in ((saved, px.FSDP(4, min_weight_size=0), jax.devices()[:4], None),
+    for directory, strategy, devices, offload in ((saved, px.FSDP(4, min_weight_size=0, split="largest"), jax.devices()[:4], None),
                                                    (copy, px.DataParallel(), None, "optimizer")):
         resumed = trainer(strategy, devices=devices, max_steps=6, checkpoint_dir=directory, offload=offload)
         result = resumed.fit(data, resume=True)

@@ -184,7 +184,7 @@ def lm_data():
 
 @pytest.mark.parametrize("strategy_name, opt_name", [("dp", "sgd"), ("fsdp", "adamw")])
 def test_an_unmarked_mean_loss_gets_the_cost_models_choice_and_trains_like_one_device(strategy_name, opt_name, lm_data):
-    strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=2**8)}[strategy_name]
+    strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=2**8, split="largest")}[strategy_name]
     single = px.DataParallel(1)
     start = px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=single, rng=0, loss_fn=lm_loss,
                           mesh=single.make_mesh(jax.devices()[:1]))

@@ -38,7 +38,7 @@ CASES = {  # model, loss, batch kind, strategies
 
 def small(strategy: str) -> px.Strategy:
     """The strategy with FSDP splitting the test models' small params too."""
-    parts = [px.FSDP(p.size, min_weight_size=64) if isinstance(p, px.FSDP) else p
+    parts = [px.FSDP(p.size, min_weight_size=64, split="largest") if isinstance(p, px.FSDP) else p
              for p in parse_strategy(strategy).parts]
     return parts[0] if len(parts) == 1 else px.combine(*parts)
 
@@ -261,7 +261,7 @@ def test_default_rules_that_match_nothing_are_listed_and_the_trainer_prints_the_
 def test_collective_bytes_read_the_list_and_the_iota_forms_alike():
     step = px.make_train_step(px.per_example_loss(classifier_loss), px.FSDP(min_weight_size=64), compile="shard_map")
     batch = batches("mlp", 1, 16)[0]
-    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=px.FSDP(min_weight_size=64), loss_fn=classifier_loss)
+    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=px.FSDP(min_weight_size=64, split="largest"), loss_fn=classifier_loss)
     text = step.lower(state, jax.device_put(batch, NamedSharding(state.step.sharding.mesh,
                                                                   px.FSDP().batch_spec()))).compile().as_text()
     lines = [line for line in text.splitlines() if re.search(r"(reduce-scatter|all-gather|all-reduce)(-start)?\(", line)]

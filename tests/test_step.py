@@ -32,11 +32,11 @@ def losses(history):
     return np.array([h["loss"] for h in history])
 
 
-HYBRID = px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=256), px.TensorParallel(2))
+HYBRID = px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=256, split="largest"), px.TensorParallel(2))
 
 
 @pytest.mark.parametrize("compile_mode", ["shard_map", "jit"])
-@pytest.mark.parametrize("strategy", [px.FSDP(min_weight_size=256), HYBRID], ids=["fsdp", "dp+fsdp+tp"])
+@pytest.mark.parametrize("strategy", [px.FSDP(min_weight_size=256, split="largest"), HYBRID], ids=["fsdp", "dp+fsdp+tp"])
 def test_grad_accumulation_equals_one_big_step(strategy, compile_mode):
     data = batches("lm", 5, batch_size=32)
     tx = optax.adamw(3e-3)
@@ -47,7 +47,7 @@ def test_grad_accumulation_equals_one_big_step(strategy, compile_mode):
 
 
 def test_grad_accumulation_reduce_scatters_once_per_step():
-    strategy = px.FSDP(min_weight_size=256)
+    strategy = px.FSDP(min_weight_size=256, split="largest")
     batch = batches("lm", 1, batch_size=32)[0]
     stats = {}
     for k in (1, 4):
@@ -71,7 +71,7 @@ def metrics_loss(model, batch):
     }
 
 
-@pytest.mark.parametrize("strategy", [px.DataParallel(), px.FSDP(min_weight_size=0), HYBRID],
+@pytest.mark.parametrize("strategy", [px.DataParallel(), px.FSDP(min_weight_size=0, split="largest"), HYBRID],
                          ids=["dp", "fsdp", "dp+fsdp+tp"])
 def test_metrics_equal_one_device(strategy):
     batch = batches("mlp", 1, batch_size=24 if strategy.data_shards() == 8 else 16)[0]
@@ -89,7 +89,7 @@ def test_metrics_equal_one_device(strategy):
 
 
 def test_eval_step_returns_sums_and_counts():
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     batch = batches("mlp", 1)[0]
     state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=metrics_loss)
     sums = px.make_eval_step(metrics_loss, strategy)(state, batch)
@@ -145,7 +145,7 @@ def test_dropout_is_the_same_across_tensor_shards():
 
 def test_bf16_policy_trains_with_float32_master_params():
     data = batches("mlp", 1, batch_size=64) * 30  # fit one batch
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     state, history = train(MLP(), optax.adam(1e-2), classifier_loss, strategy, data, precision="bf16")
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
@@ -226,7 +226,7 @@ def test_bf16_on_the_shard_map_path_gathers_and_reduces_in_float32():
     """bf16 compute, but FSDP's all-gathers and every gradient reduction move float32 (the master params are
     gathered before the cast, and gradients come back through the cast as float32)."""
     data = batches("mlp", 1, batch_size=64) * 10
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     state = px.init_state(MLP(), optax.adam(1e-2), data[0], strategy=strategy, rng=0, loss_fn=classifier_loss)
     step = px.make_train_step(classifier_loss, strategy, compile="shard_map", precision="bf16")
     assert step.mode() == "shard_map"
@@ -258,7 +258,7 @@ def test_bf16_on_the_shard_map_path_gathers_and_reduces_in_float32():
 
 def test_remat_recomputes_blocks_without_changing_results():
     data = batches("lm", 4)
-    strategy = px.FSDP(min_weight_size=256)
+    strategy = px.FSDP(min_weight_size=256, split="largest")
     _, plain = train(TinyLM(), optax.sgd(0.1), lm_loss, strategy, data)
     _, remat = train(TinyLM(), optax.sgd(0.1), lm_loss, strategy, data, remat=("Block",))
     np.testing.assert_allclose(losses(remat), losses(plain), atol=1e-6)
@@ -269,8 +269,8 @@ def test_remat_recomputes_blocks_without_changing_results():
     assert "optimization_barrier" not in plain_text
 
 
-@pytest.mark.parametrize("strategy", [px.DataParallel(), px.FSDP(min_weight_size=64),
-                                      px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64))],
+@pytest.mark.parametrize("strategy", [px.DataParallel(), px.FSDP(min_weight_size=64, split="largest"),
+                                      px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64, split="largest"))],
                          ids=["dp", "fsdp", "dp+fsdp"])
 def test_both_compile_paths_give_the_same_losses(strategy):
     data = batches("cnn", 6)
@@ -319,7 +319,7 @@ def test_global_norm_clipping_sees_the_whole_gradient_under_fsdp():
     """The optimizer runs on global arrays: clip_by_global_norm matches one device."""
     data = batches("lm", 6)
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
-    strategy = px.FSDP(min_weight_size=256)
+    strategy = px.FSDP(min_weight_size=256, split="largest")
     _, history = train(TinyLM(), tx, lm_loss, strategy, data)
     single = px.DataParallel(1)
     start = px.init_state(TinyLM(), tx, data[0], strategy=single, mesh=single.make_mesh(jax.devices()[:1]),

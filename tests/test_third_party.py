@@ -26,9 +26,9 @@ MIN = 256  # FSDP splits params above this many elements (the tiny configs' kern
 # TensorParallel() has no rules: each model's layout is derived from its computation.
 STRATEGIES = {
     "dp": lambda: px.DataParallel(),
-    "fsdp": lambda: px.FSDP(min_weight_size=MIN),
+    "fsdp": lambda: px.FSDP(min_weight_size=MIN, split="largest"),
     "tp": lambda: px.TensorParallel(),
-    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN), px.TensorParallel(2)),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN, split="largest"), px.TensorParallel(2)),
     "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN), px.TensorParallel(2)),
 }
 

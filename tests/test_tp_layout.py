@@ -142,7 +142,7 @@ def test_scanned_layers_split_a_feature_dim_never_the_layer_dim():
 
 def test_fsdp_never_splits_the_scanned_layer_dim():
     # 8 layers of 8x8 kernels: the layer dim is as large as any other and comes first.
-    plan = _plan(ScannedMLP(layers=8, features=8, hidden=8), _data((16, 24))[0], px.FSDP(min_weight_size=0))
+    plan = _plan(ScannedMLP(layers=8, features=8, hidden=8), _data((16, 24))[0], px.FSDP(min_weight_size=0, split="largest"))
     assert plan.specs.params["layers"]["up"]["kernel"] == P(None, "fsdp")
     assert plan.specs.params["layers"]["up"]["bias"] == P(None, "fsdp")
 
@@ -199,8 +199,8 @@ def _reference(name, opt_name):
 
 MODELS = {"scanned": (ScannedMLP(), (16, 24)), "out_in": (OutInMLP(), (16, 24))}
 HYBRIDS = {
-    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64), px.TensorParallel(2)),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64, split="largest"), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64, split="largest"), px.TensorParallel(2)),
 }
 
 

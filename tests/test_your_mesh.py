@@ -28,9 +28,9 @@ from tests.reference import TOL, max_diff, run_plain, run_steps
 E, A = AxisType.Explicit, AxisType.Auto
 MESH_TYPES = {"explicit": (E, E), "auto": (A, A), "mixed": (E, A)}
 STRATEGIES = {
-    "fsdp": lambda: px.combine(px.FSDP(min_weight_size=0), px.TensorParallel(1)),
-    "tp": lambda: px.combine(px.FSDP(1, min_weight_size=0), px.TensorParallel()),
-    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2)),
+    "fsdp": lambda: px.combine(px.FSDP(min_weight_size=0, split="largest"), px.TensorParallel(1)),
+    "tp": lambda: px.combine(px.FSDP(1, min_weight_size=0, split="largest"), px.TensorParallel()),
+    "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=0, split="largest"), px.TensorParallel(2)),
 }
 SHAPES = {"fsdp": (8, 1), "tp": (1, 8), "fsdp+tp": (4, 2)}
 
@@ -113,7 +113,7 @@ def test_init_state_takes_your_mesh_of_any_axis_types_inside_your_set_mesh(kind,
 def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys, types):
     devices = np.array(jax.devices())[::-1]  # an unusual device order, kept
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=list(devices), axis_types=MESH_TYPES[types])
-    strategy = px.combine(px.FSDP(min_weight_size=0), px.TensorParallel())
+    strategy = px.combine(px.FSDP(min_weight_size=0, split="largest"), px.TensorParallel())
     data = {"x": np.concatenate([b["x"] for b in BATCHES]), "y": np.concatenate([b["y"] for b in BATCHES])}
     tx = optax.adamw(1e-2, weight_decay=0.1)
     first = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, mesh=mesh)
@@ -153,9 +153,9 @@ def test_the_cost_model_measures_on_its_own_mesh_inside_yours():
 @pytest.mark.parametrize("call", ["wsc", "wsc_named", "reshard"])
 @pytest.mark.parametrize("kind", ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+tp"])
 def test_models_that_shard_themselves_train_like_one_device(call, kind):
-    strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=0), "tp": px.TensorParallel(),
-                "dp+fsdp": px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=0)),
-                "dp+fsdp+tp": px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=0), px.TensorParallel(2))}[kind]
+    strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=0, split="largest"), "tp": px.TensorParallel(),
+                "dp+fsdp": px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=0, split="largest")),
+                "dp+fsdp+tp": px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=0, split="largest"), px.TensorParallel(2))}[kind]
     spec = ({"dp": ("data", None), "fsdp": ("fsdp", None), "tp": (None, "tensor"),
              "dp+fsdp": (("data", "fsdp"), None), "dp+fsdp+tp": (("data", "fsdp"), "tensor")})[kind]
     model, lf = Net(call, spec), (onehot_loss if call == "reshard" else loss_fn)
@@ -191,7 +191,7 @@ def test_explicit_mode_models_train_inside_your_explicit_set_mesh(model):
     """A model written for Explicit axes, run as its author runs it: inside ``jax.set_mesh`` of an
     Explicit mesh (devices reversed) and given no ``mesh=``; the state on that mesh."""
     mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[::-1], axis_types=(E,))
-    strategy, tx = px.FSDP(min_weight_size=0), optax.adam(1e-2)
+    strategy, tx = px.FSDP(min_weight_size=0, split="largest"), optax.adam(1e-2)
     with jax.set_mesh(mesh):
         net = Net("reshard", ("fsdp", None)) if model.startswith("linen") else ExplicitNnx(nnx.Rngs(0))
         state = px.init_state(net, tx, BATCHES[0], strategy=strategy, loss_fn=onehot_loss)
@@ -239,7 +239,7 @@ def test_a_model_naming_an_axis_the_mesh_lacks_is_told_which_and_how():
 
 
 def test_the_shard_map_path_refuses_models_that_shard_themselves_by_name():
-    strategy, per_example = px.FSDP(min_weight_size=0), px.per_example_loss(loss_fn)
+    strategy, per_example = px.FSDP(min_weight_size=0, split="largest"), px.per_example_loss(loss_fn)
     state = px.init_state(Net("reshard", ("fsdp", None)), optax.sgd(0.1), BATCHES[0], strategy=strategy,
                           loss_fn=onehot_loss)
     with pytest.raises(ValueError, match="compile='shard_map' needs the shard_map path.*Explicit axes"):
@@ -293,7 +293,7 @@ def test_flax_gemma_example_with_its_own_sharding_config_trains_like_one_device(
         return -(onehot * jax.nn.log_softmax(logits[:, :-1])).sum(-1).mean()
 
     tokens = [np.random.RandomState(i).randint(1, 64, (8, 12)).astype(np.int32) for i in range(3)]
-    strategy = px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2))
+    strategy = px.combine(px.FSDP(4, min_weight_size=0, split="largest"), px.TensorParallel(2))
     reference, _ = _gemma_model(sharded=False)  # the same values (same seed), no sharding
     ref_opt = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
 
@@ -332,7 +332,7 @@ def test_hugging_face_params_start_training_under_fsdp_tp():
     tokens = np.random.RandomState(1).randint(1, VOCAB, (8, SEQ + 1)).astype(np.int32)
     own = float(jax.jit(lambda params: hf.module.apply({"params": params}, {"tokens": tokens},  # one program, not op by op
                                                       method=lambda m, b: causal_lm_loss(m, b)))(hf.params))
-    strategy = px.combine(px.FSDP(4, min_weight_size=0), px.TensorParallel(2))
+    strategy = px.combine(px.FSDP(4, min_weight_size=0, split="largest"), px.TensorParallel(2))
     trainer = px.Trainer(hf.module, optax.adam(1e-3), causal_lm_loss, strategy=strategy, params=hf.params,
                          batch_size=8, max_steps=2, shuffle=False, progress=False)
     state, history = trainer.fit({"tokens": np.concatenate([tokens, tokens])})
@@ -354,7 +354,7 @@ def test_pretrained_params_from_a_tree_or_an_orbax_path_with_named_mismatches(tm
     import orbax.checkpoint as ocp
 
     tx = optax.sgd(0.1)
-    strategy = px.FSDP(min_weight_size=0)
+    strategy = px.FSDP(min_weight_size=0, split="largest")
     init = jax.device_get(px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, rng=5).params)
     for given in ({"params": init}, init):
         state = px.init_state(Net(), tx, BATCHES[0], strategy=strategy, loss_fn=loss_fn, params=given)
@@ -396,6 +396,6 @@ def test_nnx_pretrained_state_and_fsdp_that_shards_nothing_warns():
     batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros((8, 2), np.float32)}
     pretrained = Mlp(3)
     with pytest.warns(UserWarning, match=r"FSDP\(fsdp=8\) splits only 0.0% of the train state.*min_weight_size=262,144"):
-        state = px.init_state(Mlp(0), optax.sgd(0.1), batch, strategy=px.FSDP(), loss_fn=mse,
+        state = px.init_state(Mlp(0), optax.sgd(0.1), batch, strategy=px.FSDP(split="largest"), loss_fn=mse,
                               params=nnx.state(pretrained, nnx.Param))
     assert max_diff(jax.device_get(state.params), nnx.to_pure_dict(nnx.state(pretrained, nnx.Param))) == 0.0

@@ -55,8 +55,8 @@ def init_state(
             model that fits the memory budget is built (where the best estimates are close,
             the closest few are first timed for a few steps: ``StepOptions.timed_candidates``);
             one log line says what was chosen and why (:func:`parallax.state.search.resolve`). FSDP's default
-            ``split="auto"`` picks each weight's split dim the same way when ``steps`` is given (without it,
-            or without ``loss_fn``: its largest dim).
+            ``split="auto"`` picks each weight's split dim the same way (without ``loss_fn``, which
+            compiling needs: its largest dim).
         rng: a seed or a PRNG key.
         loss_fn: if given, the model is initialised by running ``loss_fn(model, batch)``,
             which calls the model exactly as training will. Otherwise the model is
@@ -80,8 +80,8 @@ def init_state(
         sharding_mode: ``"detect"`` (Auto axes, or Explicit ones for a model JAX refuses with
             Auto axes: one that calls ``reshard`` or passes ``out_sharding=``), ``"auto"`` or
             ``"explicit"`` (see :mod:`parallax.step.mesh_mode`).
-        steps: how many steps the run will train: an ``"auto"`` search stops once it has spent what
-            they could win back, and FSDP's ``split="auto"`` is priced only when they are given.
+        steps: how many steps the run will train: an ``"auto"`` or split search stops once it has spent
+            what they could win back (without them: after ``options.search_seconds``).
 
     Returns:
         A :class:`TrainState` whose arrays carry ``NamedSharding`` s on ``mesh``.

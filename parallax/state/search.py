@@ -175,19 +175,14 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             devices (e.g. ``candidates(8, fsdp=px.FSDP(min_weight_size=2**14))``).
         steps: how many steps the run will train, if known: the search stops once it has spent
             more than ``steps`` times the best estimated step time so far (what the rest could
-            at most save). ``options.search_seconds`` bounds it in any case. An open FSDP split
-            is priced only with ``steps`` (without: each param's largest dim, nothing compiled).
+            at most save). ``options.search_seconds`` bounds it in any case (and alone, without
+            ``steps``: no fixed split is fast on every model, ``benchmarks/zoo.py``).
     """
     if not is_auto(strategy):
         return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
     if loss_fn is None and strategy != AUTO:  # nothing to compile: the split that needs no pricing
         log.info("FSDP(split='auto') prices each split by compiling the train step, which needs loss_fn=; "
                  "without it each param is split along its largest dim (split='largest').")
-        return _largest(strategy, mesh, devices)
-    if steps is None and strategy != AUTO:  # what a faster split could win is unknown: pay nothing for it
-        log.info("FSDP(split='auto') prices the splits only when it knows how many steps the run trains (the "
-                 "Trainer and px.testing.assert_equivalent pass them; init_state(steps=...)); each param is split "
-                 "along its largest dim (split='largest').")
         return _largest(strategy, mesh, devices)
     if loss_fn is None:
         raise ValueError(f"strategy={strategy!r} compiles each candidate's train step to price it: pass loss_fn=.")

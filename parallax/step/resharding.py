@@ -190,15 +190,14 @@ def avoiding(strategy: Any, mode: str, paths: tuple[str, ...]) -> str:
 
     Example:
         >>> avoiding(px.FSDP(split="output"), "jit", ("jit", "shard_map"))
-        "Exact, but each copy costs memory and time. Laid out without them: compile='shard_map' (each FSDP param gathered whole before its layer); FSDP(split='largest') or split='input' (the params named lie along another dim); or FSDP(split='auto') with the run's steps (init_state(steps=...), the Trainer), which prices every split and path"
+        "Exact, but each copy costs memory and time. Laid out without them: compile='shard_map' (each FSDP param gathered whole before its layer); FSDP(split='largest') or split='input' (the params named lie along another dim); or FSDP's default split='auto', which prices every split and path"
     """
     ways = []
     if mode == "jit" and "shard_map" in paths:
         ways.append("compile='shard_map' (each FSDP param gathered whole before its layer)")
     splits = [part.split for part in getattr(strategy, "parts", ()) if hasattr(part, "split")]
-    others = [split for split in ("largest", "input", "output") if splits and split != splits[0]]
+    others = [split for split in ("largest", "input", "output") if splits and splits[0] not in (split, "auto")]
     if others:
         ways.append(f"FSDP(split={others[0]!r}) or split={others[1]!r} (the params named lie along another dim)")
-        ways.append("or FSDP(split='auto') with the run's steps (init_state(steps=...), the Trainer), which prices "
-                    "every split and path")
+        ways.append("or FSDP's default split='auto', which prices every split and path")
     return "Exact, but each copy costs memory and time." + (f" Laid out without them: {'; '.join(ways)}" if ways else "")
