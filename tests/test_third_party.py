@@ -29,7 +29,7 @@ STRATEGIES = {
     "fsdp": lambda: px.FSDP(min_weight_size=MIN, split="largest"),
     "tp": lambda: px.TensorParallel(),
     "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN, split="largest"), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN, split="largest"), px.TensorParallel(2)),
 }
 
 

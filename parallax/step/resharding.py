@@ -196,8 +196,13 @@ def avoiding(strategy: Any, mode: str, paths: tuple[str, ...]) -> str:
     if mode == "jit" and "shard_map" in paths:
         ways.append("compile='shard_map' (each FSDP param gathered whole before its layer)")
     splits = [part.split for part in getattr(strategy, "parts", ()) if hasattr(part, "split")]
-    others = [split for split in ("largest", "input", "output") if splits and splits[0] not in (split, "auto")]
+    others = [split for split in ("largest", "input", "output") if splits and split != splits[0]]
     if others:
-        ways.append(f"FSDP(split={others[0]!r}) or split={others[1]!r} (the params named lie along another dim)")
-        ways.append("or FSDP's default split='auto', which prices every split and path")
-    return "Exact, but each copy costs memory and time." + (f" Laid out without them: {'; '.join(ways)}" if ways else "")
+        named = ", ".join(f"split={split!r}" for split in others[1:-1])
+        ways.append(f"FSDP(split={others[0]!r}){', ' + named if named else ''} or split={others[-1]!r} (the params "
+                    "named lie along another dim)")
+        if splits[0] != "auto":
+            ways.append("or FSDP's default split='auto', which prices every split and path")
+    if not ways:
+        ways.append("another strategy or axis order (strategy='auto' prices every mesh, copies included)")
+    return f"Exact, but each copy costs memory and time. Laid out without them: {'; '.join(ways)}"
