@@ -1,6 +1,6 @@
 """The zoo: does each default hold on models it was never tuned on?
 
-    python -m benchmarks.zoo                         # 22 models x 5 kinds, 8 simulated CPU devices (~70 min)
+    python -m benchmarks.zoo                         # 24 models x 5 kinds, 8 simulated CPU devices (~90 min)
     python -m benchmarks.zoo --models mlp_square_a,lm_0 --kinds fsdp --rounds 25
     python -m benchmarks.zoo --smoke                 # tiny widths, one round: checks it still runs
 
@@ -12,8 +12,10 @@ with no options (``px.FSDP(min_weight_size=2**14)``: the zoo's models are small,
 threshold is scaled down as in every benchmark here), built as ``Trainer(max_steps=1000)``
 builds it: where FSDP is part of the kind, its default ``split="auto"`` prices the splits (the
 search bounded by what 1,000 steps could win) and trains the pick on the path it was priced
-on; beside it, what the fixed ``split="largest"`` would train, and the search's time beside
-what it saves over 1,000 steps. After its first call each is identified with the
+on; beside it, what the fixed ``split="largest"`` would train, the search's time beside
+what it saves over 1,000 steps, and the default of the pieces under the Trainer
+(``px.init_state`` + ``px.make_train_step`` with no ``steps=``: the split search bounded by
+``search_seconds``, the step picking its own path). After its first call each is identified with the
 configuration that has the same layout and path; splits that lay the params out alike are one
 configuration. Peers, where installed (``make bench-peers``)
 and where they express the same plan: google-parallax's DDP and FSDP on the NNX members,
