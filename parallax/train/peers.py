@@ -90,7 +90,7 @@ class Peers:
         if self.client is None:
             return self
         self._prefix = f"parallax/fit{next(_FITS)}"
-        _exit_at_once_on_uncaught_errors(self.index, self.count, self.silence)
+        _exit_at_once_on_uncaught_errors(self.index, self.silence)
         self._beat(0)
         self._thread = threading.Thread(target=self._watch, name="parallax-peers", daemon=True)
         self._thread.start()
@@ -203,7 +203,7 @@ class Peers:
         if ended:
             self.client.key_value_set(self._key(ENDED, self.index), str(step))
         self.client.wait_at_barrier(f"{self._prefix}/batch{step}", 24 * 3600 * 1000)  # slow data is not an error
-        ended_on = sorted(int(key.rsplit("/", 1)[1]) for key, _ in self.client.key_value_dir_get(self._key(ENDED)))
+        ended_on = sorted(self._read(ENDED))
         if ended_on and len(ended_on) < self.count:
             log.warning("The training data of process%s %s ended after step %d while the other processes had more; "
                         "every process stops at step %d (stop_reason 'data exhausted'). Give every process as many "
@@ -212,16 +212,14 @@ class Peers:
         return bool(ended_on)
 
 
-def _exit_at_once_on_uncaught_errors(index: int, count: int, silence: float) -> None:
+def _exit_at_once_on_uncaught_errors(index: int, silence: float) -> None:
     """``fail_fast`` for a run JAX was started for without :func:`parallax.distributed.initialize`,
     said once in a line."""
     from parallax import distributed
 
     if getattr(sys.excepthook, "parallax_fail_fast", False):
         return
-    processes = distributed.Processes(index, count, jax.local_device_count(), jax.device_count(),
-                                      jax.local_devices()[0].device_kind)
-    sys.excepthook = distributed._exit_at_once(sys.excepthook, processes, None)
+    sys.excepthook = distributed._exit_at_once(sys.excepthook, distributed._processes(), None)
     if index == 0:
         log.warning("jax.distributed was started without px.distributed.initialize(): during fit the processes end "
                     "together when one fails or falls silent for %g s, and an uncaught error now exits its process "
