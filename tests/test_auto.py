@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from parallax import _cache
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
 from parallax.sharding.auto import candidates, from_mesh, split_candidates
@@ -70,6 +71,21 @@ def test_calibration_is_measured_once_per_machine_and_cached(tmp_path, monkeypat
     assert cost.calibrate(devices, refresh=True).calibration_seconds > 0
     (tmp_path / "device_speeds.json").write_text("{ half a file")  # a crash mid-write: measured again
     assert cost.calibrate(devices).calibration_seconds > 0
+    # Another process on the machine stores its measurement while this one measures: both then use
+    # the first stored, so a plan and the step it describes price alike (parallel test workers, cold).
+    first = json.loads((tmp_path / "device_speeds.json").read_text())[measured.key]
+    (tmp_path / "device_speeds.json").unlink()
+    real = cost._measure
+
+    def measured_while_another_stores(devices):
+        speeds = real(devices)
+        _cache.store(cost.CACHE_FILE, measured.key, {**first, "seconds_per_flop": 1.25})
+        return speeds
+
+    monkeypatch.setattr(cost, "_measure", measured_while_another_stores)
+    assert cost.calibrate(devices).seconds_per_flop == 1.25 == cost.calibrate(devices).seconds_per_flop
+    assert _cache.store(cost.CACHE_FILE, measured.key, first)["seconds_per_flop"] == 1.25  # the first kept
+    assert _cache.store(cost.CACHE_FILE, measured.key, first, replace=True) == first
 
 
 def test_estimate_reads_flops_bytes_transposes_and_collectives(speeds):
