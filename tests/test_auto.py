@@ -131,8 +131,8 @@ def test_a_marked_loss_lets_the_cost_model_pick_the_compile_path():
     assert step.mode() == "auto" and "picks jit or shard_map" in step.describe()
     state, _ = step(state, data[0])
     assert step.mode() in ("jit", "shard_map") and set(step.choice.estimates) == {"jit", "shard_map"}
-    ranked = step.choice.timed or {mode: est.seconds for mode, est in step.choice.estimates.items()}
-    assert step.choice.picked == min(ranked, key=ranked.get)  # timed where the estimates are close
+    priced = next(iter(step.choice.estimates))  # fastest estimate first
+    assert step.choice.picked == (timing.measured_pick(priced, step.choice.timed) if step.choice.timed else priced)
     assert step.describe().startswith(f"compile path {step.mode()}: est. ") and "runner-up" in step.describe()
     plain = px.make_train_step(classifier_loss, strategy)  # a loss as written: its trace is read at the first call
     assert plain.mode() == "auto" and "read at the first call" in plain.describe()
@@ -319,8 +319,13 @@ def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_
     init = lambda: px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=strategy, loss_fn=MARKED)  # noqa: E731
     step = px.make_train_step(MARKED, strategy)
     state, metrics = step(init(), data[0])
-    assert set(step.choice.timed) == {"jit", "shard_map"} and step.choice.picked == min(step.choice.timed,
-                                                                                         key=step.choice.timed.get)
+    priced = next(iter(step.choice.estimates))  # the cost model's pick: fastest estimate first
+    assert set(step.choice.timed) == {"jit", "shard_map"}
+    assert step.choice.picked == timing.measured_pick(priced, step.choice.timed)
+    # The measured fastest replaces the priced pick only when faster by more than the margin (10%).
+    assert timing.measured_pick("jit", {"jit": 1.0, "shard_map": 0.95}) == "jit"
+    assert timing.measured_pick("jit", {"jit": 1.0, "shard_map": 0.85}) == "shard_map"
+    assert timing.measured_pick("jit", {"jit": 0.9, "shard_map": 1.0}) == "jit"
     assert "timed the closest on the devices: " in step.describe() and int(state.step) == 1
     untimed = px.make_train_step(MARKED, strategy, compile=step.choice.picked)
     expected_state, expected = untimed(init(), data[0])
@@ -344,7 +349,7 @@ def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_
                                        devices=jax.devices()[:4], among=pool, options=px.StepOptions(**options))
     found = search()
     assert set(found.timed) == set(found.choice.estimates) and len(found.timed) == 2
-    assert found.choice.picked == min(found.timed, key=found.timed.get)
+    assert found.choice.picked == timing.measured_pick(next(iter(found.choice.estimates)), found.timed)
     assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
     assert "timed the closest on the devices: " in found.describe()
     assert search().timed == found.timed  # cached per machine and program: the same pick, nothing run

@@ -29,7 +29,8 @@ class Choice:
         over_budget: the labels dropped because their peak exceeds the budget.
         what: what was chosen (``"compile path"``, ``"FSDP"`` (its split), ``"strategy"``).
         timed: the candidates run on the devices to settle a close call (:mod:`parallax.pricing.timing`),
-            by label: their median step time in seconds; the pick is then the measured fastest.
+            by label: their median step time in seconds; the pick is then the measured fastest where it
+            beats the cost model's pick by more than 10% (:func:`parallax.pricing.timing.measured_pick`).
             Empty when nothing ran.
     """
 

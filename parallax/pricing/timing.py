@@ -4,8 +4,10 @@ The cost model ranks compiled candidates from their programs alone. Where its be
 lie close together, the ranking is within the model's error, so ``strategy="auto"``,
 ``FSDP(split="auto")`` and a train step choosing its compile path run the closest few
 (:func:`closest`) for a handful of steps on a freshly built state (or a copy of the caller's)
-and the example batch, round by round, and keep the measured fastest (:func:`settle`). The
-programs are the ones already compiled to price them: timing adds no compile.
+and the example batch, round by round, and keep the measured fastest where it beats the cost
+model's pick by more than :data:`MARGIN` (:func:`settle`): closer than that, a few timed steps
+on a shared machine do not tell two plans apart. The programs are the ones already compiled
+to price them: timing adds no compile.
 The times are cached per machine with the programs' fingerprints (``$PARALLAX_CACHE_DIR``),
 so searching the same model again picks the same candidate without running anything.
 """
@@ -34,6 +36,10 @@ WINDOW = 1.25  # candidates estimated within 25% of the best are close enough to
 ROUNDS = 5  # timed steps per candidate, after one untimed warm-up step
 CHEAP_SECONDS = 2.0  # timing that costs less (by the estimates) settles every candidate, close or not
 CACHE_FILE = "timed_candidates.json"
+# The measured fastest replaces the cost model's pick only when faster by more than this. On the
+# zoo (benchmarks/results/zoo_pieces.md), 5-round timings 0.3-6% apart overturned the model's pick
+# five times, and 25 interleaved rounds then measured the timed pick 12-33% slower than the best.
+MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +83,8 @@ def closest(choice: Choice, limit: int) -> list[str]:
 def settle(choice: Choice, timed: Callable[[str], Timed], budget: int | None, limit: int,
            devices: Sequence[jax.Device]) -> Choice:
     """``choice`` with its close call (:func:`closest`, at most ``limit`` candidates) settled on
-    the devices: the measured fastest picked, the times in :attr:`Choice.timed`.
+    the devices: the measured fastest picked where it beats the cost model's pick by more than
+    :data:`MARGIN` (:func:`measured_pick`), the times in :attr:`Choice.timed`.
 
     ``timed(label)`` makes a candidate ready to run. Nothing runs where there is no close call
     or with several processes (each would time on its own clock and cache); where running fails
@@ -91,7 +98,24 @@ def settle(choice: Choice, timed: Callable[[str], Timed], budget: int | None, li
     except jax.errors.JaxRuntimeError as err:
         log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", str(err).splitlines()[0])
         return choice
-    return dataclasses.replace(choice, picked=min(times, key=times.get), timed=times)
+    return dataclasses.replace(choice, picked=measured_pick(choice.picked, times), timed=times)
+
+
+def measured_pick(priced: str, times: Mapping[str, float]) -> str:
+    """The candidate to take from ``times`` (label -> median seconds): the measured fastest
+    where it is faster than the cost model's pick ``priced`` by more than :data:`MARGIN`, else
+    ``priced``.
+
+    Example:
+        >>> measured_pick("jit", {"jit": 0.0136, "shard_map": 0.0132})  # 3% apart: within noise
+        'jit'
+        >>> measured_pick("jit", {"jit": 0.0200, "shard_map": 0.0132})
+        'shard_map'
+    """
+    fastest = min(times, key=times.get)
+    if priced in times and times[fastest] * (1 + MARGIN) >= times[priced]:
+        return priced
+    return fastest
 
 
 def on_mesh(step: Callable[[Any, Any], Any], mesh: Mesh) -> Callable[[Any, Any], Any]:

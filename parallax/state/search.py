@@ -6,7 +6,8 @@ cost model (:mod:`parallax.pricing.cost`). Candidates whose state alone exceeds 
 budget are dropped before anything compiles; those whose compiled peak exceeds it after.
 A candidate that does not apply (the batch does not divide, a tensor layout cannot be
 derived) is skipped with its reason. Where the best estimates lie close together, the
-closest few are then run for a few steps and the measured fastest is kept
+closest few are then run for a few steps and the measured fastest is kept where it beats the
+cost model's pick by more than 10%
 (:mod:`parallax.pricing.timing`, ``StepOptions.timed_candidates``).
 
 Example:

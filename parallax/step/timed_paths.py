@@ -7,6 +7,7 @@ data parallelism, ``benchmarks/zoo.py``). At the first call, where both paths co
 their estimates are that close (or the steps so short that running them costs under
 :data:`parallax.pricing.timing.CHEAP_SECONDS`: :func:`parallax.pricing.timing.closest`), each
 runs a few steps on a copy of the caller's state and batch, and the measured fastest is kept
+where it beats the cost model's pick by more than 10%
 (:func:`parallax.pricing.timing.settle`: cached per machine and program, so a second run of the
 same model runs nothing). The caller's state is not touched: the copies are donated, the
 caller's arrays are not.
