@@ -326,6 +326,9 @@ def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_
     assert timing.measured_pick("jit", {"jit": 1.0, "shard_map": 0.95}) == "jit"
     assert timing.measured_pick("jit", {"jit": 1.0, "shard_map": 0.85}) == "shard_map"
     assert timing.measured_pick("jit", {"jit": 0.9, "shard_map": 1.0}) == "jit"
+    kept = dataclasses.replace(step.choice, picked="jit", timed={"jit": 0.0100, "shard_map": 0.0097})
+    assert kept.describe().endswith("shard_map 9.7 ms, jit 10.0 ms (jit kept: the measured difference is within "
+                                    "the timing's noise margin)"), kept.describe()
     assert "timed the closest on the devices: " in step.describe() and int(state.step) == 1
     untimed = px.make_train_step(MARKED, strategy, compile=step.choice.picked)
     expected_state, expected = untimed(init(), data[0])

@@ -38,7 +38,7 @@ CHEAP_SECONDS = 2.0  # timing that costs less (by the estimates) settles every c
 CACHE_FILE = "timed_candidates.json"
 # The measured fastest replaces the cost model's pick only when faster by more than this. On the
 # zoo (benchmarks/results/zoo_pieces.md), 5-round timings 0.3-6% apart overturned the model's pick
-# five times, and 25 interleaved rounds then measured the timed pick 12-33% slower than the best.
+# six times, and 25 interleaved rounds then measured the timed pick 1.10-1.33x the best plan.
 MARGIN = 0.10
 
 
