@@ -260,4 +260,6 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = Fa
     # Another process on this machine may have stored its measurement first: this one uses that one
     # too. Several processes of one run use process 0's (agreed above), whatever their hosts hold.
     kept = _cache.store(CACHE_FILE, key, _stored(speeds), replace=refresh or jax.process_count() > 1)
-    return speeds if kept == _stored(speeds) else _from_stored(key, kept)
+    if kept == _stored(speeds) or not isinstance(kept, dict):
+        return speeds
+    return _from_stored(key, kept)

@@ -162,7 +162,9 @@ def measure(candidates: Mapping[str, Timed], budget: int | None, devices_key: st
             del state
     medians = {label: statistics.median(seconds) for label, seconds in times.items()}
     kept = _cache.store(CACHE_FILE, key, medians)  # another process's timing, stored first, wins
-    return {label: float(kept[label]) for label in candidates} if set(kept) == set(candidates) else medians
+    if isinstance(kept, dict) and set(kept) == set(candidates):
+        return {label: float(kept[label]) for label in candidates}
+    return medians
 
 
 def program_text(program: Any) -> str:
