@@ -259,7 +259,8 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = Fa
         speeds = _from_stored(key, _multihost.agree(_stored(speeds)), speeds.calibration_seconds)
     # Another process on this machine may have stored its measurement first: this one uses that one
     # too. Several processes of one run use process 0's (agreed above), whatever their hosts hold.
-    kept = _cache.store(CACHE_FILE, key, _stored(speeds), replace=refresh or jax.process_count() > 1)
-    if kept == _stored(speeds) or not isinstance(kept, dict):
+    stored = _stored(speeds)
+    kept = _cache.store(CACHE_FILE, key, stored, replace=refresh or jax.process_count() > 1)
+    if kept == stored or not isinstance(kept, dict):
         return speeds
     return _from_stored(key, kept)

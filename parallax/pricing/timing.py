@@ -142,9 +142,9 @@ def measure(candidates: Mapping[str, Timed], budget: int | None, devices_key: st
     for label, candidate in candidates.items():
         fingerprint.update(f"{label}\n{program_text(candidate.program)}\n".encode())
     key = f"{devices_key}|{rounds}|{fingerprint.hexdigest()}"
-    cached = _cache.read(CACHE_FILE).get(key)
-    if isinstance(cached, dict) and set(cached) == set(candidates):
-        return {label: float(cached[label]) for label in candidates}
+    cached = _times_of(_cache.read(CACHE_FILE).get(key), candidates)
+    if cached is not None:
+        return cached
     times: dict[str, list[float]] = {label: [] for label in candidates}
     together = budget is None or (sum(c.state_bytes for c in candidates.values())
                                   + max(c.peak for c in candidates.values()) <= budget)
@@ -161,10 +161,15 @@ def measure(candidates: Mapping[str, Timed], budget: int | None, devices_key: st
                 state = _timed(candidate, state, times[label])
             del state
     medians = {label: statistics.median(seconds) for label, seconds in times.items()}
-    kept = _cache.store(CACHE_FILE, key, medians)  # another process's timing, stored first, wins
-    if isinstance(kept, dict) and set(kept) == set(candidates):
-        return {label: float(kept[label]) for label in candidates}
-    return medians
+    kept = _times_of(_cache.store(CACHE_FILE, key, medians), candidates)  # another process's, stored first, wins
+    return medians if kept is None else kept
+
+
+def _times_of(cached: Any, candidates: Mapping[str, Timed]) -> dict[str, float] | None:
+    """The cached times of exactly ``candidates``, or ``None`` where the cache holds none."""
+    if isinstance(cached, dict) and set(cached) == set(candidates):
+        return {label: float(cached[label]) for label in candidates}
+    return None
 
 
 def program_text(program: Any) -> str:
