@@ -27,7 +27,7 @@ from parallax import _cache
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
 from parallax.sharding.auto import candidates, from_mesh, split_candidates
-from parallax.state import search
+from parallax.state import search, search_budget
 from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
@@ -362,9 +362,12 @@ def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_
         px.StepOptions(timed_candidates=-1)
 
 
-def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time():
+def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time(tmp_path, monkeypatch):
     """A run of one step cannot win back more than one step: after the first candidate the search
-    stops; so it does once ``search_seconds`` are spent. What was not tried is said."""
+    stops; so it does once ``search_seconds`` are spent. What was not tried is said. Where the clock
+    stopped it, the same search on this machine stops there again, however fast its clock runs (a
+    run killed and resumed, or run twice, trains on one plan)."""
+    monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path / "first"))
     data = batches("mlp", 1, batch_size=32)
     pool = [px.DataParallel(4), px.FSDP(4, split="largest"), px.TensorParallel(4)]
     search = lambda steps=None, **options: resolve(  # noqa: E731
@@ -377,6 +380,14 @@ def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time():
     hurried = search(search_seconds=1e-9)
     assert len(hurried.choice.estimates) == 1 and "(search_seconds)" in next(iter(hurried.skipped.values()))
     assert len(search(steps=10**9).choice.estimates) == 3  # a long run: every candidate priced
+    monkeypatch.setattr(search_budget, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))  # a clock that stands
+    again = search(steps=1)
+    assert list(again.choice.estimates) == list(short.choice.estimates) and again.strategy == short.strategy
+    assert all(why.endswith(search_budget.REPLAYED) for why in again.skipped.values()), again.skipped
+    (tmp_path / "another_machine").mkdir()  # the same device speeds, no search stops cached
+    (tmp_path / "another_machine" / cost.CACHE_FILE).write_bytes((tmp_path / "first" / cost.CACHE_FILE).read_bytes())
+    monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path / "another_machine"))
+    assert len(search(steps=1).choice.estimates) == 3  # nothing cached: this clock would have tried them all
     with pytest.raises(ValueError, match="search_seconds=0; use a number of seconds > 0, or None"):
         px.StepOptions(search_seconds=0)
 

@@ -27,15 +27,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallax import _multihost
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
 from parallax.pricing.choice import Choice, memory_budget, rank
+from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
 from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state
+from parallax.state.search_budget import SearchBudget
 from parallax.state.summary import summarize
 from parallax.step.build import Step, make_train_step
 from parallax.step.options import StepOptions
@@ -195,7 +196,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     budget = memory_budget(options.memory_budget, devices)
     splitting = strategy != AUTO
     pool = priced_candidates([strategy] if splitting else list(among or candidates(len(devices))), options.compile)
-    spent = _spent(start, options.search_seconds, steps)
+    spent = SearchBudget(options.search_seconds, steps, device_key(devices),
+                         [_pool_label(candidate, splitting, split_open, path) for candidate, path, split_open in pool])
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
                                 splitting, rng, rng_streams, spent)
     estimates, found, skipped, runnable = price(options)
@@ -221,7 +223,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             return _largest(strategy, mesh, devices, skipped)
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
-    stopped = spent(estimates)
+    stopped = spent.stopped(estimates)
     if not stopped and all(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(example_batch)):
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices)
@@ -280,29 +282,16 @@ def describe_changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in changes.items())
 
 
-def _spent(start: float, seconds: float | None, steps: int | None) -> Callable[[dict], str | None]:
-    """Why the search must stop now, given the estimates so far (``None``: it may go on)."""
 
-    def spent(estimates: dict) -> str | None:  # called before every candidate, on every process
-        return _multihost.agree(reason(estimates) if estimates else None)  # process 0's clock decides for all
-
-    def reason(estimates: dict) -> str | None:
-        elapsed = time.perf_counter() - start
-        if seconds is not None and elapsed > seconds:
-            return f"not tried: the search had spent its {seconds:g} s (search_seconds)"
-        best = min((e.seconds for e in estimates.values()), default=None)
-        if steps and best is not None and elapsed > steps * best:
-            return (f"not tried: the search had spent {elapsed:.1f} s, more than {steps} steps of the best "
-                    f"so far ({1e3 * best:.1f} ms each) take, and no plan saves more than a whole step")
-        return None
-
-    return spent
+def _pool_label(candidate: Strategy, splitting: bool, split_open: bool, path: str | None) -> str:
+    """A candidate's label before its mesh is made (``split=output, jit``)."""
+    return _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
 
 
 def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
            loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool,
            rng: Any, rng_streams: Sequence[str],
-           spent: Callable[[dict], str | None] = lambda _: None) -> tuple[dict, dict, dict, dict]:
+           spent: SearchBudget | None = None) -> tuple[dict, dict, dict, dict]:
     """Plans and compiles each candidate with ``options``, in order, until ``spent`` says stop: the
     cost model's estimates, the strategies and meshes, the skipped with their reasons, and what
     timing needs, by label."""
@@ -310,8 +299,8 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
     estimates, found, skipped, runnable = {}, {}, {}, {}
     laid_out: dict[tuple, str] = {}  # (path, (mesh, batch and state layout)) -> the first candidate's label
     for candidate, path, split_open in pool:
-        label = _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
-        stop = spent(estimates)  # the first candidate is always priced
+        label = _pool_label(candidate, splitting, split_open, path)
+        stop = spent.stop(estimates) if spent is not None else None  # the first candidate is always priced
         if stop:
             skipped[label] = stop
             continue
@@ -343,6 +332,8 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
         label = f"{base}, {step_choice.picked}"  # the path it compiled on (the loss may allow only jit)
         laid_out.setdefault((step_choice.picked, layout), label)
         estimates[label] = step_choice.estimates[step_choice.picked]
+        if spent is not None:
+            spent.priced(programs[step_choice.picked])
         found[label] = (planned.strategy, candidate_mesh, step_choice.picked, step)
         runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
                            state_bytes)

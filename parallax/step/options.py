@@ -65,8 +65,9 @@ class StepOptions:
             so) and the best so far is kept. ``None``: no limit. The search also stops once it
             has spent more than the run could save: ``resolve(steps=)`` (the Trainer passes
             ``max_steps``) times the best estimated step time so far, since no plan saves more
-            than a whole step. With several processes the search is not cut short (every process
-            must compile the same candidates).
+            than a whole step. With several processes, process 0's clock decides for all. Where the
+            clock cut it short, the same search on the same machine stops there again (cached:
+            :mod:`parallax.state.search_budget`), so a rerun trains on the same plan.
 
     Example:
         >>> StepOptions(grad_accum=2, precision="bf16").grad_accum
