@@ -388,6 +388,10 @@ def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time(tmp_pa
     (tmp_path / "another_machine" / cost.CACHE_FILE).write_bytes((tmp_path / "first" / cost.CACHE_FILE).read_bytes())
     monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path / "another_machine"))
     assert len(search(steps=1).choice.estimates) == 3  # nothing cached: this clock would have tried them all
+    hours = itertools.count(0, 3600)  # a clock an hour on at every reading: stops after the first, but for the cache
+    monkeypatch.setattr(search_budget, "time", types.SimpleNamespace(perf_counter=lambda: float(next(hours))))
+    replayed = search(steps=1)
+    assert len(replayed.choice.estimates) == 3 and not replayed.skipped, replayed.skipped
     with pytest.raises(ValueError, match="search_seconds=0; use a number of seconds > 0, or None"):
         px.StepOptions(search_seconds=0)
 

@@ -5,10 +5,11 @@ the run's length is known, more than ``steps`` of the best step estimated so far
 candidates left could at most save). Both read a clock, and compiling takes longer on a loaded
 machine, so two runs of one script could stop at different candidates and train on different
 plans: the same model, but rounded differently (a run killed and resumed would then not end like
-an uninterrupted one). So where the clock stopped a search, the candidates it tried are cached per
-machine (``$PARALLAX_CACHE_DIR``, with the first candidate's program): every later run of the same
-search there tries exactly those, and picks the same plan (timing its close calls from the same
-cache). The first run stored wins, as for the other measurements (:mod:`parallax._cache`).
+an uninterrupted one). So where the clock stopped a search, or let it price every candidate, is
+cached per machine (``$PARALLAX_CACHE_DIR``, with the first candidate's program): every later run
+of the same search there tries exactly the candidates the first tried, and picks the same plan
+(timing its close calls from the same cache). The first run stored wins, as for the other
+measurements (:mod:`parallax._cache`).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ class SearchBudget:
 
     def stopped(self, estimates: dict) -> str | None:
         """Why the search ended early, after the last candidate (``None``: it may time its close
-        calls); stores this run's stops for the next run where the clock decided any."""
+        calls); stores this run's stops (none, where it priced every candidate) for the next run."""
         reason = self._decide(estimates)
-        if self._replay is None and self._stops and self._named:
+        if self._replay is None and self._named:
             _cache.store(CACHE_FILE, self._key, self._stops)  # a run that stopped first at once keeps its own
         return reason
 
