@@ -1,0 +1,152 @@
+"""A stack of identical layers run as a pipeline over a mesh axis of stages.
+
+The layers ``0 … N-1`` of a stack (``N = repeats · stages · per_stage``) are split over the
+``axis`` of ``stages`` devices: with ``repeats=1`` (GPipe) stage ``s`` holds the contiguous
+layers ``s·L … (s+1)·L-1``; with ``repeats=R`` (circular) it holds ``R`` groups of ``L``, layer
+``(r·S + s)·L + j`` being its group ``r``'s ``j``-th, and each microbatch goes round the stages
+``R`` times. The batch is split into ``microbatches`` (strided: microbatch ``m`` is rows
+``m, m+M, m+2M, …``, so each keeps its share of every data shard), and one loop of
+``T = R·M + S - 1`` iterations runs every stage at once on a different microbatch, passing
+activations to the next stage with ``ppermute``. The bubble, the iterations where a stage has
+no microbatch, is ``(S-1)/T`` of the loop; a stage computes on finite stand-in values there,
+cut out of differentiation (``where`` with ``stop_gradient``, never a product with a mask),
+so nothing it computes reaches the results or the gradients.
+
+Gradients are autodiff's: the transpose of a ``ppermute`` is the ``ppermute`` back, so the
+backward pass runs the schedule in reverse. Each iteration is rematerialised, keeping only the
+stage's input (``policy`` overrides).
+
+Example:
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("stage",))
+    >>> layer = lambda w, h, c: jnp.tanh(h @ w)
+    >>> w, x = jnp.ones((8, 3, 3)) / 3, jnp.ones((6, 3))
+    >>> piped = pipeline(layer, w, x, (), mesh=mesh, axis="stage", microbatches=2)
+    >>> reference = jax.lax.scan(lambda h, wl: (layer(wl, h, ()), None), x, w)[0]
+    >>> bool(jnp.allclose(piped, reference))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, PartitionSpec
+
+from parallax import _compat
+
+ITERATION_INPUT = "parallax_pipeline_iteration_input"  # the one value each iteration keeps for the backward pass
+
+Body = Callable[[Any, Any, Any], Any]  # body(layer weights, activations, per-microbatch constants) -> activations
+
+
+def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, *, mesh: Mesh, axis: str, microbatches: int,
+             repeats: int = 1, policy: Any = None) -> Any:
+    """``lax.scan(body)`` over the stacked ``weights``, run as a pipeline over ``mesh``'s ``axis``.
+
+    Args:
+        body: one layer, ``body(w, h, c) -> h``: ``w`` the layer's slice of ``weights``, ``h`` the
+            activations (a pytree, every leaf with the batch as its leading dim), ``c`` the slice
+            of ``constants`` for ``h``'s rows.
+        weights: the stack's params, each leaf ``[N, ...]`` for ``N`` layers in order.
+        inputs: the activations entering layer 0, each leaf ``[B, ...]``.
+        constants: per-example values every layer reads (masks, positions), each leaf ``[B, ...]``.
+        mesh: the mesh; only ``axis`` is made manual, every other axis keeps its automatic layout.
+        axis: the stage axis (``S`` devices).
+        microbatches: ``M``; divides ``B``; with ``repeats > 1`` at least ``S``.
+        repeats: ``R``: each stage holds ``R`` non-adjacent groups of layers (circular).
+        policy: what each iteration keeps for the backward pass (a ``jax.checkpoint`` policy);
+            by default only the stage's input.
+
+    Returns:
+        The activations after layer ``N-1``, laid out as ``inputs``.
+    """
+    stages = int(mesh.shape[axis])
+    layers = {int(leaf.shape[0]) for leaf in jax.tree.leaves(weights)}
+    rows = {int(leaf.shape[0]) for leaf in jax.tree.leaves((inputs, constants))}
+    check(stages, microbatches, repeats, layers, rows)
+    (count,), (batch,) = layers, rows
+    per_stage = count // (stages * repeats)
+    # Layer (r·S + s)·L + j goes to stage s as its (r·L + j)-th: each stage's layers contiguous.
+    stage_major = jax.tree.map(lambda w: _swap_leading(w, (repeats, stages, per_stage)), weights)
+    split = lambda x: jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)  # noqa: E731
+    merge = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:])  # noqa: E731
+    local = _schedule(body, stages, microbatches, repeats, per_stage, axis, policy)
+    run = _compat.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+                            out_specs=PartitionSpec(axis), manual_axes={axis})
+    outputs = run(stage_major, jax.tree.map(split, inputs), jax.tree.map(split, constants))
+    return jax.tree.map(lambda y: merge(y.reshape(stages, microbatches, *y.shape[1:])[stages - 1]), outputs)
+
+
+def check(stages: int, microbatches: int, repeats: int, layers: set[int], rows: set[int]) -> None:
+    """Raises ``ValueError`` naming the value and the fix where the stack cannot be pipelined so."""
+    if len(layers) != 1:
+        raise ValueError(f"The pipelined params are not one stack: their leading dims differ ({sorted(layers)}).")
+    if len(rows) != 1:
+        raise ValueError(f"The pipelined activations do not share one batch dim: their leading dims are {sorted(rows)}.")
+    (count,), (batch,) = layers, rows
+    if repeats < 1 or count % (stages * repeats):
+        raise ValueError(f"The stack has {count} layers, which {stages} stages × repeats={repeats} do not divide: "
+                         f"use a number of stages (and repeats) whose product divides {count}.")
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(f"microbatches={microbatches} does not divide the batch of {batch} rows: use a divisor of "
+                         f"{batch}, e.g. {max(d for d in range(1, min(batch, 4 * stages) + 1) if batch % d == 0)}.")
+    if repeats > 1 and microbatches < stages:
+        raise ValueError(f"A circular pipeline (repeats={repeats}) needs at least one microbatch per stage: "
+                         f"microbatches={microbatches} < {stages} stages; use microbatches >= {stages}.")
+
+
+def _swap_leading(w: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
+    repeats, stages, per_stage = shape
+    if repeats == 1:
+        return w
+    grouped = w.reshape(repeats, stages, per_stage, *w.shape[1:])
+    return jnp.swapaxes(grouped, 0, 1).reshape(w.shape)
+
+
+def _keep(valid: jax.Array, value: Any) -> Any:
+    """``value`` where ``valid``; in a bubble the same values with no gradient path."""
+    return jax.tree.map(lambda a: jnp.where(valid, a, jax.lax.stop_gradient(a)), value)
+
+
+def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stage: int, axis: str,
+              policy: Any) -> Callable:
+    """The loop one stage runs: its weights ``[R·L, ...]``, all microbatches ``[M, mb, ...]`` in,
+    its outputs of the last ``M`` iterations ``[M, mb, ...]`` out (stage ``S-1``'s are the stack's)."""
+    S, M, R, L = stages, microbatches, repeats, per_stage
+    iterations = M * R + S - 1
+    forward = [(i, (i + 1) % S) for i in range(S)] if R > 1 else [(i, i + 1) for i in range(S - 1)]
+
+    def local(weights: Any, inputs: Any, constants: Any) -> Any:
+        stage = jax.lax.axis_index(axis)
+        grouped = jax.tree.map(lambda w: w.reshape(R, L, *w.shape[1:]), weights)
+
+        def iteration(carry, t):
+            received, stored = carry
+            done = t - stage  # microbatch-steps this stage has done before this iteration
+            valid = (done >= 0) & (done < M * R)
+            clipped = jnp.clip(done, 0, M * R - 1)
+            microbatch, group = clipped % M, clipped // M
+            fresh = jax.tree.map(lambda x: x[jnp.minimum(t, M - 1)], inputs)
+            if R > 1:  # stage 0 files what stage S-1 sent round, then takes its next microbatch
+                slot = jnp.remainder(t - S, M)
+                stored = jax.tree.map(lambda b, h: b.at[slot].set(jnp.where((stage == 0) & (t >= S), h, b[slot])),
+                                      stored, received)
+                fresh = jax.tree.map(lambda x, b: jnp.where(t < M, x, b[jnp.remainder(t, M)]), fresh, stored)
+            h = _keep(valid, jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fresh, received))
+            h = checkpoint_name(h, ITERATION_INPUT)
+            w = _keep(valid, jax.tree.map(lambda a: a[group], grouped))
+            c = _keep(valid, jax.tree.map(lambda a: a[microbatch], constants))
+            out = jax.lax.scan(lambda hh, wl: (body(wl, hh, c), None), h, w)[0]
+            return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), out
+
+        keep = policy if policy is not None else jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
+        iteration = jax.checkpoint(iteration, prevent_cse=False, policy=keep)
+        first = jax.tree.map(lambda x: jnp.zeros_like(x[0]), inputs)
+        stored = jax.tree.map(jnp.zeros_like, inputs) if R > 1 else None
+        _, outputs = jax.lax.scan(iteration, (first, stored), jnp.arange(iterations))
+        return jax.tree.map(lambda y: y[iterations - M:], outputs)
+
+    return local
