@@ -6,6 +6,7 @@ first microbatch arrives) give NaN there: any of it reaching an output or a grad
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,12 +15,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parallax.models.pipeline import pipeline
+from parallax.models.pipeline_stack import pipelined
 
 WIDTH, ROWS = 4, 16
 
 
-def layer(w, h, c):
-    return jnp.tanh(h @ w["kernel"] + w["bias"]) * c["scale"] + h / jnp.mean(h, axis=-1, keepdims=True)
+def layer(w, h, c, shared):
+    return jnp.tanh(h @ w["kernel"] + w["bias"] * shared) * c["scale"] + h / jnp.mean(h, axis=-1, keepdims=True)
 
 
 def values(layers, seed=0):
@@ -29,15 +31,16 @@ def values(layers, seed=0):
     inputs = rng.uniform(0.5, 1.5, (ROWS, WIDTH)).astype(np.float32)
     constants = {"scale": rng.uniform(0.5, 1.0, (ROWS, 1)).astype(np.float32)}
     cotangent = rng.normal(size=(ROWS, WIDTH)).astype(np.float32)
-    return weights, inputs, constants, cotangent
+    return weights, inputs, constants, np.float32(1.5), cotangent
 
 
-def one_device(weights, inputs, constants, cotangent):
-    def loss(w, x, c):
-        out = jax.lax.scan(lambda h, wl: (layer(wl, h, c), None), x, w)[0]
+def one_device(weights, inputs, constants, shared, cotangent):
+    def loss(w, x, c, s):
+        out = jax.lax.scan(lambda h, wl: (layer(wl, h, c, s), None), x, w)[0]
         return jnp.sum(out * cotangent), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(weights, inputs, constants)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        weights, inputs, constants, shared)
     return out, grads
 
 
@@ -50,17 +53,17 @@ def one_device(weights, inputs, constants, cotangent):
 ])
 def test_the_pipeline_computes_the_stack_and_its_gradients(stages, microbatches, repeats, per_stage, data):
     layers = stages * repeats * per_stage
-    weights, inputs, constants, cotangent = values(layers)
-    expected, expected_grads = one_device(weights, inputs, constants, cotangent)
+    weights, inputs, constants, shared, cotangent = values(layers)
+    expected, expected_grads = one_device(weights, inputs, constants, shared, cotangent)
     mesh = Mesh(np.array(jax.devices()[:stages * data]).reshape(stages, data), ("stage", "data"))
 
-    def loss(w, x, c):
-        out = pipeline(layer, w, x, c, mesh=mesh, axis="stage", microbatches=microbatches, repeats=repeats)
+    def loss(w, x, c, s):
+        out = pipeline(layer, w, x, c, s, mesh=mesh, axis="stage", microbatches=microbatches, repeats=repeats)
         return jnp.sum(out * cotangent), out
 
     place = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
-    args = (place(weights, P("stage")), place(inputs, P("data")), place(constants, P("data")))
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+    args = (place(weights, P("stage")), place(inputs, P("data")), place(constants, P("data")), place(shared, P()))
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
@@ -77,5 +80,61 @@ def test_a_stack_it_cannot_pipeline_is_an_error_naming_the_value(stages, microba
     mesh = Mesh(np.array(jax.devices()[:stages]), ("stage",))
     weights = {"kernel": jnp.ones((layers, WIDTH, WIDTH)), "bias": jnp.ones((layers, WIDTH))}
     with pytest.raises(ValueError, match=message):
-        pipeline(layer, weights, jnp.ones((rows, WIDTH)), {"scale": jnp.ones((rows, 1))}, mesh=mesh, axis="stage",
-                 microbatches=microbatches, repeats=repeats)
+        pipeline(layer, weights, jnp.ones((rows, WIDTH)), {"scale": jnp.ones((rows, 1))}, 1.0, mesh=mesh,
+                 axis="stage", microbatches=microbatches, repeats=repeats)
+
+
+class Block(nn.Module):
+    """A residual block reading a per-example mask, as a model writes it."""
+
+    @nn.compact
+    def __call__(self, h, mask):
+        return h + jnp.tanh(nn.Dense(WIDTH)(nn.LayerNorm()(h))) * mask, None
+
+
+class Stacked(nn.Module):
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH)(x)
+        mask = (x[:, :1] > 0).astype(jnp.float32)
+        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
+                         length=self.layers)
+        h, _ = blocks(name="blocks")(h, mask)
+        return nn.Dense(2)(h)
+
+
+def linen_loss(params, batch):
+    return jnp.mean((Stacked(8).apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("stages, data, microbatches, repeats", [(4, 1, 4, 1), (2, 2, 2, 2)])
+def test_an_unmodified_linen_scan_model_runs_its_stack_as_a_pipeline(stages, data, microbatches, repeats):
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.normal(size=(ROWS, 3)).astype(np.float32), "y": rng.normal(size=(ROWS, 2)).astype(np.float32)}
+    params = Stacked(8).init(jax.random.key(0), batch["x"])["params"]
+    expected = jax.jit(jax.value_and_grad(linen_loss))(params, batch)
+    mesh = Mesh(np.array(jax.devices()[:stages * data]).reshape(stages, data), ("stage", "data"))
+    piped = pipelined(linen_loss, mesh=mesh, axis="stage", microbatches=microbatches, repeats=repeats)
+    got = jax.jit(jax.value_and_grad(piped))(params, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+    for path, value in jax.tree_util.tree_leaves_with_path(got[1]):
+        want = jax.tree_util.tree_leaves_with_path(expected[1])
+        np.testing.assert_allclose(value, dict(want)[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_what_it_cannot_pipeline_is_an_error_naming_the_cause():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
+    x = jnp.ones((ROWS, WIDTH))
+    rnn = lambda w, x: jax.lax.scan(  # noqa: E731  a scan over time steps, not over layers
+        lambda h, x_t: (jnp.tanh(h @ w + x_t), None), x, jnp.stack([x, 2 * x, 3 * x]))[0].sum()
+    with pytest.raises(ValueError, match="No stack of blocks to pipeline"):
+        pipelined(rnn, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((WIDTH, WIDTH)), x)
+    summed = lambda w, x: jax.lax.scan(  # noqa: E731
+        lambda carry, wl: ((jnp.tanh(carry[0] @ wl), carry[1] + jnp.sum(wl)), None), (x, 0.0), w)[0]
+    with pytest.raises(ValueError, match="carries a value that is not per example"):
+        pipelined(summed, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((4, WIDTH, WIDTH)), x)
+    backwards = lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w, reverse=True)[0]  # noqa: E731
+    with pytest.raises(ValueError, match="reverse=True"):
+        pipelined(backwards, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((4, WIDTH, WIDTH)), x)

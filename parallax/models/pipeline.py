@@ -18,10 +18,10 @@ stage's input (``policy`` overrides).
 
 Example:
     >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("stage",))
-    >>> layer = lambda w, h, c: jnp.tanh(h @ w)
+    >>> layer = lambda w, h, c, s: jnp.tanh(h @ w)
     >>> w, x = jnp.ones((8, 3, 3)) / 3, jnp.ones((6, 3))
-    >>> piped = pipeline(layer, w, x, (), mesh=mesh, axis="stage", microbatches=2)
-    >>> reference = jax.lax.scan(lambda h, wl: (layer(wl, h, ()), None), x, w)[0]
+    >>> piped = pipeline(layer, w, x, (), (), mesh=mesh, axis="stage", microbatches=2)
+    >>> reference = jax.lax.scan(lambda h, wl: (layer(wl, h, (), ()), None), x, w)[0]
     >>> bool(jnp.allclose(piped, reference))
     True
 """
@@ -39,20 +39,22 @@ from parallax import _compat
 
 ITERATION_INPUT = "parallax_pipeline_iteration_input"  # the one value each iteration keeps for the backward pass
 
-Body = Callable[[Any, Any, Any], Any]  # body(layer weights, activations, per-microbatch constants) -> activations
+Body = Callable[[Any, Any, Any, Any], Any]  # body(layer weights, activations, their constants, shared) -> activations
 
 
-def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, *, mesh: Mesh, axis: str, microbatches: int,
-             repeats: int = 1, policy: Any = None) -> Any:
+def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any, *, mesh: Mesh, axis: str,
+             microbatches: int, repeats: int = 1, policy: Any = None) -> Any:
     """``lax.scan(body)`` over the stacked ``weights``, run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
-        body: one layer, ``body(w, h, c) -> h``: ``w`` the layer's slice of ``weights``, ``h`` the
-            activations (a pytree, every leaf with the batch as its leading dim), ``c`` the slice
-            of ``constants`` for ``h``'s rows.
+        body: one layer, ``body(w, h, c, s) -> h``: ``w`` the layer's slice of ``weights``, ``h``
+            the activations (a pytree, every leaf with the batch as its leading dim), ``c`` the
+            slice of ``constants`` for ``h``'s rows, ``s`` the ``shared`` values.
         weights: the stack's params, each leaf ``[N, ...]`` for ``N`` layers in order.
         inputs: the activations entering layer 0, each leaf ``[B, ...]``.
         constants: per-example values every layer reads (masks, positions), each leaf ``[B, ...]``.
+        shared: values every layer reads whole (tables, params the layers share); their gradient
+            sums every stage's.
         mesh: the mesh; only ``axis`` is made manual, every other axis keeps its automatic layout.
         axis: the stage axis (``S`` devices).
         microbatches: ``M``; divides ``B``; with ``repeats > 1`` at least ``S``.
@@ -74,9 +76,9 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, *, mesh: Mes
     split = lambda x: jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)  # noqa: E731
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:])  # noqa: E731
     local = _schedule(body, stages, microbatches, repeats, per_stage, axis, policy)
-    run = _compat.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+    run = _compat.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis),) + (PartitionSpec(),) * 3,
                             out_specs=PartitionSpec(axis), manual_axes={axis})
-    outputs = run(stage_major, jax.tree.map(split, inputs), jax.tree.map(split, constants))
+    outputs = run(stage_major, jax.tree.map(split, inputs), jax.tree.map(split, constants), shared)
     return jax.tree.map(lambda y: merge(y.reshape(stages, microbatches, *y.shape[1:])[stages - 1]), outputs)
 
 
@@ -119,7 +121,7 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
     iterations = M * R + S - 1
     forward = [(i, (i + 1) % S) for i in range(S)] if R > 1 else [(i, i + 1) for i in range(S - 1)]
 
-    def local(weights: Any, inputs: Any, constants: Any) -> Any:
+    def local(weights: Any, inputs: Any, constants: Any, shared: Any) -> Any:
         stage = jax.lax.axis_index(axis)
         grouped = jax.tree.map(lambda w: w.reshape(R, L, *w.shape[1:]), weights)
 
@@ -139,7 +141,8 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
             h = checkpoint_name(h, ITERATION_INPUT)
             w = _keep(valid, jax.tree.map(lambda a: a[group], grouped))
             c = _keep(valid, jax.tree.map(lambda a: a[microbatch], constants))
-            out = jax.lax.scan(lambda hh, wl: (body(wl, hh, c), None), h, w)[0]
+            s = _keep(valid, shared)
+            out = jax.lax.scan(lambda hh, wl: (body(wl, hh, c, s), None), h, w)[0]
             return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), out
 
         keep = policy if policy is not None else jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)

@@ -1,0 +1,203 @@
+"""The stack a model scans over its params, found in its traced computation and run as a pipeline.
+
+Most model code stacks its repeated blocks: linen ``nn.scan`` over a block with its params on a
+leading axis, NNX ``nnx.vmap`` + ``nnx.scan``, or a plain ``lax.scan``. Traced, each is one
+``scan`` whose stepped-over operands (``xs``) are params, whose carry is the activations (the
+batch on its leading dim), and whose constants are either per-example values (masks,
+positions: the batch on their leading dim) or values every layer shares. :func:`pipelined`
+re-runs a function's traced computation with every such ``scan`` replaced by
+:func:`parallax.models.pipeline.pipeline` over the same per-layer body, so the model's code runs
+unchanged and everything before and after its stack (embeddings, head, loss) runs as before.
+
+Example:
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("stage",))
+    >>> def forward(w, x):
+    ...     return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0].sum()
+    >>> w, x = jnp.ones((4, 3, 3)) / 3, jnp.ones((8, 3))
+    >>> piped = pipelined(forward, mesh=mesh, axis="stage", microbatches=2)
+    >>> bool(jnp.allclose(piped(w, x), forward(w, x)))
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+from jax.extend import core
+from jax.sharding import Mesh
+
+from parallax._compat import scan_counts
+from parallax.models.pipeline import pipeline
+
+PARAMS, BATCH = "params", "batch"  # what a value is computed from
+_INLINED = ("pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """How :func:`pipelined` runs the stacks it finds."""
+
+    mesh: Mesh
+    axis: str
+    microbatches: int
+    repeats: int = 1
+
+
+def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int, repeats: int = 1,
+              params_argnum: int = 0, batch_argnums: Sequence[int] = (1,)) -> Callable:
+    """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
+
+    Args:
+        fn: the function (a model's forward pass, a loss).
+        mesh, axis, microbatches, repeats: as :func:`parallax.models.pipeline.pipeline` takes them.
+        params_argnum: the argument holding the params.
+        batch_argnums: the arguments holding the batch (every leaf with the batch on its leading dim).
+
+    Raises:
+        ValueError: a stack found cannot be pipelined (the message names what and the fix), or
+            ``fn`` scans over no params at all.
+    """
+    stack = Stack(mesh, axis, microbatches, repeats)
+
+    def run(*args: Any) -> Any:
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        kinds = [frozenset({PARAMS} if i == params_argnum else {BATCH} if i in batch_argnums else ())
+                 for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        # The layer at a microbatch's shape: a jaxpr's shapes are fixed, so trace fn on a microbatch too.
+        rows = {int(jax.numpy.shape(leaf)[0]) for i in batch_argnums for leaf in jax.tree.leaves(args[i])}
+        if len(rows) != 1 or min(rows) % microbatches:
+            raise ValueError(f"microbatches={microbatches} must divide the batch, whose leaves have leading dims "
+                             f"{sorted(rows)}: use one batch size, and a divisor of it.")
+        micro = [jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(rows) // microbatches, *jax.numpy.shape(x)[1:]),
+                                                             jax.numpy.result_type(x)), arg)
+                 if i in batch_argnums else arg for i, arg in enumerate(args)]
+        bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)
+        if not bodies:
+            raise ValueError(
+                "No stack of blocks to pipeline: the traced computation has no scan over stacked params with the "
+                "activations as its carry. Stack the repeated blocks (linen nn.scan with variable_axes={'params': 0}, "
+                "NNX nnx.vmap + nnx.scan, or a lax.scan over stacked weights).")
+        outs, _ = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), kinds, stack, iter(bodies))
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
+
+
+def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset]) -> list[Any]:
+    """The layer (the scan's body) of each stack in ``jaxpr``, in the order they run."""
+    kind_of = dict(zip(jaxpr.invars, kinds))
+    kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of.get(v, frozenset())  # noqa: E731
+    found = []
+    for eqn in jaxpr.eqns:
+        in_kinds = [kind(v) for v in eqn.invars]
+        if eqn.primitive.name == "scan" and _is_stack(eqn, in_kinds):
+            found.append(eqn.params["jaxpr"])
+            out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
+        elif eqn.primitive.name in _INLINED and _holds_stack(eqn):
+            inner = _inner(eqn)
+            found += _stack_bodies(inner.jaxpr if hasattr(inner, "consts") else inner, in_kinds)
+            out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)  # what it computes from, at most
+        else:
+            out_kinds = [frozenset().union(*in_kinds)] * len(eqn.outvars)
+        kind_of.update(zip(eqn.outvars, out_kinds))
+    return found
+
+
+def _inner(eqn: Any) -> Any:
+    return eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Sequence[frozenset], stack: Stack,
+              bodies: Iterator[Any]) -> tuple[list[Any], list[frozenset]]:
+    """Evaluates ``jaxpr``, each stack scan run by the pipeline on the next of ``bodies``; every
+    value's kinds tracked."""
+    values: dict[Any, Any] = {}
+    kind_of: dict[Any, frozenset] = {}
+    for var, value in zip(jaxpr.constvars, consts):
+        values[var], kind_of[var] = value, frozenset()
+    for var, value, kind in zip(jaxpr.invars, args, kinds):
+        values[var], kind_of[var] = value, kind
+    read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
+    kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of[v]  # noqa: E731
+    used = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, core.Literal)} | set(jaxpr.outvars)
+    for eqn in jaxpr.eqns:
+        ins, in_kinds = [read(v) for v in eqn.invars], [kind(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "scan" and _is_stack(eqn, in_kinds):
+            outs = _run_stack(eqn, ins, in_kinds, used, stack, next(bodies))
+            out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
+        elif name in _INLINED and _holds_stack(eqn):
+            inner = _inner(eqn)
+            inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+            outs, out_kinds = _evaluate(inner_jaxpr, inner_consts, ins, in_kinds, stack, bodies)
+        else:
+            with eqn.ctx.manager:  # the equation's own context (e.g. its remat or sharding settings)
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            out_kinds = [frozenset().union(*in_kinds)] * len(outs)
+        for var, value, k in zip(eqn.outvars, outs, out_kinds):
+            values[var], kind_of[var] = value, k
+    return [read(v) for v in jaxpr.outvars], [kind(v) for v in jaxpr.outvars]
+
+
+def _split(eqn: Any, items: Sequence[Any]) -> tuple[list, list, list]:
+    num_consts, num_carry = scan_counts(eqn.params)
+    return list(items[:num_consts]), list(items[num_consts:num_consts + num_carry]), list(items[num_consts + num_carry:])
+
+
+def _is_stack(eqn: Any, in_kinds: Sequence[frozenset]) -> bool:
+    """A scan over stacked params (some of its xs are params alone) carrying the activations."""
+    _, carry, xs = _split(eqn, in_kinds)
+    return any(k == {PARAMS} for k in xs) and any(BATCH in k for k in carry)
+
+
+def _holds_stack(eqn: Any) -> bool:
+    inner = _inner(eqn)
+    inner = getattr(inner, "jaxpr", inner)
+    return inner is not None and any(e.primitive.name in ("scan", *_INLINED) for e in inner.eqns)
+
+
+def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used: set, stack: Stack,
+               body: Any) -> list[Any]:
+    """The scan ``eqn`` over ``ins``, run by the pipeline with ``body`` (its layer at a microbatch's
+    shape): its carry out, then its (unused) per-layer outputs."""
+    params = eqn.params
+    consts, carry, xs = _split(eqn, ins)
+    const_kinds, carry_kinds, xs_kinds = _split(eqn, in_kinds)
+    if params.get("reverse"):
+        raise ValueError("The stack's scan runs its layers in reverse (reverse=True): a pipeline runs them in order; "
+                         "scan them forward to pipeline them.")
+    if any(k != {PARAMS} for k in xs_kinds):
+        raise ValueError(
+            "The stack's scan steps over values that are not params as well (per-layer random keys, e.g. dropout with "
+            "split_rngs={'dropout': True}, or scanned inputs): a pipeline steps only over the blocks' params. Make "
+            "the blocks deterministic (or draw their randomness outside the stack) to pipeline them.")
+    if any(BATCH not in k for k in carry_kinds):
+        raise ValueError(
+            "The stack's scan carries a value that is not per example (an accumulator, e.g. an auxiliary loss summed "
+            "over the layers): a pipeline passes only the activations from stage to stage. Return such values per "
+            "layer and sum them after the stack, or leave them out, to pipeline it.")
+    rows = {int(x.shape[0]) for x in carry}
+    per_example = [i for i, k in enumerate(const_kinds) if BATCH in k]
+    if any(jax.numpy.ndim(consts[i]) == 0 or int(consts[i].shape[0]) not in rows for i in per_example):
+        raise ValueError(
+            f"The stack's layers read a value computed from the batch whose leading dim is not the batch's "
+            f"({sorted(rows)} rows): a pipeline splits such values into microbatches with the activations. Give it the "
+            "batch as its leading dim.")
+    ys = eqn.outvars[len(carry):]
+    if any(v in used for v in ys):
+        raise ValueError("The stack's scan also returns an output per layer (its ys), which the model reads: a pipeline "
+                         "returns only the last layer's activations. Return the activations alone to pipeline it.")
+    shared = [c for i, c in enumerate(consts) if i not in per_example]
+
+    def layer(w: list, h: list, c: list, s: list) -> list:
+        it_c, it_s = iter(c), iter(s)
+        ordered = [next(it_c) if i in per_example else next(it_s) for i in range(len(consts))]
+        return core.jaxpr_as_fun(body)(*ordered, *h, *w)[:len(h)]
+
+    out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example], shared, mesh=stack.mesh,
+                   axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
+    return list(out) + [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in ys]
+
