@@ -24,6 +24,7 @@ try:
     from parallax.models.linen import wrap_for_shard_map
     from parallax.sharding import specs
     from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
+    from parallax.sharding.pipeline import PipelineParallel
     from parallax.sharding.rules import DEFAULT_RULES
     from parallax.sharding.strategy import Combined, Strategy, combine
     from parallax.step import metrics
@@ -54,7 +55,7 @@ except ImportError as err:  # a file of this package overwritten by another proj
 
 __all__ = [
     "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "DataParallel", "EarlyStopping", "FitResult",
-    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "ProgressBar", "ReplicatedParamError", "StatePlan",
+    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "PipelineParallel", "ProgressBar", "ReplicatedParamError", "StatePlan",
     "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig",
     "callbacks", "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
     "make_train_step", "metrics", "per_example_loss", "plan", "plan_state", "specs", "step", "summarize", "testing", "wrap_for_shard_map",

@@ -10,10 +10,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import parallax as px
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_stack import pipelined
 
@@ -89,7 +91,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, h, mask):
-        return h + jnp.tanh(nn.Dense(WIDTH)(nn.LayerNorm()(h))) * mask, None
+        return h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(h)))) * mask, None
 
 
 class Stacked(nn.Module):
@@ -138,3 +140,63 @@ def test_what_it_cannot_pipeline_is_an_error_naming_the_cause():
     backwards = lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w, reverse=True)[0]  # noqa: E731
     with pytest.raises(ValueError, match="reverse=True"):
         pipelined(backwards, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((4, WIDTH, WIDTH)), x)
+
+
+def stacked_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def stacked_batches(steps=3):
+    rng = np.random.default_rng(2)
+    return [{"x": rng.normal(size=(ROWS, 3)).astype(np.float32), "y": rng.normal(size=(ROWS, 2)).astype(np.float32)}
+            for _ in range(steps)]
+
+
+PIPELINES = {
+    "dp4-pp2": lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, microbatches=4)),
+    "pp2-fsdp4": lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)),
+    "dp2-pp2circular-tp2": lambda: px.combine(px.DataParallel(2), px.PipelineParallel(2, schedule="circular", repeats=2),
+                                              px.TensorParallel(2)),
+}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name, optimizer):
+    """Against a plain one-device optax loop (``assert_equivalent``): losses, params, optimizer state."""
+    tx = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-2)
+    report = px.testing.assert_equivalent(Stacked(8), tx, stacked_loss, stacked_batches(), PIPELINES[name]())
+    assert report.mode == "jit" and report.max_diff <= 1e-5, report
+
+
+def test_each_stage_holds_its_layers_and_the_step_passes_activations_between_stages():
+    strategy = PIPELINES["pp2-fsdp4"]()
+    batch = stacked_batches(1)[0]
+    state = px.init_state(Stacked(8), optax.adam(1e-2), batch, strategy=strategy, loss_fn=stacked_loss)
+    kernel = state.params["blocks"]["Dense_0"]["kernel"]  # (8 layers, 4, 8)
+    assert kernel.sharding.spec[0] == "stage" and kernel.addressable_shards[0].data.shape[0] == 4
+    assert state.opt_state[0].mu["blocks"]["Dense_0"]["kernel"].sharding.spec == kernel.sharding.spec
+    step = px.make_train_step(stacked_loss, strategy)
+    text = step.lower(state, batch).compile().as_text()
+    assert "collective-permute" in text  # activations forward, and their cotangents back
+    with pytest.raises(ValueError, match="runs the model's stack as a pipeline, which the jit path compiles"):
+        px.make_train_step(stacked_loss, strategy, compile="shard_map").lower(state, batch)
+
+
+def test_a_pipeline_part_says_what_it_cannot_do():
+    with pytest.raises(ValueError, match=r"GPipe holds one group of layers per stage \(repeats=1\)"):
+        px.PipelineParallel(2, repeats=2)
+    with pytest.raises(ValueError, match="schedule='1f1b'"):
+        px.PipelineParallel(2, schedule="1f1b")
+    with pytest.raises(ValueError, match="PipelineParallel found no stack of blocks in the model"):
+        px.init_state(Flat(), optax.sgd(0.1), stacked_batches(1)[0], strategy=PIPELINES["dp4-pp2"](),
+                      loss_fn=stacked_loss)
+    with pytest.raises(ValueError, match=r"The stack has 8 layers \(blocks/Dense_0/bias\), which 2 stages × repeats=3"):
+        px.init_state(Stacked(8), optax.sgd(0.1), stacked_batches(1)[0], loss_fn=stacked_loss,
+                      strategy=px.combine(px.DataParallel(4), px.PipelineParallel(2, schedule="circular", repeats=3)))
+
+
+class Flat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.Dense(WIDTH)(x))

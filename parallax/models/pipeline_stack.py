@@ -45,13 +45,14 @@ class Stack:
     repeats: int = 1
 
 
-def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int, repeats: int = 1,
+def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
               params_argnum: int = 0, batch_argnums: Sequence[int] = (1,)) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
         fn: the function (a model's forward pass, a loss).
-        mesh, axis, microbatches, repeats: as :func:`parallax.models.pipeline.pipeline` takes them.
+        mesh, axis, repeats: as :func:`parallax.models.pipeline.pipeline` takes them.
+        microbatches: the microbatch count, or a function of the batch's rows that gives it.
         params_argnum: the argument holding the params.
         batch_argnums: the arguments holding the batch (every leaf with the batch on its leading dim).
 
@@ -59,18 +60,18 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int, repeats
         ValueError: a stack found cannot be pipelined (the message names what and the fix), or
             ``fn`` scans over no params at all.
     """
-    stack = Stack(mesh, axis, microbatches, repeats)
-
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         kinds = [frozenset({PARAMS} if i == params_argnum else {BATCH} if i in batch_argnums else ())
                  for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
         # The layer at a microbatch's shape: a jaxpr's shapes are fixed, so trace fn on a microbatch too.
         rows = {int(jax.numpy.shape(leaf)[0]) for i in batch_argnums for leaf in jax.tree.leaves(args[i])}
-        if len(rows) != 1 or min(rows) % microbatches:
-            raise ValueError(f"microbatches={microbatches} must divide the batch, whose leaves have leading dims "
+        count = microbatches(min(rows)) if callable(microbatches) else microbatches
+        if len(rows) != 1 or min(rows) % count:
+            raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
-        micro = [jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(rows) // microbatches, *jax.numpy.shape(x)[1:]),
+        stack = Stack(mesh, axis, count, repeats)
+        micro = [jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(rows) // count, *jax.numpy.shape(x)[1:]),
                                                              jax.numpy.result_type(x)), arg)
                  if i in batch_argnums else arg for i, arg in enumerate(args)]
         bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)
@@ -121,7 +122,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         values[var], kind_of[var] = value, kind
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
     kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of[v]  # noqa: E731
-    used = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, core.Literal)} | set(jaxpr.outvars)
+    used = {v for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars] if not isinstance(v, core.Literal)}
     for eqn in jaxpr.eqns:
         ins, in_kinds = [read(v) for v in eqn.invars], [kind(v) for v in eqn.invars]
         name = eqn.primitive.name
@@ -133,8 +134,9 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
             inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
             outs, out_kinds = _evaluate(inner_jaxpr, inner_consts, ins, in_kinds, stack, bodies)
         else:
-            with eqn.ctx.manager:  # the equation's own context (e.g. its remat or sharding settings)
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            # Bound in the context it runs in (not the one recorded at tracing: inside the pipeline's
+            # shard_map the stage axis is manual, where the layer was traced with it automatic).
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             out_kinds = [frozenset().union(*in_kinds)] * len(outs)
         for var, value, k in zip(eqn.outvars, outs, out_kinds):
@@ -195,7 +197,8 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
     def layer(w: list, h: list, c: list, s: list) -> list:
         it_c, it_s = iter(c), iter(s)
         ordered = [next(it_c) if i in per_example else next(it_s) for i in range(len(consts))]
-        return core.jaxpr_as_fun(body)(*ordered, *h, *w)[:len(h)]
+        operands = [*ordered, *h, *w]
+        return _evaluate(body.jaxpr, body.consts, operands, [frozenset()] * len(operands), stack, iter(()))[0][:len(h)]
 
     out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example], shared, mesh=stack.mesh,
                    axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)

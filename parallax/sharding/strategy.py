@@ -43,7 +43,10 @@ class Strategy:
       how it places a param (lower priorities place first);
     * optionally ``check_params(paths, axis_sizes)``, and ``fit_to_computation(facts)``
       with ``uses_computation`` for what only the traced loss shows (see
-      :class:`parallax.sharding.computation.Computation`).
+      :class:`parallax.sharding.computation.Computation`);
+    * optionally ``run_change``: a description of how the part changes the way the model runs
+      (a pipeline over the stack), which the step carries out on the traced loss
+      (:mod:`parallax.step.run_changes`); parts that only place arrays have none.
 
     A part class that leaves one of the first four out is an error when it is defined.
     """
@@ -65,6 +68,17 @@ class Strategy:
     @property
     def parts(self) -> tuple["Strategy", ...]:
         return (self,)
+
+    def with_size(self, size: int) -> "Strategy":
+        """This part with ``size`` devices on its axis."""
+        return dataclasses.replace(self, size=size)
+
+    @property
+    def run_changes(self) -> tuple[Any, ...]:
+        """How the parts change the way the model runs (e.g. a pipeline's
+        :class:`~parallax.sharding.pipeline.PipelineRun`), carried out by the step on the traced
+        loss; empty for parts that only place arrays."""
+        return tuple(part.run_change for part in self.parts if getattr(part, "run_change", None) is not None)
 
     def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int]) -> None:
         """Raises ``ValueError`` for param paths this part cannot place (default: accepts all)."""
@@ -106,7 +120,7 @@ class Strategy:
         sizes = self.axis_sizes(mesh)
         if all(part.size == sizes[part.axis] for part in self.parts):
             return self
-        parts = tuple(dataclasses.replace(part, size=sizes[part.axis]) for part in self.parts)
+        parts = tuple(part.with_size(sizes[part.axis]) for part in self.parts)
         return parts[0] if self.parts == (self,) else Combined(parts)
 
     def check_mesh(self, mesh: Mesh) -> None:

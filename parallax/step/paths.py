@@ -17,6 +17,7 @@ from parallax.step.jit import jit_run
 from parallax.step.loss import loss_closure
 from parallax.step.options import StepOptions
 from parallax.step.per_example import is_per_example_loss
+from parallax.step.run_changes import run_change_paths
 
 
 def allowed_paths(strategy: Strategy | None, options: StepOptions, loss_fn: Any, proof: Proof | None, *, train: bool,
@@ -39,6 +40,9 @@ def allowed_paths(strategy: Strategy | None, options: StepOptions, loss_fn: Any,
     """
     if strategy is None:
         raise ValueError("strategy='auto': the step learns its strategy from the state at the first call.")
+    changed = run_change_paths(strategy, options.compile)
+    if changed is not None:
+        return changed
     if replicated_batch or not strategy.data_axes:
         return ("jit",), "no data axis to split the batch over"
     if explicit:

@@ -1,0 +1,42 @@
+"""The changes a strategy's parts make to how the model runs, carried out on the loss.
+
+A part that only places arrays leaves the loss as it is. A part with a ``run_change``
+(:attr:`parallax.sharding.strategy.Strategy.run_changes`) changes how the model computes it: a
+:class:`~parallax.sharding.pipeline.PipelineRun` runs the model's stack of blocks as a pipeline
+over its axis (:mod:`parallax.models.pipeline_stack`). Each change is carried out on the traced
+loss, so the model's own code runs unchanged, and only on the ``jit`` path (the compiler
+places every other axis's collectives around it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from jax.sharding import Mesh
+
+from parallax.models.pipeline_stack import pipelined
+from parallax.sharding.pipeline import PipelineRun
+from parallax.sharding.strategy import Strategy
+
+
+def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh) -> Callable:
+    """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out."""
+    for change in strategy.run_changes:
+        if isinstance(change, PipelineRun):
+            stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
+            loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats,
+                             microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
+                             params_argnum=0, batch_argnums=(2,))
+        else:
+            raise TypeError(f"No step carries out the run change {change!r}.")
+    return loss
+
+
+def run_change_paths(strategy: Strategy, compile_option: str) -> tuple[tuple[str, ...], str] | None:
+    """The compile paths a strategy that changes how the model runs allows (``None``: any)."""
+    if not strategy.run_changes:
+        return None
+    if compile_option == "shard_map":
+        raise ValueError(f"{strategy.describe()} runs the model's stack as a pipeline, which the jit path compiles: "
+                         "pass compile='jit' or 'auto' (compile='shard_map' cannot take it).")
+    return ("jit",), "a pipeline runs on the jit path"
