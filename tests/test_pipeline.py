@@ -7,6 +7,7 @@ first microbatch arrives) give NaN there: any of it reaching an output or a grad
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,3 +201,81 @@ class Flat(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(2)(nn.Dense(WIDTH)(x))
+
+
+class NormedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return nn.BatchNorm(use_running_average=False)(nn.Dense(WIDTH)(h)), None
+
+
+class DroppingBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return nn.Dropout(0.1, deterministic=False)(nn.Dense(WIDTH)(h)), None
+
+
+class StackOf(nn.Module):
+    block: type
+    variables: tuple = ("params",)
+
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(self.block, variable_axes={name: 0 for name in self.variables},
+                         split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast, length=4)
+        return nn.Dense(2)(blocks()(nn.Dense(WIDTH)(x), None)[0])
+
+
+@pytest.mark.parametrize("model, message", [
+    (StackOf(NormedBlock, ("params", "batch_stats")), "update state of their own"),
+    (StackOf(DroppingBlock), "per-layer random keys, e.g. dropout"),
+])
+def test_a_stack_a_pipeline_cannot_run_exactly_is_refused_before_compiling(model, message):
+    with pytest.raises(ValueError, match=message):
+        px.init_state(model, optax.sgd(0.1), stacked_batches(1)[0], strategy=PIPELINES["dp4-pp2"](),
+                      loss_fn=stacked_loss)
+
+
+W_NNX = WIDTH
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(W_NNX, rngs=rngs)
+        self.up, self.down = nnx.Linear(W_NNX, 2 * W_NNX, rngs=rngs), nnx.Linear(2 * W_NNX, W_NNX, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(nnx.gelu(self.up(self.norm(h))))
+
+
+class NnxStacked(nnx.Module):
+    """Blocks made with nnx.vmap and run with nnx.scan, as flax's docs stack them."""
+
+    def __init__(self, layers, rngs):
+        self.embed, self.head = nnx.Linear(3, W_NNX, rngs=rngs), nnx.Linear(W_NNX, 2, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NnxBlock(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return self.head(run(self.embed(x), self.blocks))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("strategy", [
+    lambda: px.combine(px.DataParallel(2), px.PipelineParallel(4)),
+    lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)),
+], ids=["dp2-pp4", "pp2-fsdp4"])
+def test_pipeline_parallel_trains_an_nnx_scan_model_like_one_device(strategy, optimizer):
+    tx = optax.sgd(0.02) if optimizer == "sgd" else optax.adam(1e-2)
+    report = px.testing.assert_equivalent(lambda: NnxStacked(8, nnx.Rngs(0)), tx, stacked_loss, stacked_batches(),
+                                          strategy())
+    assert report.mode == "jit" and report.max_diff <= 1e-5, report

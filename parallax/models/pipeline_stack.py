@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
 
-PARAMS, BATCH = "params", "batch"  # what a value is computed from
+PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
 _INLINED = ("pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
 
 
@@ -46,7 +46,7 @@ class Stack:
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
-              params_argnum: int = 0, batch_argnums: Sequence[int] = (1,)) -> Callable:
+              params_argnum: int = 0, batch_argnums: Sequence[int] = (1,), state_argnums: Sequence[int] = ()) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -55,6 +55,8 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         microbatches: the microbatch count, or a function of the batch's rows that gives it.
         params_argnum: the argument holding the params.
         batch_argnums: the arguments holding the batch (every leaf with the batch on its leading dim).
+        state_argnums: the arguments holding the model's mutable state (BatchNorm statistics):
+            a stack that updates it is refused by name.
 
     Raises:
         ValueError: a stack found cannot be pipelined (the message names what and the fix), or
@@ -62,8 +64,9 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
     """
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        kinds = [frozenset({PARAMS} if i == params_argnum else {BATCH} if i in batch_argnums else ())
-                 for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        kinds = [frozenset({PARAMS} if i == params_argnum else {BATCH} if i in batch_argnums
+                           else {STATE} if i in state_argnums else ()) for i, arg in enumerate(args)
+                 for _ in jax.tree.leaves(arg)]
         # The layer at a microbatch's shape: a jaxpr's shapes are fixed, so trace fn on a microbatch too.
         rows = {int(jax.numpy.shape(leaf)[0]) for i in batch_argnums for leaf in jax.tree.leaves(args[i])}
         count = microbatches(min(rows)) if callable(microbatches) else microbatches
@@ -171,6 +174,11 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
     if params.get("reverse"):
         raise ValueError("The stack's scan runs its layers in reverse (reverse=True): a pipeline runs them in order; "
                          "scan them forward to pipeline them.")
+    if any(STATE in k for k in (*xs_kinds, *carry_kinds)):
+        raise ValueError(
+            "The stack's layers update state of their own (e.g. BatchNorm statistics, or a cache): a pipeline runs "
+            "each layer once per microbatch, so they would not be updated as on one device. Use a normalisation "
+            "without batch statistics in the blocks (LayerNorm, RMSNorm), or train without PipelineParallel.")
     if any(k != {PARAMS} for k in xs_kinds):
         raise ValueError(
             "The stack's scan steps over values that are not params as well (per-layer random keys, e.g. dropout with "

@@ -26,7 +26,7 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh) -> Callable
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats,
                              microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
-                             params_argnum=0, batch_argnums=(2,))
+                             params_argnum=0, batch_argnums=(2,), state_argnums=(1,))
         else:
             raise TypeError(f"No step carries out the run change {change!r}.")
     return loss
