@@ -171,6 +171,8 @@ def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name
 
 
 def test_each_stage_holds_its_layers_and_the_step_passes_activations_between_stages():
+    strategy = px.Trainer(Stacked(8), optax.adam(1e-2), stacked_loss, strategy="pp2+fsdp").strategy  # by short name
+    assert strategy == px.combine(px.PipelineParallel(2), px.FSDP())
     strategy = PIPELINES["pp2-fsdp4"]()
     batch = stacked_batches(1)[0]
     state = px.init_state(Stacked(8), optax.adam(1e-2), batch, strategy=strategy, loss_fn=stacked_loss)

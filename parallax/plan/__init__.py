@@ -169,8 +169,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
             ``"module:name"`` string).
         example_batch: one global batch: arrays or ``jax.ShapeDtypeStruct`` s.
         loss_fn: ``loss_fn(model, batch)``, as for the Trainer.
-        strategies: px strategies, or short names: ``"dp"``, ``"fsdp"``, ``"tp"``, joined by
-            ``+`` with optional sizes (``"fsdp+tp2"``).
+        strategies: px strategies, or short names: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"pp"``, joined
+            by ``+`` with optional sizes (``"fsdp+tp2"``, ``"pp2+fsdp"``).
         devices: the device count(s) to plan for; this process's by default (a ``jax.set_mesh``'s
             around the call: its devices, and the mesh itself for a strategy it fits). A count this
             process does not have is planned in a subprocess with that many simulated CPU
