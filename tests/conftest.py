@@ -75,7 +75,8 @@ def pytest_terminal_summary(terminalreporter):
 FILE_SECONDS = {
     "test_multiprocess.py": 204, "test_offload.py": 145, "test_docs_pages.py": 142, "test_equivalence.py": 139,
     "test_nnx.py": 104, "test_zoo.py": 101, "test_auto.py": 95, "test_your_mesh.py": 92, "test_plan.py": 90,
-    "test_examples.py": 87, "test_third_party.py": 81, "test_faults.py": 81, "test_trainer.py": 79,
+    "test_examples.py": 87, "test_pipeline.py": 85, "test_third_party.py": 81, "test_faults.py": 81,
+    "test_trainer.py": 79,
     "test_step.py": 66, "test_grain.py": 58, "test_testing.py": 46, "test_losses.py": 45, "test_benchmarks.py": 45,
     "test_resharding.py": 38, "test_fsdp.py": 37, "test_docs.py": 35, "test_per_example_proof.py": 31,
     "test_elastic.py": 22, "test_tp_layout.py": 20, "test_model_habits.py": 15, "test_distribution.py": 9,
