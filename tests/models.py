@@ -19,6 +19,27 @@ class MLP(nn.Module):
         return nn.Dense(self.classes, name="down")(x)
 
 
+class ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + nn.Dense(h.shape[-1], name="down")(nn.relu(nn.Dense(2 * h.shape[-1], name="up")(h))), None
+
+
+class StackedMLP(nn.Module):
+    """An MLP whose hidden blocks are one ``nn.scan`` stack (what PipelineParallel splits over stages)."""
+
+    hidden: int = 32
+    layers: int = 4
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.Dense(self.hidden, name="embed")(x)
+        blocks = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+        h, _ = blocks(name="blocks")(h, None)
+        return nn.Dense(self.classes, name="head")(h)
+
+
 class CNN(nn.Module):
     """Conv → BatchNorm → Dropout, as in an image classifier."""
 

@@ -92,7 +92,8 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, h, mask):
-        return h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(h)))) * mask, None
+        # relu and softmax have custom JVP rules, traced only when differentiated inside the pipeline
+        return h + nn.Dense(WIDTH)(nn.relu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(h)))) * jax.nn.softmax(h) * mask, None
 
 
 class Stacked(nn.Module):

@@ -74,10 +74,13 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
             raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
         stack = Stack(mesh, axis, count, repeats)
-        micro = [jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(rows) // count, *jax.numpy.shape(x)[1:]),
-                                                             jax.numpy.result_type(x)), arg)
-                 if i in batch_argnums else arg for i, arg in enumerate(args)]
-        bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)
+        # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
+        # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
+        micro = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            ((min(rows) // count,) if i in batch_argnums else jax.numpy.shape(x)[:1]) + jax.numpy.shape(x)[1:],
+            jax.numpy.result_type(x)), arg) for i, arg in enumerate(args)]
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)
         if not bodies:
             raise ValueError(
                 "No stack of blocks to pipeline: the traced computation has no scan over stacked params with the "
@@ -147,6 +150,25 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
     return [read(v) for v in jaxpr.outvars], [kind(v) for v in jaxpr.outvars]
 
 
+def _in_context(jaxpr: Any, mesh: Any) -> Any:
+    """``jaxpr`` with the mesh its calls record (``ctx_mesh``: the mesh in context when it was
+    traced, where the stage axis was automatic) replaced by ``mesh``, the one it runs in (inside
+    the pipeline, where the stage axis is manual), in every jaxpr nested in it."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, core.ClosedJaxpr):
+            return core.ClosedJaxpr(_in_context(value.jaxpr, mesh), value.consts)
+        if isinstance(value, core.Jaxpr):
+            return _in_context(value, mesh)
+        if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+            return tuple(fix(v) for v in value)
+        return value
+
+    eqns = [eqn.replace(params={name: mesh if name == "ctx_mesh" and value is not None else fix(value)
+                                for name, value in eqn.params.items()}) for eqn in jaxpr.eqns]
+    return jaxpr.replace(eqns=eqns)
+
+
 def _split(eqn: Any, items: Sequence[Any]) -> tuple[list, list, list]:
     num_consts, num_carry = scan_counts(eqn.params)
     return list(items[:num_consts]), list(items[num_consts:num_consts + num_carry]), list(items[num_consts + num_carry:])
@@ -206,7 +228,8 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
         it_c, it_s = iter(c), iter(s)
         ordered = [next(it_c) if i in per_example else next(it_s) for i in range(len(consts))]
         operands = [*ordered, *h, *w]
-        return _evaluate(body.jaxpr, body.consts, operands, [frozenset()] * len(operands), stack, iter(()))[0][:len(h)]
+        here = _in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
+        return _evaluate(here, body.consts, operands, [frozenset()] * len(operands), stack, iter(()))[0][:len(h)]
 
     out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example], shared, mesh=stack.mesh,
                    axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)

@@ -3,7 +3,8 @@
 usage: layouts_run.py OUT_DIR
 
 For each layout of :data:`LAYOUTS` (DP, FSDP, TP, each 2-axis combination of them in either
-order, and user meshes whose axes fall across the processes in other ways), a small MLP trains
+order, user meshes whose axes fall across the processes in other ways, and a pipeline's stage
+axis across and within the processes, on an MLP whose blocks are stacked), a small MLP trains
 3 steps with AdamW on array data (each process reads the rows its devices hold), and the
 aligned layouts once more on an iterable of each process's own part of every batch; last (with
 several processes) lists of parts one batch shorter on process 1. Each process writes
@@ -27,7 +28,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import parallax as px  # noqa: E402
-from tests.models import MLP, classifier_loss  # noqa: E402
+from tests.models import MLP, StackedMLP, classifier_loss  # noqa: E402
 
 BATCH, STEPS = 16, 3
 FSDP = dict(min_weight_size=0, split="largest")  # the split is not under test: nothing to search
@@ -54,7 +55,11 @@ LAYOUTS = {
     "mesh fsdp4 in a process": (lambda: px.combine(px.FSDP(4, **FSDP), px.TensorParallel(2)),
                                 lambda: user_mesh([0, 4, 1, 5, 2, 6, 3, 7], (4, 2), ("fsdp", "tensor"))),
     "mesh reversed": (lambda: px.FSDP(**FSDP), lambda: user_mesh(range(7, -1, -1), (8,), ("fsdp",))),
+    # A pipeline's stages one per process (the stage axis across them), and both stages in each.
+    "pp2+fsdp4": (lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, **FSDP)), None),
+    "fsdp4+pp2": (lambda: px.combine(px.FSDP(4, **FSDP), px.PipelineParallel(2)), None),
 }
+STACKED = ("pp2+fsdp4", "fsdp4+pp2")  # trained on StackedMLP, the others on MLP
 ITERABLE = ("fsdp", "dp2+fsdp4", "mesh reversed", "tp4+fsdp2")  # the last: parts that cannot fit, an error
 
 
@@ -75,7 +80,8 @@ def run(out, index=0, count=1):
     record = {}
     for name, (strategy, mesh) in LAYOUTS.items():
         for iterable in (False, True) if name in ITERABLE else (False,):
-            trainer = px.Trainer(MLP(), optax.adamw(3e-3), classifier_loss, strategy=strategy(),
+            model = StackedMLP() if name in STACKED else MLP()
+            trainer = px.Trainer(model, optax.adamw(3e-3), classifier_loss, strategy=strategy(),
                                  mesh=mesh() if mesh else None, max_steps=STEPS, batch_size=BATCH,
                                  shuffle=False, progress=False, compile="jit")
             try:
