@@ -25,7 +25,7 @@ from parallax.inspect import collective_bytes, memory_bytes
 from parallax.sharding.named import parse_strategy
 from parallax.pricing.timing import closest
 from tests.environment import child_env
-from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
+from tests.models import CNN, MLP, StackedMLP, TinyLM, batches, classifier_loss, lm_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 per_example_lm_loss = px.per_example_loss(lm_loss)
@@ -33,6 +33,7 @@ CASES = {  # model, loss, batch kind, strategies
     "mlp": (MLP, classifier_loss, "mlp", ["dp", "fsdp", "tp", "fsdp+tp2"]),
     "cnn": (CNN, classifier_loss, "cnn", ["dp2+fsdp"]),
     "lm": (TinyLM, per_example_lm_loss, "lm", ["dp", "fsdp+tp2"]),  # a per-example loss: the cost model picks
+    "stacked": (StackedMLP, classifier_loss, "mlp", ["pp2+fsdp", "dp2+pp4"]),  # a pipeline over its nn.scan stack
 }
 
 
@@ -90,7 +91,9 @@ def test_plan_equals_the_built_state_and_the_step_that_runs(reports, name):
         assert row["strategy"] == small(strategy).describe(mesh)
         # A data axis and a mean of per-example terms (marked, or read from the trace; the CNN's
         # BatchNorm statistics are summed over the data shards on the shard_map path): two paths.
-        if strategy != "tp":
+        if "pp" in strategy:  # a pipeline compiles on jit alone, and moves activations between stages
+            assert step.modes() == ("jit",) and row["collectives"]["collective-permute"]["count"] > 0
+        elif strategy != "tp":
             assert set(step.choice.estimates) == {"jit", "shard_map"}, (name, strategy)
             timed = closest(step.choice, px.StepOptions().timed_candidates)
             assert row["timed"] == timed
