@@ -46,7 +46,8 @@ class Stack:
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
-              params_argnum: int = 0, batch_argnums: Sequence[int] = (1,), state_argnums: Sequence[int] = ()) -> Callable:
+              params_argnum: int = 0, batch_argnums: Sequence[int] = (1,),
+              state_argnums: Sequence[int] = ()) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -57,6 +58,9 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         batch_argnums: the arguments holding the batch (every leaf with the batch on its leading dim).
         state_argnums: the arguments holding the model's mutable state (BatchNorm statistics):
             a stack that updates it is refused by name.
+
+    Returns:
+        A function of the same arguments, returning what ``fn`` returns.
 
     Raises:
         ValueError: a stack found cannot be pipelined (the message names what and the fix), or
@@ -76,9 +80,11 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         stack = Stack(mesh, axis, count, repeats)
         # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
         # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
-        micro = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            ((min(rows) // count,) if i in batch_argnums else jax.numpy.shape(x)[:1]) + jax.numpy.shape(x)[1:],
-            jax.numpy.result_type(x)), arg) for i, arg in enumerate(args)]
+        def shape_of(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
+            shape = jax.numpy.shape(x)
+            return jax.ShapeDtypeStruct((min(rows) // count, *shape[1:]) if batch else shape, jax.numpy.result_type(x))
+
+        micro = [jax.tree.map(lambda x, b=i in batch_argnums: shape_of(x, b), arg) for i, arg in enumerate(args)]
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
             bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)
         if not bodies:
@@ -128,7 +134,8 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         values[var], kind_of[var] = value, kind
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
     kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of[v]  # noqa: E731
-    used = {v for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars] if not isinstance(v, core.Literal)}
+    used = {v for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]
+            if not isinstance(v, core.Literal)}
     for eqn in jaxpr.eqns:
         ins, in_kinds = [read(v) for v in eqn.invars], [kind(v) for v in eqn.invars]
         name = eqn.primitive.name
