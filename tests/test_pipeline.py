@@ -188,6 +188,10 @@ def test_each_stage_holds_its_layers_and_the_step_passes_activations_between_sta
 
 
 def test_a_pipeline_part_says_what_it_cannot_do():
+    # microbatches=None: the most up to 2·stages that split the batch into microbatches divisible over the data shards
+    assert px.PipelineParallel(2).run_change.microbatches_for(16, stages=2, data_shards=4) == 4
+    with pytest.raises(ValueError, match=r"A batch of 6 rows cannot be split .* a batch size divisible by 8"):
+        px.PipelineParallel(4, schedule="circular", repeats=2).run_change.microbatches_for(6, stages=4, data_shards=2)
     with pytest.raises(ValueError, match=r"GPipe holds one group of layers per stage \(repeats=1\)"):
         px.PipelineParallel(2, repeats=2)
     with pytest.raises(ValueError, match="schedule='1f1b'"):

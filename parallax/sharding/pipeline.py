@@ -36,8 +36,8 @@ class PipelineRun:
                 and (self.repeats == 1 or m >= stages)]
         if not fits:
             raise ValueError(f"A batch of {rows} rows cannot be split into microbatches for {stages} stages over "
-                             f"{data_shards} data shards: pass PipelineParallel(microbatches=...) or a batch size that "
-                             f"{stages * data_shards} divides.")
+                             f"{data_shards} data shards: pass PipelineParallel(microbatches=...) or a batch size divisible "
+                             f"by {stages * data_shards}.")
         return max(fits)
 
 

@@ -282,7 +282,6 @@ def describe_changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in changes.items())
 
 
-
 def _pool_label(candidate: Strategy, splitting: bool, split_open: bool, path: str | None) -> str:
     """A candidate's label before its mesh is made (``split=output, jit``)."""
     return _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
