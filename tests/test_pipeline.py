@@ -155,19 +155,24 @@ def stacked_batches(steps=3):
 
 
 PIPELINES = {
+    "pp4": lambda: px.PipelineParallel(4, microbatches=8),  # on 4 devices: the stage axis alone
     "dp4-pp2": lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, microbatches=4)),
     "pp2-fsdp4": lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)),
+    "dp2-pp2-tp2": lambda: px.combine(px.DataParallel(2), px.PipelineParallel(2), px.TensorParallel(2)),
     "dp2-pp2circular-tp2": lambda: px.combine(px.DataParallel(2), px.PipelineParallel(2, schedule="circular", repeats=2),
                                               px.TensorParallel(2)),
 }
+EQUIVALENCE = ("pp4", "pp2-fsdp4", "dp2-pp2-tp2", "dp2-pp2circular-tp2")  # dp4-pp2: the layout and error tests
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("name", sorted(PIPELINES))
+@pytest.mark.parametrize("name", EQUIVALENCE)
 def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name, optimizer):
     """Against a plain one-device optax loop (``assert_equivalent``): losses, params, optimizer state."""
     tx = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-2)
-    report = px.testing.assert_equivalent(Stacked(8), tx, stacked_loss, stacked_batches(), PIPELINES[name]())
+    strategy = PIPELINES[name]()
+    mesh = strategy.make_mesh(jax.devices()[:4]) if name == "pp4" else None
+    report = px.testing.assert_equivalent(Stacked(8), tx, stacked_loss, stacked_batches(), strategy, mesh=mesh)
     assert report.mode == "jit" and report.max_diff <= 1e-5, report
 
 
