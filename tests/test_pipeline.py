@@ -128,6 +128,19 @@ def test_an_unmodified_linen_scan_model_runs_its_stack_as_a_pipeline(stages, dat
         np.testing.assert_allclose(value, dict(want)[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+def test_a_stack_inside_a_jitted_function_over_params_another_one_made_is_found():
+    """Calls are opened on the way to a stack, and what they return is classified as inside them
+    (here params only): the same stacks found at the batch's and at a microbatch's shape."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
+    cast = jax.jit(lambda w: jax.jit(lambda v: v * 1.0)(w))
+    stack = jax.jit(lambda w, x: jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0])
+    forward = lambda w, x: stack(cast(w), x).sum()  # noqa: E731
+    w, x = jnp.ones((4, WIDTH, WIDTH)) / WIDTH, jnp.ones((ROWS, WIDTH))
+    piped = pipelined(forward, mesh=mesh, axis="stage", microbatches=2)
+    assert "collective_permute" in jax.jit(piped).lower(w, x).as_text()  # pipelined, not run as it was
+    np.testing.assert_allclose(jax.jit(jax.grad(piped))(w, x), jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
+
+
 def test_what_it_cannot_pipeline_is_an_error_naming_the_cause():
     mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
     x = jnp.ones((ROWS, WIDTH))

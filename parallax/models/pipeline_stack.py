@@ -32,7 +32,7 @@ from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
 
 PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
-_INLINED = ("pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
+_INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
 
         micro = [jax.tree.map(lambda x, b=i in batch_argnums: shape_of(x, b), arg) for i, arg in enumerate(args)]
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)
+            bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)[0]
         if not bodies:
             raise ValueError(
                 "No stack of blocks to pipeline: the traced computation has no scan over stacked params with the "
@@ -98,8 +98,10 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
     return run
 
 
-def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset]) -> list[Any]:
-    """The layer (the scan's body) of each stack in ``jaxpr``, in the order they run."""
+def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset]) -> tuple[list[Any], list[frozenset]]:
+    """The layer (the scan's body) of each stack in ``jaxpr``, in the order they run, and the
+    kinds of its outputs: every value's kinds found as :func:`_evaluate` finds them, so that both
+    see the same stacks."""
     kind_of = dict(zip(jaxpr.invars, kinds))
     kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of.get(v, frozenset())  # noqa: E731
     found = []
@@ -110,12 +112,12 @@ def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset]) -> list[Any]:
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
         elif eqn.primitive.name in _INLINED and _holds_stack(eqn):
             inner = _inner(eqn)
-            found += _stack_bodies(inner.jaxpr if hasattr(inner, "consts") else inner, in_kinds)
-            out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)  # what it computes from, at most
+            inner_found, out_kinds = _stack_bodies(inner.jaxpr if hasattr(inner, "consts") else inner, in_kinds)
+            found += inner_found
         else:
             out_kinds = [frozenset().union(*in_kinds)] * len(eqn.outvars)
         kind_of.update(zip(eqn.outvars, out_kinds))
-    return found
+    return found, [kind(v) for v in jaxpr.outvars]
 
 
 def _inner(eqn: Any) -> Any:
