@@ -42,6 +42,9 @@ def step_bodies(gradients: Callable, shardings: TrainState, skip_nonfinite: bool
         key = jax.random.fold_in(state.rng, state.step)
         state = state.replace(params=on_device(state, "params"))
         grads, sums, model_state = gradients(state, batch, key)
+        if "opt_state" in offloaded:  # fetched once the gradients exist: else XLA may fetch it first, at the peak
+            grads, held = jax.lax.optimization_barrier((grads, state.opt_state))
+            state = state.replace(opt_state=held)
         state = state.replace(opt_state=on_device(state, "opt_state"))
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
