@@ -326,3 +326,133 @@ def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_s
     np.testing.assert_allclose(losses, [h["loss"] for h in one.history.train], atol=1e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
                  jax.device_get(runs[-1].state.params), jax.device_get(one.state.params))
+
+
+# A list of identical blocks called in turn (no scan in the trace): Hugging Face's Flax GPT-2 and
+# Llama as the transformers package builds them, four layers, named by their block class.
+def hugging_face(name, layers=4, dropout=0.0):
+    from tests import third_party
+
+    t = third_party._transformers()
+    if name == "gpt2":
+        config = t.GPT2Config(vocab_size=third_party.VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=4,
+                              resid_pdrop=dropout, embd_pdrop=0.0, attn_pdrop=0.0)
+        return t.models.gpt2.modeling_flax_gpt2.FlaxGPT2LMHeadModule(config), "FlaxGPT2Block"
+    config = t.LlamaConfig(vocab_size=third_party.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    return t.models.llama.modeling_flax_llama.FlaxLlamaForCausalLMModule(config), "FlaxLlamaDecoderLayer"
+
+
+LISTED = {  # every strategy of the grid, each model with both optimizers
+    ("gpt2", "pp4", "sgd"): lambda b: px.PipelineParallel(4, microbatches=8, blocks=b),
+    ("gpt2", "pp2-fsdp4", "adamw"): lambda b: px.combine(px.PipelineParallel(2, blocks=b), px.FSDP(4, min_weight_size=0)),
+    ("llama", "dp2-pp2-tp2", "sgd"): lambda b: px.combine(px.DataParallel(2), px.PipelineParallel(2, blocks=b),
+                                                          px.TensorParallel(2)),
+    ("llama", "dp2-pp2circular-tp2", "adamw"): lambda b: px.combine(
+        px.DataParallel(2), px.PipelineParallel(2, schedule="circular", repeats=2, blocks=b), px.TensorParallel(2)),
+}
+
+
+@pytest.mark.parametrize("name, layout, optimizer", list(LISTED), ids=["-".join(key) for key in LISTED])
+def test_a_list_of_blocks_in_an_unmodified_hugging_face_model_trains_like_one_device(name, layout, optimizer):
+    from tests import third_party
+
+    model, block = hugging_face(name)
+    strategy = LISTED[name, layout, optimizer](block)
+    mesh = strategy.make_mesh(jax.devices()[:4]) if layout == "pp4" else None
+    tx = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
+    report = px.testing.assert_equivalent(model, tx, third_party.causal_lm_loss, third_party.batches("text", 3),
+                                          strategy, mesh=mesh)
+    assert report.mode == "jit", report  # held to 1e-5, or twice the drift of plain jit on the mesh
+
+
+class ListedLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(WIDTH, 8, rngs=rngs), nnx.Linear(8, WIDTH, rngs=rngs)
+
+    def __call__(self, x, scale):
+        return x + self.down(jnp.tanh(self.up(x) * scale))
+
+
+class NnxListed(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed, self.head = nnx.Linear(3, WIDTH, rngs=rngs), nnx.Linear(WIDTH, 2, rngs=rngs)
+        self.layers = nnx.List([ListedLayer(rngs) for _ in range(4)])
+
+    def __call__(self, x):
+        h, scale = self.embed(x), 1.0 + 0.1 * jnp.abs(x[:, :1])  # a per-example value every layer reads
+        for layer in self.layers:
+            h = layer(h, scale)
+        return self.head(h)
+
+
+def test_an_nnx_list_of_blocks_trains_like_one_device_and_each_stage_holds_its_share():
+    strategy = px.combine(px.PipelineParallel(2, schedule="circular", repeats=2, blocks=ListedLayer),
+                          px.FSDP(4, min_weight_size=0))
+    px.testing.assert_equivalent(lambda: NnxListed(nnx.Rngs(0)), optax.adam(1e-2), stacked_loss, stacked_batches(),
+                                 strategy)
+    state = px.init_state(lambda: NnxListed(nnx.Rngs(0)), optax.adam(1e-2), stacked_batches(1)[0], strategy=strategy,
+                          loss_fn=stacked_loss)
+    kernel = state.params["layers"][0]["up"]["kernel"]  # (4, 8): the model's own tree, split over both axes
+    assert set(kernel.sharding.spec) == {"stage", "fsdp"} and kernel.addressable_shards[0].data.size == kernel.size // 8
+    assert state.params["embed"]["kernel"].sharding.spec[0] != "stage"  # only the listed blocks go to the stages
+
+
+def test_the_listed_blocks_are_split_over_the_stages_and_the_step_passes_activations():
+    from tests import third_party
+
+    model, block = hugging_face("gpt2")
+    batch = third_party.batches("text", 1)[0]
+    strategy = px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=block))
+    state = px.init_state(model, optax.sgd(0.1), batch, strategy=strategy, loss_fn=third_party.causal_lm_loss)
+    for layer in range(4):  # each block's params in the model's own tree, half of each on each stage
+        for leaf in jax.tree.leaves(state.params["transformer"]["h"][str(layer)]):
+            assert "stage" in leaf.sharding.spec and leaf.addressable_shards[0].data.size == leaf.size // 2
+    assert "stage" not in state.params["transformer"]["wte"]["embedding"].sharding.spec
+    step = px.make_train_step(third_party.causal_lm_loss, strategy)
+    assert "collective-permute" in step.lower(state, batch).compile().as_text()
+
+
+@pytest.mark.parametrize("blocks, dropout, loss, message", [
+    ("FlaxGPT2Attention", 0.0, None, "found no blocks of that class called in turn"),
+    ("FlaxGPT2Block", 0.1, "dropout", "draw random numbers .dropout. compute something different in each block"),
+    ("FlaxGPT2Block", 0.0, "hidden_states", "reads a block's output besides the next block"),
+])
+def test_blocks_a_pipeline_cannot_run_are_named_before_compiling(blocks, dropout, loss, message):
+    from tests import third_party
+
+    model, _ = hugging_face("gpt2", dropout=dropout)
+
+    def every_layer(model, batch):  # reads each block's output: what a pipeline cannot return
+        tokens = batch["tokens"][:, :-1]
+        out = model(tokens, tokens >= 0, third_party._positions(tokens), deterministic=loss != "dropout",
+                    output_hidden_states=loss == "hidden_states")
+        per_layer = sum(h.mean() for h in out.hidden_states) if loss == "hidden_states" else 0.0
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["tokens"][:, 1:]).mean() + per_layer
+
+    with pytest.raises(ValueError, match=message):
+        px.init_state(model, optax.sgd(0.1), third_party.batches("text", 1)[0], loss_fn=every_layer,
+                      strategy=px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=blocks)))
+
+
+class KeyedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, h, key):
+        return h + nn.Dense(WIDTH)(h) * jax.random.uniform(key, h.shape)
+
+
+class Keyed(nn.Module):
+    """Each block given a random key of its own, drawn outside the blocks."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH)(x)
+        for index in range(4):
+            h = KeyedLayer()(h, jax.random.fold_in(jax.random.key(0), index))
+        return nn.Dense(2)(h)
+
+
+def test_blocks_given_a_key_each_are_refused_by_name():
+    with pytest.raises(ValueError, match="differs from block to block but is not a param"):
+        px.init_state(Keyed(), optax.sgd(0.1), stacked_batches(1)[0], loss_fn=stacked_loss,
+                      strategy=px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks="KeyedLayer")))

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
+from parallax.sharding.chains import Chain, call_body, find_chains
 
 PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
@@ -86,7 +87,8 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
 
         micro = [jax.tree.map(lambda x, b=i in batch_argnums: shape_of(x, b), arg) for i, arg in enumerate(args)]
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            bodies = _stack_bodies(jax.make_jaxpr(fn)(*micro).jaxpr, kinds)[0]
+            traced = jax.make_jaxpr(fn)(*micro)
+            bodies = _stack_bodies(traced.jaxpr, kinds, traced.consts)[0]
         if not bodies:
             raise ValueError(
                 "No stack of blocks to pipeline: the traced computation has no scan over stacked params with the "
@@ -98,26 +100,39 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
     return run
 
 
-def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset]) -> tuple[list[Any], list[frozenset]]:
+def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset], consts: Sequence[Any] = ()) -> tuple[list[Any], list[frozenset]]:
     """The layer (the scan's body) of each stack in ``jaxpr``, in the order they run, and the
     kinds of its outputs: every value's kinds found as :func:`_evaluate` finds them, so that both
     see the same stacks."""
     kind_of = dict(zip(jaxpr.invars, kinds))
     kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of.get(v, frozenset())  # noqa: E731
+    starts = {chain.calls[0]: chain for chain in _chains(jaxpr, kinds, consts)}
     found = []
-    for eqn in jaxpr.eqns:
+    for index, eqn in enumerate(jaxpr.eqns):
         in_kinds = [kind(v) for v in eqn.invars]
+        if index in starts:
+            found.append(core.ClosedJaxpr(*call_body(eqn)))
         if eqn.primitive.name == "scan" and _is_stack(eqn, in_kinds):
             found.append(eqn.params["jaxpr"])
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
         elif eqn.primitive.name in _INLINED and _holds_stack(eqn):
             inner = _inner(eqn)
-            inner_found, out_kinds = _stack_bodies(inner.jaxpr if hasattr(inner, "consts") else inner, in_kinds)
+            inner_found, out_kinds = _stack_bodies(getattr(inner, "jaxpr", inner), in_kinds, getattr(inner, "consts", ()))
             found += inner_found
         else:
             out_kinds = [frozenset().union(*in_kinds)] * len(eqn.outvars)
         kind_of.update(zip(eqn.outvars, out_kinds))
     return found, [kind(v) for v in jaxpr.outvars]
+
+
+def _chains(jaxpr: Any, kinds: Sequence[frozenset], consts: Sequence[Any]) -> list[Chain]:
+    """The lists of identical blocks called in turn in ``jaxpr`` (:mod:`parallax.sharding.chains`),
+    every value's kinds read as the union of its operands'."""
+    kind_of = dict(zip(jaxpr.invars, kinds))
+    for eqn in jaxpr.eqns:
+        union = frozenset().union(*(kind_of.get(v, frozenset()) for v in eqn.invars if not isinstance(v, core.Literal)))
+        kind_of.update((v, union) for v in eqn.outvars)
+    return find_chains(jaxpr, lambda v: kind_of.get(v) == {PARAMS}, consts)
 
 
 def _inner(eqn: Any) -> Any:
@@ -136,11 +151,25 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         values[var], kind_of[var] = value, kind
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
     kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of[v]  # noqa: E731
-    used = {v for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]
-            if not isinstance(v, core.Literal)}
-    for eqn in jaxpr.eqns:
-        ins, in_kinds = [read(v) for v in eqn.invars], [kind(v) for v in eqn.invars]
+    uses: dict[Any, int] = {}
+    for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]:
+        if not isinstance(v, core.Literal):
+            uses[v] = uses.get(v, 0) + 1
+    used = set(uses)
+    chains = _chains(jaxpr, kinds, consts)
+    ends = {chain.calls[-1]: chain for chain in chains}
+    inside = {index for chain in chains for index in chain.calls[:-1]}
+    for index, eqn in enumerate(jaxpr.eqns):
+        if index in inside:  # run with the chain's last call
+            continue
         name = eqn.primitive.name
+        if index in ends:
+            chain = ends[index]
+            outs = _run_chain(chain, [jaxpr.eqns[i] for i in chain.calls], read, kind, uses, stack, next(bodies))
+            for var, value in zip(eqn.outvars, outs):
+                values[var], kind_of[var] = value, frozenset({PARAMS, BATCH})
+            continue
+        ins, in_kinds = [read(v) for v in eqn.invars], [kind(v) for v in eqn.invars]
         if name == "scan" and _is_stack(eqn, in_kinds):
             outs = _run_stack(eqn, ins, in_kinds, used, stack, next(bodies))
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
@@ -221,7 +250,7 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
             "over the layers): a pipeline passes only the activations from stage to stage. Return such values per "
             "layer and sum them after the stack, or leave them out, to pipeline it.")
     rows = {int(x.shape[0]) for x in carry}
-    per_example = [i for i, k in enumerate(const_kinds) if BATCH in k]
+    per_example = [i for i, k in enumerate(const_kinds) if BATCH in k or _smaller_in(body, i, consts[i])]
     if any(jax.numpy.ndim(consts[i]) == 0 or int(consts[i].shape[0]) not in rows for i in per_example):
         raise ValueError(
             f"The stack's layers read a value computed from the batch whose leading dim is not the batch's "
@@ -244,3 +273,70 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
                    axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
     return list(out) + [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in ys]
 
+
+
+def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callable, uses: dict, stack: Stack,
+               body: Any) -> list[Any]:
+    """A list of identical blocks called in turn, run by the pipeline with ``body`` (one call at a
+    microbatch's shape) on their params stacked: the last call's outputs."""
+    first, last = calls[0], calls[-1]
+    if chain.varying:
+        raise ValueError(
+            "The blocks read a value that differs from block to block but is not a param (a random key per block, "
+            "e.g. dropout): a pipeline steps only over the blocks' params. Make the blocks deterministic "
+            "(deterministic=True, or a dropout rate of 0) to pipeline them.")
+    for eqn in calls[:-1]:
+        if any(uses.get(v, 0) != 1 for v in (eqn.outvars[q] for q in chain.carry_out)):
+            raise ValueError(
+                "The model reads a block's output besides the next block (e.g. every layer's hidden states, "
+                "output_hidden_states=True): a pipeline returns only the last block's. Leave those outputs unread to "
+                "pipeline the blocks.")
+    if any(uses.get(v, 0) for eqn in calls for q, v in enumerate(eqn.outvars) if q not in chain.carry_out):
+        raise ValueError(
+            "The model reads an output of the blocks besides the activations (attention weights, a cache): a pipeline "
+            "returns only the activations. Leave those outputs unread (e.g. output_attentions=False, use_cache=False) "
+            "to pipeline the blocks.")
+    operands = [read(v) for v in first.invars]
+    kinds = [kind(v) for v in first.invars]
+    if any(STATE in k for k in kinds):
+        raise ValueError(
+            "The blocks update state of their own (e.g. BatchNorm statistics, or a cache): a pipeline runs each block "
+            "once per microbatch, so they would not be updated as on one device. Use a normalisation without batch "
+            "statistics (LayerNorm, RMSNorm), or train without PipelineParallel.")
+    if any(BATCH not in kinds[p] for p in chain.carry):
+        raise ValueError("The blocks pass on a value that is not per example: a pipeline passes only the activations.")
+    weights = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in chain.weights]
+    rest = [p for p in range(len(operands)) if p not in chain.weights and p not in chain.carry]
+    rows = {int(operands[p].shape[0]) for p in chain.carry}
+    per_example = [p for p in rest if BATCH in kinds[p] or _smaller_in(body, p, operands[p])]
+    if any(jax.numpy.ndim(operands[p]) == 0 or int(operands[p].shape[0]) not in rows for p in per_example):
+        raise ValueError(
+            f"The blocks read a value computed from the batch whose leading dim is not the batch's ({sorted(rows)} "
+            "rows): a pipeline splits such values into microbatches with the activations. Give it the batch as its "
+            "leading dim.")
+    shared = [p for p in rest if p not in per_example]
+
+    def layer(w: list, h: list, c: list, s: list) -> list:
+        ordered = list(operands)
+        for positions, given in ((chain.weights, w), (chain.carry, h), (per_example, c), (shared, s)):
+            for p, value in zip(positions, given):
+                ordered[p] = value
+        here = _in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
+        outs = _evaluate(here, body.consts, ordered, [frozenset()] * len(ordered), stack, iter(()))[0]
+        return [outs[q] for q in chain.carry_out]
+
+    out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example],
+                   [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,
+                   repeats=stack.repeats)
+    results = [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in last.outvars]
+    for q, value in zip(chain.carry_out, out):
+        results[q] = value
+    return results
+
+
+def _smaller_in(body: Any, position: int, value: Any) -> bool:
+    """Whether the layer, traced on a microbatch, takes a smaller leading dim at ``position`` than
+    ``value`` has: a per-example value the model computed from the batch's shape alone (positions
+    made with ``np.arange``), which the pipeline splits into microbatches like the batch."""
+    shape = body.jaxpr.invars[position].aval.shape
+    return jax.numpy.ndim(value) > 0 and len(shape) > 0 and shape[0] < jax.numpy.shape(value)[0]

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from typing import Any, Mapping
 
+from parallax.sharding.chains import chained_params
 from parallax.sharding.tp_layout import TensorLayout, derive_layout, scanned_dims
 
 
@@ -44,6 +45,12 @@ class Computation:
     def scanned_dims(self) -> dict[str, tuple[int, ...]]:
         """The param dims a ``scan`` steps over (``nn.scan``'s stacked layer dim), by path."""
         return self._scanned
+
+    def chained_params(self) -> dict[str, tuple[int, int]]:
+        """The params of a list of identical blocks called in turn (each block rematerialised when
+        traced, :mod:`parallax.sharding.chains`), by path: ``(chain, layer)``."""
+        found = chained_params(self.jaxpr.jaxpr, len(self.param_paths), self.jaxpr.consts)
+        return {self.param_paths[index]: where for index, where in found.items()}
 
     def derive_layout(self, axis: str, fixed: Mapping[str, tuple[int | None, str]]) -> TensorLayout:
         """The Megatron layout over ``axis`` (see :func:`parallax.sharding.tp_layout.derive_layout`)."""

@@ -26,6 +26,7 @@ class PipelineRun:
     axis: str
     microbatches: int | None
     repeats: int
+    blocks: str | type | None = None
 
     def microbatches_for(self, rows: int, stages: int, data_shards: int) -> int:
         """The microbatch count for a batch of ``rows``: as given, else the most up to ``2·stages``
@@ -47,10 +48,11 @@ class PipelineParallel(Strategy):
 
     The stack is found in the traced loss: a ``scan`` over stacked params (linen ``nn.scan``
     with ``variable_axes={"params": 0}``, NNX ``nnx.vmap`` + ``nnx.scan``, a ``lax.scan`` over
-    stacked weights) whose carry is the activations. Its layers are split over the axis, the
-    batch runs through them as ``microbatches`` microbatches, and everything else (embeddings,
-    head, loss) runs on the whole batch as on one device. Combines with the other parts:
-    ``px.combine(px.PipelineParallel(2), px.FSDP(4))``.
+    stacked weights) whose carry is the activations, or, with ``blocks=``, a list of blocks of
+    that class called in turn (Hugging Face's Flax GPT-2 and Llama). Its layers are split over
+    the axis, the batch runs through them as ``microbatches`` microbatches, and everything else
+    (embeddings, head, loss) runs on the whole batch as on one device. Combines with the other
+    parts: ``px.combine(px.PipelineParallel(2), px.FSDP(4))``.
 
     Args:
         stages: devices on the axis; ``-1`` takes the devices left over.
@@ -61,7 +63,13 @@ class PipelineParallel(Strategy):
             (``repeats`` groups each, the microbatches going round ``repeats`` times).
         repeats: layer groups per stage (``1`` for GPipe, at least 2 for circular).
         axis: the mesh axis name.
+        blocks: the class (or class name) of a model's blocks kept in a list and called in turn,
+            e.g. ``"FlaxGPT2Block"``; ``None``: the model stacks its blocks. Each block's params
+            stay in the model's own tree, split over the stage axis (each device holds 1/S of
+            the blocks' bytes, as with a stack); the step stacks them to run the pipeline.
         stacked: the stacked params' layer dims, by path (set when the state is planned).
+        chained: the listed blocks' params, by path: the dim split over the stage axis (set
+            when the state is planned).
 
     Example:
         >>> px.PipelineParallel(2).describe(), px.PipelineParallel(2).model_axes
@@ -73,7 +81,9 @@ class PipelineParallel(Strategy):
     schedule: str = "gpipe"
     repeats: int = 1
     axis: str = "stage"
+    blocks: str | type | None = None
     stacked: Any = dataclasses.field(default=None, compare=False, repr=False)
+    chained: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = False
     gathers_params = False
@@ -92,6 +102,9 @@ class PipelineParallel(Strategy):
                 or (self.schedule == "gpipe") != (self.repeats == 1):
             raise ValueError(f"PipelineParallel(schedule={self.schedule!r}, repeats={self.repeats!r}): GPipe holds one "
                              "group of layers per stage (repeats=1); circular holds several (repeats >= 2).")
+        if self.blocks is not None and not ((isinstance(self.blocks, str) and self.blocks) or isinstance(self.blocks, type)):
+            raise ValueError(f"PipelineParallel(blocks={self.blocks!r}): name the blocks' module class, or give the class "
+                             "itself (e.g. blocks='FlaxGPT2Block').")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or not isinstance(
                 self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"PipelineParallel(microbatches={self.microbatches!r}): use a positive number, or None "
@@ -106,10 +119,23 @@ class PipelineParallel(Strategy):
 
     @property
     def run_change(self) -> PipelineRun:
-        return PipelineRun(self.axis, self.microbatches, self.repeats)
+        return PipelineRun(self.axis, self.microbatches, self.repeats, self.blocks)
 
     def fit_to_computation(self, computation: Any) -> "PipelineParallel":
-        """This part with the stacked params found in the traced loss."""
+        """This part with the stacked params (or, with ``blocks``, the listed blocks' params) found
+        in the traced loss."""
+        if self.blocks is not None:
+            chained = computation.chained_params()
+            if not chained:
+                name = getattr(self.blocks, "__name__", self.blocks)
+                raise ValueError(
+                    f"PipelineParallel(blocks={name!r}) found no blocks of that class called in turn in the model: no two "
+                    f"calls of {name} that compute the same thing on their own params, each on the activations the one "
+                    "before returned. Blocks that draw random numbers (dropout) compute something different in each "
+                    "block: make them deterministic (deterministic=True, or a dropout rate of 0) to pipeline them. "
+                    "Else name the class of the model's repeated block, or leave blocks=None for a model that stacks "
+                    "its blocks.")
+            return dataclasses.replace(self, chained=dict.fromkeys(chained))
         scanned = computation.scanned_dims()
         if not scanned:
             raise ValueError(
@@ -119,10 +145,17 @@ class PipelineParallel(Strategy):
         return dataclasses.replace(self, stacked={path: dims[0] for path, dims in scanned.items()})
 
     def place(self, path, shape, dims, axis_sizes):
+        stages = axis_sizes[self.axis]
+        if path in (self.chained or {}):  # a listed block's param: its largest dim the stages divide
+            free = [d for d in range(len(shape)) if (d >= len(dims) or dims[d] is None) and shape[d] % stages == 0]
+            if not free:
+                return dims
+            dim = max(free, key=lambda d: (shape[d], -d))
+            padded = [*dims, *[None] * (len(shape) - len(dims))]
+            return [*padded[:dim], self.axis, *padded[dim + 1:]]
         dim = (self.stacked or {}).get(path)
         if dim is None:
             return dims
-        stages = axis_sizes[self.axis]
         if shape[dim] % (stages * self.repeats):
             raise ValueError(f"The stack has {shape[dim]} layers ({path}), which {stages} stages × repeats="
                              f"{self.repeats} do not divide: use a number of stages (and repeats) whose product "
@@ -130,4 +163,6 @@ class PipelineParallel(Strategy):
         return [*dims[:dim], self.axis, *dims[dim + 1:]]
 
     def why_whole(self, path, shape, axis_sizes) -> str:
+        if self.chained is not None:
+            return f"PipelineParallel({self.axis}) splits only the listed blocks' params"
         return f"PipelineParallel({self.axis}) splits only the stacked blocks' layer dim"

@@ -23,6 +23,7 @@ from parallax.state.pretrained import place_params
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.offload import check_offload, with_memory_kinds
+from parallax.step.run_changes import with_blocks_marked
 from parallax.step.train_state import TrainState, as_key, model_rngs
 
 
@@ -275,7 +276,7 @@ def trace_computation(adapter: ModelAdapter, abstract: TrainState, example_batch
     boxed = jax.tree_util.tree_flatten_with_path(abstract.params, is_leaf=is_box)[0]
     plain_leaves, treedef = jax.tree.flatten(adapter.unbox(abstract.params))
     state_leaves = jax.tree.leaves(abstract.model_state)
-    run = ModelRun(train=True, constraint_axes=tuple(mesh.axis_names))
+    run = with_blocks_marked(ModelRun(train=True, constraint_axes=tuple(mesh.axis_names)), strategy)
 
     def loss(param_leaves, model_state, batch, key):
         return adapter.apply(jax.tree.unflatten(treedef, param_leaves), model_state, batch,

@@ -14,7 +14,7 @@ from parallax.sharding.strategy import Strategy
 from parallax.step.accumulate import accumulated
 from parallax.step.loss import loss_closure
 from parallax.step.options import StepOptions
-from parallax.step.run_changes import with_run_changes
+from parallax.step.run_changes import with_blocks_marked, with_run_changes
 
 
 def jit_run(options: StepOptions, mesh: Mesh, train: bool) -> ModelRun:
@@ -31,7 +31,8 @@ def jit_loss(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str],
     first resharded without the FSDP axes: each FSDP shard is all-gathered where the model uses
     it, and the transpose (a reduce-scatter) brings its gradient back to the shard.
     """
-    closure = with_run_changes(loss_closure(adapter, loss_fn, rng_streams, run), strategy, mesh)
+    closure = with_run_changes(loss_closure(adapter, loss_fn, rng_streams, with_blocks_marked(run, strategy)),
+                               strategy, mesh)
     if not (is_explicit(mesh) and strategy.fsdp_axes and param_specs is not None):
         return closure
     fsdp = set(strategy.fsdp_axes)

@@ -10,10 +10,12 @@ places every other axis's collectives around it).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from jax.sharding import Mesh
 
+from parallax.models import ModelRun
 from parallax.models.pipeline_stack import pipelined
 from parallax.sharding.pipeline import PipelineRun
 from parallax.sharding.strategy import Strategy
@@ -30,6 +32,17 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh) -> Callable
         else:
             raise TypeError(f"No step carries out the run change {change!r}.")
     return loss
+
+
+def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
+    """``run`` with the block classes a pipeline runs rematerialised: each block call is then one
+    call in the traced loss, which :mod:`parallax.sharding.chains` finds (a list of blocks leaves
+    no ``scan`` to find). The pipeline runs each block's body itself, rematerialised per iteration."""
+    marks = tuple(change.blocks for change in strategy.run_changes
+                  if isinstance(change, PipelineRun) and change.blocks is not None)
+    if not marks:
+        return run
+    return dataclasses.replace(run, remat=(*marks, *(entry for entry in run.remat if entry not in marks)))
 
 
 def run_change_paths(strategy: Strategy, compile_option: str) -> tuple[tuple[str, ...], str] | None:

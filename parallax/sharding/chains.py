@@ -1,0 +1,167 @@
+"""A model's list of identical blocks, as its traced loss shows them: a chain of calls.
+
+Code that keeps its blocks in a list and calls them in a loop (Hugging Face's Flax GPT-2 and
+Llama, most hand-written models) leaves no ``scan`` in its trace: the blocks' operations are
+inlined one after another. Rematerialised (:class:`parallax.StepOptions`'s ``remat`` of the
+block class), each call becomes one ``checkpoint`` equation whose operands are the block's params,
+the activations and the values every block reads (a mask, the positions). :func:`find_chains`
+reads the runs of such equations that compute the same thing on different params, each fed the
+activations the one before returned. Only the jaxpr is read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from jax.extend import core
+
+REMAT = ("checkpoint", "remat2", "remat")  # jax.checkpoint's primitive, by its names across versions
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """Calls of one block, each on the activations the one before returned.
+
+    Attributes:
+        calls: the calls' equation indices, in order.
+        weights: the operand positions holding a call's own params (a layer).
+        carry: the operand positions holding the activations.
+        carry_out: the output positions that become the next call's ``carry``, in its order.
+        varying: operand positions that differ from call to call but are not params (per-block
+            random keys: what a pipeline cannot step over).
+    """
+
+    calls: tuple[int, ...]
+    weights: tuple[int, ...]
+    carry: tuple[int, ...]
+    carry_out: tuple[int, ...]
+    varying: tuple[int, ...] = ()
+
+
+def find_chains(jaxpr: Any, is_param: Callable[[Any], bool], consts: Sequence[Any] = ()) -> list[Chain]:
+    """The chains of two or more calls in ``jaxpr`` (not inside its calls), in the order they run.
+
+    Args:
+        jaxpr: a ``Jaxpr``.
+        is_param: whether an operand (a ``Var``) is computed from the params alone.
+        consts: the values of ``jaxpr``'s constvars (two equal constants are one value).
+    """
+    eqns = jaxpr.eqns
+    calls = [i for i, eqn in enumerate(eqns) if eqn.primitive.name in REMAT]
+    same = _Recomputed(jaxpr, consts)
+    text = {i: str(eqns[i].params["jaxpr"]) for i in calls}
+    chains, taken = [], set()
+    for start in calls:
+        if start in taken:
+            continue
+        link = None
+        members = [start]
+        for following in calls:
+            if following <= members[-1] or following in taken or text[following] != text[start]:
+                continue
+            found = _link(eqns[members[-1]], eqns[following], is_param, same)
+            if found is None or (link is not None and found != link):
+                break
+            link, members = found, members + [following]
+        if len(members) > 1:
+            carry, carry_out, weights, varying = link
+            chains.append(Chain(tuple(members), weights, carry, carry_out, varying))
+            taken.update(members)
+    return chains
+
+
+def _link(before: Any, after: Any, is_param: Callable[[Any], bool], same: "_Recomputed") -> tuple | None:
+    """How ``after`` continues ``before`` (carry, carry_out, weights, varying positions), or ``None``."""
+    outs = {v: i for i, v in enumerate(before.outvars)}
+    carry = tuple(p for p, v in enumerate(after.invars) if not isinstance(v, core.Literal) and v in outs)
+    if not carry:
+        return None
+    weights, varying = [], []
+    for position, (a, b) in enumerate(zip(before.invars, after.invars)):
+        if position in carry or same(a, b):
+            continue
+        if is_param(a) and is_param(b):
+            weights.append(position)
+        else:
+            varying.append(position)
+    if not weights:
+        return None
+    return carry, tuple(outs[after.invars[p]] for p in carry), tuple(weights), tuple(varying)
+
+
+class _Recomputed:
+    """Whether two values are the same: one value, or the same operations on the same values (a
+    block's caller may compute what every block reads anew for each, e.g. Llama's rotary table
+    gathered at the positions)."""
+
+    def __init__(self, jaxpr: Any, consts: Sequence[Any]):
+        self.producer = {v: (eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.outvars)}
+        self.keys: dict[Any, Any] = {}
+        for var, value in zip(jaxpr.constvars, consts):  # a constant each block's setup made anew
+            try:
+                array = np.asarray(value)
+            except Exception:  # noqa: BLE001 (a value with no host copy: itself alone)
+                continue
+            self.keys[var] = ("constant", array.dtype.str, array.shape, hashlib.sha1(array.tobytes()).hexdigest())
+
+    def key(self, v: Any) -> Any:
+        if isinstance(v, core.Literal):
+            return ("literal", repr(v.val), str(v.aval))
+        if v not in self.keys:
+            made = self.producer.get(v)
+            if made is None or made[0].effects:
+                self.keys[v] = ("value", id(v))
+            else:
+                eqn, index = made
+                params = tuple(sorted((k, str(value)) for k, value in eqn.params.items()))
+                self.keys[v] = (eqn.primitive.name, params, tuple(self.key(i) for i in eqn.invars), index)
+        return self.keys[v]
+
+    def __call__(self, a: Any, b: Any) -> bool:
+        return a is b or self.key(a) == self.key(b)
+
+
+def param_sources(jaxpr: Any, param_count: int) -> dict[Any, int]:
+    """For each value that is one param as it is or cast (``convert_element_type``, ``copy``):
+    that param's index among the first ``param_count`` invars."""
+    sources = {v: i for i, v in enumerate(jaxpr.invars[:param_count])}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("convert_element_type", "copy", "copy_p") and eqn.invars[0] in sources:
+            sources[eqn.outvars[0]] = sources[eqn.invars[0]]
+    return sources
+
+
+def params_only(jaxpr: Any, param_count: int) -> set:
+    """The values of ``jaxpr`` computed from its first ``param_count`` invars alone."""
+    found = set(jaxpr.invars[:param_count])
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
+        if ins and all(v in found for v in ins):
+            found.update(eqn.outvars)
+    return found
+
+
+def chained_params(jaxpr: Any, param_count: int, consts: Sequence[Any] = ()) -> dict[int, tuple[int, int]]:
+    """Each param a chain's call reads as its own: its index → (chain, layer)."""
+    only = params_only(jaxpr, param_count)
+    sources = param_sources(jaxpr, param_count)
+    found: dict[int, tuple[int, int]] = {}
+    for number, chain in enumerate(find_chains(jaxpr, lambda v: v in only, consts)):
+        for layer, index in enumerate(chain.calls):
+            for position in chain.weights:
+                source = sources.get(jaxpr.eqns[index].invars[position])
+                if source is not None:
+                    found[source] = (number, layer)
+    return found
+
+
+def call_body(eqn: Any) -> Any:
+    """A call's body as a ``ClosedJaxpr``-like pair: ``(jaxpr, consts)``."""
+    body = eqn.params["jaxpr"]
+    return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
+
+
+__all__: Sequence[str] = ("REMAT", "Chain", "call_body", "chained_params", "find_chains", "param_sources", "params_only")
