@@ -100,7 +100,8 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
     return run
 
 
-def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset], consts: Sequence[Any] = ()) -> tuple[list[Any], list[frozenset]]:
+def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset],
+                  consts: Sequence[Any] = ()) -> tuple[list[Any], list[frozenset]]:
     """The layer (the scan's body) of each stack in ``jaxpr``, in the order they run, and the
     kinds of its outputs: every value's kinds found as :func:`_evaluate` finds them, so that both
     see the same stacks."""
@@ -272,7 +273,6 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
     out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example], shared, mesh=stack.mesh,
                    axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
     return list(out) + [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in ys]
-
 
 
 def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callable, uses: dict, stack: Stack,

@@ -107,17 +107,16 @@ class _Recomputed:
                 continue
             self.keys[var] = ("constant", array.dtype.str, array.shape, hashlib.sha1(array.tobytes()).hexdigest())
 
-    def key(self, v: Any) -> Any:
+    def key(self, v: Any, depth: int = 0) -> Any:
         if isinstance(v, core.Literal):
             return ("literal", repr(v.val), str(v.aval))
         if v not in self.keys:
             made = self.producer.get(v)
-            if made is None or made[0].effects:
-                self.keys[v] = ("value", id(v))
-            else:
-                eqn, index = made
-                params = tuple(sorted((k, str(value)) for k, value in eqn.params.items()))
-                self.keys[v] = (eqn.primitive.name, params, tuple(self.key(i) for i in eqn.invars), index)
+            if made is None or made[0].effects or made[0].primitive.name in REMAT or depth > 32:
+                return ("value", id(v))  # an input, an effect, a block's output, or too far back to compare
+            eqn, index = made
+            params = tuple(sorted((k, str(value)) for k, value in eqn.params.items()))
+            self.keys[v] = (eqn.primitive.name, params, tuple(self.key(i, depth + 1) for i in eqn.invars), index)
         return self.keys[v]
 
     def __call__(self, a: Any, b: Any) -> bool:
@@ -163,5 +162,3 @@ def call_body(eqn: Any) -> Any:
     body = eqn.params["jaxpr"]
     return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
 
-
-__all__: Sequence[str] = ("REMAT", "Chain", "call_body", "chained_params", "find_chains", "param_sources", "params_only")
