@@ -30,6 +30,86 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
 
 
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<role>body|condition|calls|to_apply|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations|called_computations)=\{(?P<names>[^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>\w+)\[(?P<dims>[\d,]*)\]")
+_PARAM = re.compile(r"%?(?P<name>[\w.\-]+):\s*(?P<dtype>\w+)\[(?P<dims>[\d,]*)\]")
+_DOT = re.compile(r"\sdot\(%?(?P<lhs>[\w.\-]+),.*?lhs_contracting_dims=\{(?P<contracting>[\d,]*)\}")
+
+
+def lines_with_runs(hlo_text: str) -> list[tuple[str, int, int]]:
+    """Each line of a compiled program with how many times it runs per call of the program and
+    at how many places it is called: a ``while`` loop's body (with the trip count XLA proved,
+    ``known_trip_count``) runs that many times for one call site. Lines outside any computation
+    (a fragment) run once.
+
+    Example:
+        >>> text = jax.jit(lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w)[0]).lower(
+        ...     jnp.ones((8, 4, 4)), jnp.ones((2, 4))).compile().as_text()
+        >>> max(runs for line, runs, _ in lines_with_runs(text) if " dot(" in line)
+        8
+    """
+    computations: list[tuple[str, list[str]]] = []
+    loose: list[str] = []
+    current = None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = (header.group("name"), [line])
+            computations.append(current)
+        elif current is not None and line.startswith("}"):
+            current = None
+        elif current is not None:
+            current[1].append(line)
+        else:
+            loose.append(line)
+    if not computations:
+        return [(line, 1, 1) for line in loose]
+    runs: dict[str, int] = {computations[-1][0]: 1}  # the entry computation is printed last
+    sites: dict[str, int] = {computations[-1][0]: 1}
+    for name, lines in reversed(computations):  # callers are printed after their callees
+        for line in lines[1:]:
+            trip = _TRIP.search(line)
+            callees = [(m.group("role"), m.group("name")) for m in _CALLEE.finditer(line)]
+            for group in _BRANCHES.finditer(line):
+                callees += [("branch", n.strip().lstrip("%")) for n in group.group("names").split(",") if n.strip()]
+            for role, callee in callees:
+                factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+                runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * factor
+                sites[callee] = sites.get(callee, 0) + sites.get(name, 0)
+    return [(line, runs.get(name, 0), sites.get(name, 0)) for name, lines in computations for line in lines]
+
+
+def loop_dot_flops(hlo_text: str) -> float:
+    """The FLOPs of the matmuls (``dot``) a program runs in its loops beyond what counting each
+    call site once gives: what ``cost_analysis()``, which counts a loop's body once, leaves out."""
+    extra = 0.0
+    shapes: dict[str, list[int]] = {}
+    for line, runs, sites in lines_with_runs(hlo_text):
+        header = _HEADER.match(line)
+        if header:
+            shapes = {m.group("name"): [int(d) for d in m.group("dims").split(",") if d]
+                      for m in _PARAM.finditer(header.group("params"))}
+            continue
+        defined = _DEFINED.match(line)
+        if defined:
+            shapes[defined.group("name")] = [int(d) for d in defined.group("dims").split(",") if d]
+        dot = _DOT.search(line) if runs > sites else None
+        if dot is None or defined is None or dot.group("lhs") not in shapes:
+            continue
+        lhs = shapes[dot.group("lhs")]
+        contracted = 1
+        for d in filter(None, dot.group("contracting").split(",")):
+            contracted *= lhs[int(d)]
+        result = 1
+        for d in shapes[defined.group("name")]:
+            result *= d
+        extra += (runs - sites) * 2.0 * result * contracted
+    return extra
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveStat:
     """How many collectives of one kind a step runs, and the bytes they move per device."""
@@ -67,7 +147,8 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
     all-gather its (gathered) result, a reduce-scatter its (unscattered) operand, an
     all-reduce, all-to-all or permute its operand. Replica groups are read in every form
     XLA prints (explicit lists, iota ``[2,4]<=[8]``, mesh axes), and the async ``-start``
-    forms count what their synchronous forms do.
+    forms count what their synchronous forms do. A collective inside a loop counts once per
+    iteration (:func:`lines_with_runs`): a pipeline's permute, a scanned stack's gathers.
 
     Example:
         >>> line = "ag = (f32[16]{0}, f32[128]{0}) all-gather-start(f32[16]{0} p), replica_groups=[1,8]<=[8]"
@@ -75,7 +156,7 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
         CollectiveStat(count=1, bytes=512)
     """
     stats = {kind: CollectiveStat() for kind in COLLECTIVES}
-    for line in hlo_text.splitlines():
+    for line, runs, _ in lines_with_runs(hlo_text):
         match = _OP.search(line)
         if match is None:
             continue
@@ -84,7 +165,7 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
         if kind == "reduce-scatter":
             moved *= replica_group_size(line)
         old = stats[kind]
-        stats[kind] = CollectiveStat(old.count + 1, old.bytes + moved)
+        stats[kind] = CollectiveStat(old.count + runs, old.bytes + moved * runs)
     return stats
 
 

@@ -64,3 +64,27 @@ def test_scan_counts_on_this_stack():
     jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 4, 4)), jnp.ones((2, 4)), jnp.ones(()))
     (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert scan_counts(scan.params) == (1, 2)  # k closed over; (x, count) carried
+
+
+def test_a_loop_counts_its_collectives_and_matmuls_once_per_iteration():
+    """XLA's cost_analysis counts a while loop's body once; collective_bytes and the cost model
+    count it per iteration (the trip count XLA proved), on whichever stack runs this."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from parallax._compat import shard_map
+    from parallax.inspect import loop_dot_flops
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+
+    def layer(h, w):
+        h = shard_map(lambda x: jax.lax.ppermute(x, "d", [(i, (i + 1) % 4) for i in range(4)]), mesh=mesh,
+                      in_specs=P("d"), out_specs=P("d"), manual_axes={"d"})(h @ w)
+        return h, None
+
+    w, x = jnp.ones((5, 16, 16)), jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("d")))
+    text = jax.jit(lambda w, x: jax.lax.scan(layer, x, w)[0]).lower(w, x).compile().as_text()
+    permutes = collective_bytes(text)["collective-permute"]
+    assert permutes.count == 5 and permutes.bytes == 5 * 2 * 16 * 4, permutes  # each device's [2, 16] rows
+    assert loop_dot_flops(text) == 4 * 2 * 2 * 16 * 16  # the 4 iterations after the first, [2,16] @ [16,16] each

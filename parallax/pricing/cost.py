@@ -5,8 +5,8 @@
     flops × s/FLOP + bytes accessed × s/byte + transposed bytes × s/byte
     + Σ over collective kinds (count × latency + bytes × s/byte)
 
-with FLOPs and bytes accessed from XLA's ``cost_analysis()`` and collective bytes by kind
-from the HLO (:func:`parallax.inspect.collective_bytes`, the same count the benchmarks and
+with FLOPs and bytes accessed from XLA's ``cost_analysis()`` (plus the matmuls a loop runs
+after its first iteration, which it leaves out) and collective bytes by kind from the HLO (:func:`parallax.inspect.collective_bytes`, the same count the benchmarks and
 ``px.plan`` report). The speeds come from :func:`calibrate`: a matmul, a memory-bound
 elementwise op and each collective kind at two sizes, run on the given devices all at once
 (so simulated devices that share cores are measured as they run), fitted to the same terms.
@@ -111,6 +111,7 @@ def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
     """The predicted step time of ``compiled`` (a ``jax.stages.Compiled``) on ``speeds``' devices."""
     flops, accessed = _costs(compiled)
     text = compiled.as_text()
+    flops += inspect.loop_dot_flops(text)  # cost_analysis counts a loop's body once (a scanned stack, a pipeline)
     transposed = inspect.layout_bytes(text)
     traffic = inspect.collective_bytes(text)
     collective_s = 0.0
