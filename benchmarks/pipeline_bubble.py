@@ -27,7 +27,7 @@ def main() -> None:
     import parallax as px
     from benchmarks import report, time_interleaved
 
-    width, layers, rows = (64, 8, 64) if args.smoke else (1024, 8, 1024)
+    width, layers, rows = (64, 8, 64) if args.smoke else (512, 8, 512)
 
     class Block(nn.Module):
         @nn.compact
@@ -82,18 +82,32 @@ def main() -> None:
                                                                                      ratios[-1]],
                         "predicted_ratio": predicted, "measured_over_predicted": float(np.median(ratios)) / predicted})
 
+    # Time per step = a × iterations × layers per iteration (a fixed cost per layer step of the loop,
+    # whatever the microbatch's size) + b × iterations / (R·M) (each iteration computes one
+    # microbatch's share of the batch through a group of L/(S·R) layers: the bubble theory): least squares.
+    features = np.array([[row["iterations"] * layers // (4 * row["repeats"]),
+                          row["iterations"] / (row["repeats"] * row["microbatches"])] for row in results])
+    measured = np.array([row["step_s"] for row in results])
+    (per_iteration, per_pass), *_ = np.linalg.lstsq(features, measured, rcond=None)
+    for row, fitted in zip(results, features @ np.array([per_iteration, per_pass])):
+        row["fitted_s"], row["measured_over_fitted"] = float(fitted), row["step_s"] / float(fitted)
+
     def markdown(results, meta):
         lines = [f"Deep MLP stack ({layers} blocks of width {width}, {rows} rows), DataParallel(2) × PipelineParallel(4), "
                  f"{meta['rounds']} interleaved rounds; ratios against GPipe M=16.", "",
                  "| configuration | iterations | step s (median) | measured ratio, median (min–max) | predicted | "
-                 "measured ÷ predicted |", "| --- " * 6 + "|"]
+                 "measured ÷ predicted | measured ÷ fitted |", "| --- " * 7 + "|"]
         for row in results:
             low, mid, high = row["measured_ratio"]
             lines.append(f"| {row['config']} | {row['iterations']} | {row['step_s']:.4f} | {mid:.3f} ({low:.3f}–{high:.3f}) "
-                         f"| {row['predicted_ratio']:.3f} | {row['measured_over_predicted']:.3f} |")
+                         f"| {row['predicted_ratio']:.3f} | {row['measured_over_predicted']:.3f} "
+                         f"| {row['measured_over_fitted']:.3f} |")
+        lines += ["", f"Fitted: {1e3 * meta['per_iteration_s']:.1f} ms per layer step of the loop + "
+                      f"{1e3 * meta['per_pass_s']:.1f} ms per pass of the whole batch through a stage's layers."]
         return "\n".join(lines) + "\n"
 
-    report(args, "pipeline_bubble", results, markdown, width=width, layers=layers, rows=rows)
+    report(args, "pipeline_bubble", results, markdown, width=width, layers=layers, rows=rows,
+           per_iteration_s=float(per_iteration), per_pass_s=float(per_pass))
 
 
 if __name__ == "__main__":
