@@ -415,6 +415,7 @@ def test_the_listed_blocks_are_split_over_the_stages_and_the_step_passes_activat
 
 @pytest.mark.parametrize("blocks, dropout, loss, message", [
     ("FlaxGPT2Attention", 0.0, None, "found no blocks of that class called in turn"),
+    (None, 0.0, None, r"calls FlaxGPT2Block at several places: .* PipelineParallel\(blocks='FlaxGPT2Block'\)"),
     ("FlaxGPT2Block", 0.1, "dropout", "draw random numbers .dropout. compute something different in each block"),
     ("FlaxGPT2Block", 0.0, "hidden_states", "reads a block's output besides the next block"),
 ])

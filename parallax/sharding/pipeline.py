@@ -141,7 +141,8 @@ class PipelineParallel(Strategy):
             raise ValueError(
                 "PipelineParallel found no stack of blocks in the model: no param has a dim that a scan steps over. "
                 "Stack the repeated blocks (linen nn.scan with variable_axes={'params': 0}, NNX nnx.vmap + nnx.scan, "
-                "or a lax.scan over stacked weights).")
+                "or a lax.scan over stacked weights), or name the class of blocks kept in a list: "
+                "PipelineParallel(blocks=...).")
         return dataclasses.replace(self, stacked={path: dims[0] for path, dims in scanned.items()})
 
     def place(self, path, shape, dims, axis_sizes):

@@ -23,7 +23,7 @@ from parallax.state.pretrained import place_params
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.offload import check_offload, with_memory_kinds
-from parallax.step.run_changes import with_blocks_marked
+from parallax.step.run_changes import listed_blocks_hint, with_blocks_marked
 from parallax.step.train_state import TrainState, as_key, model_rngs
 
 
@@ -161,8 +161,14 @@ def plan_state(
         abstract = _abstract(lambda k, b: make(k, b, boxed=True), key, example_batch)
         fitted = strategy
         if strategy.needs_computation:
-            fitted = strategy.fitted_to(trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh,
-                                                          strategy, rng_streams))
+            computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, strategy, rng_streams)
+            try:
+                fitted = strategy.fitted_to(computation)
+            except ValueError as err:
+                hint = listed_blocks_hint(strategy, model, example_batch, loss_fn) if "no stack" in str(err) else ""
+                if not hint:
+                    raise
+                raise ValueError(f"{err}{hint}") from None
         specs = fitted.state_specs(abstract, train_mesh)
         if loss_fn is not None:
             probe_loss(adapter, abstract, specs, example_batch, loss_fn, train_mesh, fitted, rng_streams)

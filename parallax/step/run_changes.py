@@ -16,6 +16,7 @@ from typing import Callable
 from jax.sharding import Mesh
 
 from parallax.models import ModelRun
+from parallax.models.blocks import repeated_blocks
 from parallax.models.pipeline_stack import pipelined
 from parallax.sharding.pipeline import PipelineRun
 from parallax.sharding.strategy import Strategy
@@ -43,6 +44,21 @@ def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
     if not marks:
         return run
     return dataclasses.replace(run, remat=(*marks, *(entry for entry in run.remat if entry not in marks)))
+
+
+def listed_blocks_hint(strategy: Strategy, model: object, example_batch: object, loss_fn: object) -> str:
+    """For a pipeline that found no stack in the model: a sentence naming the block classes the
+    model calls at several places, as ``PipelineParallel(blocks=...)`` takes them ("" if none)."""
+    if not any(isinstance(change, PipelineRun) and change.blocks is None for change in strategy.run_changes):
+        return ""
+    try:
+        found = repeated_blocks(model, example_batch, loss_fn)
+    except Exception:  # noqa: BLE001 (a hint only: the error it adds to stands as it is)
+        return ""
+    if not found:
+        return ""
+    return (f" The model calls {', '.join(found)} at several places: if those are its blocks, kept in a list, "
+            f"PipelineParallel(blocks={found[0]!r}) pipelines them.")
 
 
 def run_change_paths(strategy: Strategy, compile_option: str) -> tuple[tuple[str, ...], str] | None:
