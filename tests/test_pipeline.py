@@ -306,21 +306,32 @@ def test_pipeline_parallel_trains_an_nnx_scan_model_like_one_device(strategy, op
     assert report.mode == "jit" and report.max_diff <= 1e-5, report
 
 
-def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_stages(tmp_path):
-    """The Trainer's checkpoints hold the stack in the model's own layout ([layers, ...]): PP(4) × DP(2)
-    for 2 steps → DataParallel(8) for 2 → PP(2) × FSDP(4) for 2, against one device for 6."""
+CHECKPOINTED = {  # the model, and the pipelines its first and last runs train under
+    "stack": (lambda: Stacked(8), lambda: px.combine(px.DataParallel(2), px.PipelineParallel(4)),
+              lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0))),
+    "list": (lambda: (lambda: NnxListed(nnx.Rngs(0))),
+             lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=ListedLayer)),
+             lambda: px.combine(px.PipelineParallel(2, schedule="circular", repeats=2, blocks="ListedLayer"),
+                                px.FSDP(4, min_weight_size=0))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKPOINTED))
+def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_stages(tmp_path, kind):
+    """The Trainer's checkpoints hold the stack in the model's own layout ([layers, ...]; a list of
+    blocks as the list): a pipeline for 2 steps → DataParallel(8) for 2 → another pipeline × FSDP(4)
+    for 2, against one device for 6."""
     rng = np.random.default_rng(3)
     data = {"x": rng.normal(size=(96, 3)).astype(np.float32), "y": rng.normal(size=(96, 2)).astype(np.float32)}
+    model, first, last = CHECKPOINTED[kind]
 
     def fit(strategy, steps, resume=True, **options):
-        trainer = px.Trainer(Stacked(8), optax.adam(1e-2), stacked_loss, strategy=strategy, max_steps=steps,
+        trainer = px.Trainer(model(), optax.adam(1e-2), stacked_loss, strategy=strategy, max_steps=steps,
                              batch_size=16, progress=False, **options)
         return trainer.fit(data, resume=resume)
 
     saving = dict(checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    runs = [fit(px.combine(px.DataParallel(2), px.PipelineParallel(4)), 2, resume=False, **saving),
-            fit(px.DataParallel(8), 4, **saving),
-            fit(px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)), 6, **saving)]
+    runs = [fit(first(), 2, resume=False, **saving), fit(px.DataParallel(8), 4, **saving), fit(last(), 6, **saving)]
     one = fit(px.DataParallel(1), 6, resume=False, devices=jax.devices()[:1])
     losses = [h["loss"] for run in runs for h in run.history.train]
     np.testing.assert_allclose(losses, [h["loss"] for h in one.history.train], atol=1e-5, rtol=0)
