@@ -6,8 +6,9 @@
     + Σ over collective kinds (count × latency + bytes × s/byte)
 
 with FLOPs and bytes accessed from XLA's ``cost_analysis()`` (plus the matmuls a loop runs
-after its first iteration, which it leaves out) and collective bytes by kind from the HLO (:func:`parallax.inspect.collective_bytes`, the same count the benchmarks and
-``px.plan`` report). The speeds come from :func:`calibrate`: a matmul, a memory-bound
+after its first iteration, which it leaves out) and collective bytes by kind from the HLO
+(:func:`parallax.inspect.collective_bytes`, the same count the benchmarks and ``px.plan``
+report). The speeds come from :func:`calibrate`: a matmul, a memory-bound
 elementwise op and each collective kind at two sizes, run on the given devices all at once
 (so simulated devices that share cores are measured as they run), fitted to the same terms.
 A calibration takes a second or two and is cached per machine, device kind, device count
