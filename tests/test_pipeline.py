@@ -468,3 +468,16 @@ def test_blocks_given_a_key_each_are_refused_by_name():
     with pytest.raises(ValueError, match="differs from block to block but is not a param"):
         px.init_state(Keyed(), optax.sgd(0.1), stacked_batches(1)[0], loss_fn=stacked_loss,
                       strategy=px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks="KeyedLayer")))
+
+
+def test_auto_prices_the_pipelines_over_a_stack_and_only_for_a_stack():
+    from parallax.state.search import resolve
+
+    def priced(model):
+        found = resolve(model, optax.sgd(0.1), stacked_batches(1)[0], "auto", loss_fn=stacked_loss,
+                        devices=jax.devices()[:2])
+        return sorted(label.split(",")[0] for label in found.choice.estimates)
+
+    assert priced(Stacked(8)) == ["DataParallel(data=2)", "FSDP(fsdp=2)", "PipelineParallel(stage=2)",
+                                  "TensorParallel(tensor=2)"]
+    assert "PipelineParallel(stage=2)" not in priced(Flat())

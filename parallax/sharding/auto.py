@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from parallax.sharding.named import parse_strategy
 from parallax.sharding.parts import FSDP, FSDP_SPLITS, DataParallel, TensorParallel
+from parallax.sharding.pipeline import PipelineParallel
 from parallax.sharding.strategy import Strategy, combine
 
 AUTO = "auto"
@@ -76,6 +77,28 @@ def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: 
         parts = [dataclasses.replace(template, size=size) for size, template in zip(shape, (data, fsdp, tensor))
                  if size > 1]
         found.append(_joined(parts))
+    return found
+
+
+def pipeline_candidates(device_count: int, *, data: DataParallel = DataParallel(),
+                        fsdp: FSDP = FSDP(split="largest"),
+                        pipeline: PipelineParallel = PipelineParallel()) -> list[Strategy]:
+    """The meshes with a stage axis ``strategy="auto"`` adds for a model that stacks its blocks:
+    for each stage count ``S`` that divides the devices, the pipeline alone (``S`` = all of
+    them), or with DP or FSDP over the rest. A stage count the stack's layers do not divide is
+    skipped when it is planned, naming why.
+
+    Example:
+        >>> [s.describe() for s in pipeline_candidates(4)]  # doctest: +NORMALIZE_WHITESPACE
+        ['PipelineParallel(stage=2) × DataParallel(data=2)', 'PipelineParallel(stage=2) × FSDP(fsdp=2)',
+         'PipelineParallel(stage=4)']
+    """
+    found = []
+    for stages in (d for d in range(2, device_count + 1) if device_count % d == 0):
+        staged = dataclasses.replace(pipeline, stages=stages)
+        rest = device_count // stages
+        found += [staged] if rest == 1 else [combine(staged, dataclasses.replace(data, size=rest)),
+                                             combine(staged, dataclasses.replace(fsdp, size=rest))]
     return found
 
 

@@ -33,7 +33,8 @@ from parallax.models.blocks import repeated_blocks
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
+from parallax.sharding.auto import (AUTO, candidates, fsdp_split, is_auto, pipeline_candidates, split_candidates,
+                                    with_split)
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state
 from parallax.state.search_budget import SearchBudget
@@ -166,8 +167,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
 
     Args:
         model, optimizer, example_batch, loss_fn, rng, rng_streams: as for :func:`parallax.init_state`.
-        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, see
-            :func:`parallax.sharding.auto.candidates`) or a strategy whose FSDP part has
+        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, :func:`~parallax.sharding.auto.candidates`;
+            with a stack of blocks, the pipelines of ``pipeline_candidates`` too) or a strategy whose FSDP part has
             ``split="auto"`` (each split on the given mesh); any other strategy is returned as is.
         devices: the devices to search meshes over (all of this process's by default).
         mesh: for a split search, the mesh to use; ``strategy="auto"`` picks its own.
@@ -201,6 +202,12 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
                                 splitting, rng, rng_streams, spent)
     estimates, found, skipped, runnable = price(options)
+    if strategy == AUTO and among is None and _stacks(found):  # a pipeline over its stack is a candidate too
+        staged = priced_candidates(pipeline_candidates(len(devices)), options.compile)
+        more = _price(staged, options, model, optimizer, example_batch, loss_fn, mesh, devices, budget, splitting,
+                      rng, rng_streams)  # all priced (no clock): the same pool on every run
+        for mine, theirs in zip((estimates, found, skipped, runnable), more):
+            mine.update(theirs)
     changes: dict = {}
     if budget is not None and not any(e.peak <= budget for e in estimates.values()):
         for fields in _fallbacks(options, lambda: repeated_blocks(model, example_batch, loss_fn)):
@@ -231,6 +238,12 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step)
     log.info("%s", resolved.describe())
     return resolved
+
+
+def _stacks(found: dict) -> bool:
+    """Whether a priced candidate found a stack of blocks in the model (an FSDP part told which
+    param dims a ``scan`` steps over)."""
+    return any(getattr(part, "scanned", None) for strategy, *_ in found.values() for part in strategy.parts)
 
 
 def _largest(strategy: Strategy, mesh: Mesh | None, devices: Sequence[jax.Device] | None,
