@@ -341,17 +341,12 @@ def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_s
 
 # A list of identical blocks called in turn (no scan in the trace): Hugging Face's Flax GPT-2 and
 # Llama as the transformers package builds them, four layers, named by their block class.
-def hugging_face(name, layers=4, dropout=0.0):
+def hugging_face(name, dropout=0.0):
     from tests import third_party
 
-    t = third_party._transformers()
     if name == "gpt2":
-        config = t.GPT2Config(vocab_size=third_party.VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=4,
-                              resid_pdrop=dropout, embd_pdrop=0.0, attn_pdrop=0.0)
-        return t.models.gpt2.modeling_flax_gpt2.FlaxGPT2LMHeadModule(config), "FlaxGPT2Block"
-    config = t.LlamaConfig(vocab_size=third_party.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    return t.models.llama.modeling_flax_llama.FlaxLlamaForCausalLMModule(config), "FlaxLlamaDecoderLayer"
+        return third_party.gpt2(layers=4, dropout=dropout), "FlaxGPT2Block"
+    return third_party.llama(layers=4), "FlaxLlamaDecoderLayer"
 
 
 LISTED = {  # every strategy of the grid, each model with both optimizers

@@ -30,16 +30,16 @@ def _transformers():
     return transformers
 
 
-def gpt2():
+def gpt2(layers: int = 1, dropout: float = 0.0):
     t = _transformers()
-    config = t.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0,
+    config = t.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=dropout,
                           embd_pdrop=0.0, attn_pdrop=0.0)
     return t.models.gpt2.modeling_flax_gpt2.FlaxGPT2LMHeadModule(config)
 
 
-def llama():
+def llama(layers: int = 1):
     t = _transformers()
-    config = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     return t.models.llama.modeling_flax_llama.FlaxLlamaForCausalLMModule(config)
 

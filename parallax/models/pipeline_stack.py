@@ -251,12 +251,7 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
             "over the layers): a pipeline passes only the activations from stage to stage. Return such values per "
             "layer and sum them after the stack, or leave them out, to pipeline it.")
     rows = {int(x.shape[0]) for x in carry}
-    per_example = [i for i, k in enumerate(const_kinds) if BATCH in k or _smaller_in(body, i, consts[i])]
-    if any(jax.numpy.ndim(consts[i]) == 0 or int(consts[i].shape[0]) not in rows for i in per_example):
-        raise ValueError(
-            f"The stack's layers read a value computed from the batch whose leading dim is not the batch's "
-            f"({sorted(rows)} rows): a pipeline splits such values into microbatches with the activations. Give it the "
-            "batch as its leading dim.")
+    per_example = _per_example(range(len(consts)), consts, const_kinds, body, rows, "The stack's layers")
     ys = eqn.outvars[len(carry):]
     if any(v in used for v in ys):
         raise ValueError("The stack's scan also returns an output per layer (its ys), which the model reads: a pipeline "
@@ -266,9 +261,7 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
     def layer(w: list, h: list, c: list, s: list) -> list:
         it_c, it_s = iter(c), iter(s)
         ordered = [next(it_c) if i in per_example else next(it_s) for i in range(len(consts))]
-        operands = [*ordered, *h, *w]
-        here = _in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
-        return _evaluate(here, body.consts, operands, [frozenset()] * len(operands), stack, iter(()))[0][:len(h)]
+        return _run_body(body, [*ordered, *h, *w], stack)[:len(h)]
 
     out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example], shared, mesh=stack.mesh,
                    axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
@@ -308,12 +301,7 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
     weights = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in chain.weights]
     rest = [p for p in range(len(operands)) if p not in chain.weights and p not in chain.carry]
     rows = {int(operands[p].shape[0]) for p in chain.carry}
-    per_example = [p for p in rest if BATCH in kinds[p] or _smaller_in(body, p, operands[p])]
-    if any(jax.numpy.ndim(operands[p]) == 0 or int(operands[p].shape[0]) not in rows for p in per_example):
-        raise ValueError(
-            f"The blocks read a value computed from the batch whose leading dim is not the batch's ({sorted(rows)} "
-            "rows): a pipeline splits such values into microbatches with the activations. Give it the batch as its "
-            "leading dim.")
+    per_example = _per_example(rest, operands, kinds, body, rows, "The blocks")
     shared = [p for p in rest if p not in per_example]
 
     def layer(w: list, h: list, c: list, s: list) -> list:
@@ -321,8 +309,7 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
         for positions, given in ((chain.weights, w), (chain.carry, h), (per_example, c), (shared, s)):
             for p, value in zip(positions, given):
                 ordered[p] = value
-        here = _in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
-        outs = _evaluate(here, body.consts, ordered, [frozenset()] * len(ordered), stack, iter(()))[0]
+        outs = _run_body(body, ordered, stack)
         return [outs[q] for q in chain.carry_out]
 
     out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example],
@@ -332,6 +319,26 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
     for q, value in zip(chain.carry_out, out):
         results[q] = value
     return results
+
+
+def _run_body(body: Any, operands: Sequence[Any], stack: Stack) -> list[Any]:
+    """``body`` (one layer, traced at a microbatch's shape) on ``operands``, bound in the context it
+    runs in: inside the pipeline, where the stage axis is manual."""
+    here = _in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
+    return _evaluate(here, body.consts, operands, [frozenset()] * len(operands), stack, iter(()))[0]
+
+
+def _per_example(positions: Sequence[int], values: Sequence[Any], kinds: Sequence[frozenset], body: Any,
+                 rows: set[int], subject: str) -> list[int]:
+    """Of the layer's other operands at ``positions``, those split into microbatches with the
+    activations: computed from the batch, or taken smaller by the layer traced on a microbatch."""
+    found = [p for p in positions if BATCH in kinds[p] or _smaller_in(body, p, values[p])]
+    if any(jax.numpy.ndim(values[p]) == 0 or int(values[p].shape[0]) not in rows for p in found):
+        raise ValueError(
+            f"{subject} read a value computed from the batch whose leading dim is not the batch's ({sorted(rows)} "
+            "rows): a pipeline splits such values into microbatches with the activations. Give it the batch as its "
+            "leading dim.")
+    return found
 
 
 def _smaller_in(body: Any, position: int, value: Any) -> bool:

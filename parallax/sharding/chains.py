@@ -128,7 +128,7 @@ def param_sources(jaxpr: Any, param_count: int) -> dict[Any, int]:
     that param's index among the first ``param_count`` invars."""
     sources = {v: i for i, v in enumerate(jaxpr.invars[:param_count])}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("convert_element_type", "copy", "copy_p") and eqn.invars[0] in sources:
+        if eqn.primitive.name in ("convert_element_type", "copy") and eqn.invars[0] in sources:
             sources[eqn.outvars[0]] = sources[eqn.invars[0]]
     return sources
 

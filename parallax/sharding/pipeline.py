@@ -18,6 +18,11 @@ from parallax.sharding.strategy import Strategy
 SCHEDULES = ("gpipe", "circular")
 
 
+class NoStackError(ValueError):
+    """A :class:`PipelineParallel` with no ``blocks=`` found no stack in the model (the planner adds
+    which repeated block class to name, where the model has one)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineRun:
     """How the model's stack runs: over ``axis`` in ``microbatches`` (``None``: the part's
@@ -138,7 +143,7 @@ class PipelineParallel(Strategy):
             return dataclasses.replace(self, chained=dict.fromkeys(chained))
         scanned = computation.scanned_dims()
         if not scanned:
-            raise ValueError(
+            raise NoStackError(
                 "PipelineParallel found no stack of blocks in the model: no param has a dim that a scan steps over. "
                 "Stack the repeated blocks (linen nn.scan with variable_axes={'params': 0}, NNX nnx.vmap + nnx.scan, "
                 "or a lax.scan over stacked weights), or name the class of blocks kept in a list: "
@@ -148,12 +153,11 @@ class PipelineParallel(Strategy):
     def place(self, path, shape, dims, axis_sizes):
         stages = axis_sizes[self.axis]
         if path in (self.chained or {}):  # a listed block's param: its largest dim the stages divide
-            free = [d for d in range(len(shape)) if (d >= len(dims) or dims[d] is None) and shape[d] % stages == 0]
+            free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % stages == 0]
             if not free:
                 return dims
             dim = max(free, key=lambda d: (shape[d], -d))
-            padded = [*dims, *[None] * (len(shape) - len(dims))]
-            return [*padded[:dim], self.axis, *padded[dim + 1:]]
+            return [*dims[:dim], self.axis, *dims[dim + 1:]]
         dim = (self.stacked or {}).get(path)
         if dim is None:
             return dims

@@ -17,6 +17,7 @@ from parallax._compat import mesh_context
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
+from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.state.pretrained import place_params
@@ -164,11 +165,11 @@ def plan_state(
             computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, strategy, rng_streams)
             try:
                 fitted = strategy.fitted_to(computation)
-            except ValueError as err:
-                hint = listed_blocks_hint(strategy, model, example_batch, loss_fn) if "no stack" in str(err) else ""
+            except NoStackError as err:
+                hint = listed_blocks_hint(model, example_batch, loss_fn)
                 if not hint:
                     raise
-                raise ValueError(f"{err}{hint}") from None
+                raise NoStackError(f"{err}{hint}") from None
         specs = fitted.state_specs(abstract, train_mesh)
         if loss_fn is not None:
             probe_loss(adapter, abstract, specs, example_batch, loss_fn, train_mesh, fitted, rng_streams)

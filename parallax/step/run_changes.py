@@ -46,11 +46,9 @@ def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
     return dataclasses.replace(run, remat=(*marks, *(entry for entry in run.remat if entry not in marks)))
 
 
-def listed_blocks_hint(strategy: Strategy, model: object, example_batch: object, loss_fn: object) -> str:
+def listed_blocks_hint(model: object, example_batch: object, loss_fn: object) -> str:
     """For a pipeline that found no stack in the model: a sentence naming the block classes the
     model calls at several places, as ``PipelineParallel(blocks=...)`` takes them ("" if none)."""
-    if not any(isinstance(change, PipelineRun) and change.blocks is None for change in strategy.run_changes):
-        return ""
     try:
         found = repeated_blocks(model, example_batch, loss_fn)
     except Exception:  # noqa: BLE001 (a hint only: the error it adds to stands as it is)
