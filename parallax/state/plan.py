@@ -17,6 +17,7 @@ from parallax._compat import mesh_context
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
+from parallax.sharding.mesh import is_explicit
 from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
@@ -183,6 +184,8 @@ def plan_state(
     def build_values(k, b, v, s, o):
         if v is not None:  # pretrained params in the model's dtypes
             v = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), v, plain)
+            if s is None and not jax.tree.leaves(abstract.model_state):
+                s = abstract.model_state  # no state besides the params: nothing of the init is needed (nor traced)
         return make(k, b, boxed=False, values=v, state=s, opt_state=o)
 
     jitted = jax.jit(build_values, out_shardings=shardings)
@@ -256,8 +259,13 @@ def _abstract(make: Callable, key: Any, example_batch: Any) -> TrainState:
 
 def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_batch: Any, loss_fn: LossFn,
                mesh: Mesh, strategy: Strategy, rng_streams: Sequence[str]) -> None:
-    """Traces the loss and its gradient on the planned shardings (nothing compiles or runs):
-    raises what JAX raises where the model's own sharding does not fit this mesh's mode."""
+    """Traces the loss on the planned shardings, and on an Explicit mesh its gradient too (nothing
+    compiles or runs): raises what JAX raises where the model's own sharding does not fit this
+    mesh's mode.
+
+    On Auto axes shardings are not part of the arrays' types, so what JAX refuses there (``reshard``,
+    ``out_sharding=``, an Explicit mesh's ``NamedSharding``) is in the loss as written, and the
+    forward trace finds it; on Explicit axes the gradient's contractions are typed as well."""
     placed = lambda leaf, spec: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
     params = jax.tree.map(placed, adapter.unbox(abstract.params), specs.params)
     model_state = jax.tree.map(placed, abstract.model_state, specs.model_state)
@@ -273,7 +281,8 @@ def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     run = ModelRun(train=True, constraint_axes=tuple(mesh.axis_names))
     loss = jit_loss(adapter, loss_fn, rng_streams, run, mesh, strategy, specs.params)  # as the train step runs it
-    jax.eval_shape(jax.value_and_grad(loss, has_aux=True), params, model_state, batch, key)
+    traced = jax.value_and_grad(loss, has_aux=True) if is_explicit(mesh) else loss
+    jax.eval_shape(traced, params, model_state, batch, key)
 
 
 def trace_computation(adapter: ModelAdapter, abstract: TrainState, example_batch: Any, loss_fn: LossFn | None,

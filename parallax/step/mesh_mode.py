@@ -13,7 +13,7 @@ other (measured on both tested stacks):
   embedding lookup or contraction over a sharded dim (``ShardingTypeError``).
 
 So parallax plans the state in each mode in turn (``sharding_mode="detect"``: Auto first, then
-Explicit) and keeps the first in which the loss traces with its gradient; the mesh the
+Explicit) and keeps the first in which the loss traces (on Explicit axes with its gradient); the mesh the
 state lives on carries the mode, and the train step compiles under it. The user's mesh keeps
 its devices, their order and its axis names; only the axis types may change, and
 :func:`planned_in_mode` says so in one line.
