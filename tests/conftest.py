@@ -10,11 +10,13 @@ from tests.environment import compile_flags
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), compile_flags(), "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for every process the session's workers start: the fault
-# runs, launches and examples compile the same programs again and again (the fault suite alone
-# ran in 64 s without it, 37 s with it). Keyed by JAX version, flags and devices. The workers
-# themselves compile without it: their programs are seldom compiled twice, and writing each one
-# to the cache cost a fifth more than compiling it at -O0 (tests/README.md).
+# One persistent compilation cache for the session's workers and every process they start: the
+# fault runs, launches and examples compile the same programs again and again (the fault suite
+# alone ran in 64 s without it, 37 s with it), and so do the workers, whose tests build the same
+# model, strategy and step in new jit objects (test_trainer.py and test_step.py: 175 s of CPU
+# without it, 136 s with it, starting empty). Keyed by JAX version, flags and devices; it starts
+# empty in a fresh checkout's run (cold), and tests that read what the compiler reports while
+# compiling bypass it (the ``fresh_compiles`` fixture).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"parallax-tests-jax-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -23,7 +25,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
-jax.config.update("jax_enable_compilation_cache", False)  # this process only: its children inherit the variables
 
 # Tracing and compiling allocate millions of short-lived objects; with CPython's default thresholds
 # the cyclic collector ran every 700 allocations and, in full, over every module and compiled
