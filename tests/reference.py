@@ -118,6 +118,14 @@ class Drift(NamedTuple):
     allowance: Any = None
 
 
+def one_device_state(model: Any, optimizer, batch: Any, loss_fn, **options: Any) -> px.TrainState:
+    """``model``'s train state built on the first device alone (``init_state(..., rng=0)``): the
+    initial variables a one-device reference run and a strategy's run both start from."""
+    single = px.DataParallel(1)
+    return px.init_state(model, optimizer, batch, strategy=single, rng=0, loss_fn=loss_fn,
+                         mesh=single.make_mesh(jax.devices()[:1]), **options)
+
+
 def run_plain(model, tx, loss_fn, state: px.TrainState, batches, place=None, step=None) -> PlainRun:
     """Trains from ``state``'s values (the optimizer state starts from ``tx.init``).
 

@@ -16,8 +16,8 @@ import pytest
 
 import parallax as px
 from tests.models import MODELS, batches
-from tests.reference import (OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, params_bound, run_plain, run_steps,
-                             with_params)
+from tests.reference import (OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, one_device_state, params_bound,
+                             run_plain, run_steps, with_params)
 
 STEPS = 10
 
@@ -27,9 +27,7 @@ def reference(model_name: str, opt_name: str):
     """Initial params (as built on one device) and the one-device run (a ``PlainRun``)."""
     model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
-    single = px.DataParallel(1)
-    state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), data[0], strategy=single, rng=0,
-                          loss_fn=loss_fn, mesh=single.make_mesh(jax.devices()[:1]))
+    state = one_device_state(model_cls(), OPTIMIZERS[opt_name](), data[0], loss_fn)
     return jax.device_get(state.params), run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data)
 
 

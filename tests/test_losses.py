@@ -21,7 +21,8 @@ import pytest
 
 import parallax as px
 from tests.models import TinyLM
-from tests.reference import OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, params_bound, run_plain, run_steps
+from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, one_device_state, params_bound,
+                             run_plain, run_steps)
 
 STEPS = 6
 
@@ -103,9 +104,7 @@ CASES = {"masked_lm": (TinyLM, masked_lm_loss), "moe": (MoE, moe_loss), "contras
 def reference(case: str, opt_name: str):
     model_cls, loss_fn = CASES[case]
     data = make_batches(case)
-    single = px.DataParallel(1)
-    state = px.init_state(model_cls(), OPTIMIZERS[opt_name](), data[0], strategy=single, rng=0, loss_fn=loss_fn,
-                          mesh=single.make_mesh(jax.devices()[:1]))
+    state = one_device_state(model_cls(), OPTIMIZERS[opt_name](), data[0], loss_fn)
     return jax.device_get(state.params), run_plain(model_cls(), OPTIMIZERS[opt_name](), loss_fn, state, data)
 
 

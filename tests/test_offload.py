@@ -20,7 +20,7 @@ from parallax.models.remat_policy import named_policy
 from parallax.state.search import resolve
 from parallax.step.offload import state_memory_kinds
 from tests.models import MLP, Block, TinyLM, batches, classifier_loss, lm_loss
-from tests.reference import OPTIMIZERS, TOL
+from tests.reference import OPTIMIZERS, TOL, one_device_state
 
 FSDP = px.FSDP(min_weight_size=0, split="largest")
 
@@ -79,10 +79,7 @@ def initial_params(name: str):
     (``params=``) rather than compiling the same sharded random init twelve times; that the sharded
     init equals one device's is checked in tests/test_equivalence.py and tests/test_nnx.py."""
     build, loss, _ = MODELS[name]
-    single = px.DataParallel(1)
-    state = px.init_state(build(), optax.sgd(0.1), batches("lm", 1)[0], strategy=single, loss_fn=loss,
-                          mesh=single.make_mesh(jax.devices()[:1]))
-    return jax.device_get(state.params)
+    return jax.device_get(one_device_state(build(), optax.sgd(0.1), batches("lm", 1)[0], loss).params)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -23,7 +23,8 @@ from parallax.models import ModelRun, adapter_for
 from parallax.pricing.per_example_proof import prove_loss
 from parallax.step.loss import loss_closure
 from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
-from tests.reference import OPTIMIZERS, bound, drift_floor, max_diff, params_bound, run_plain, run_steps
+from tests.reference import (OPTIMIZERS, bound, drift_floor, max_diff, one_device_state, params_bound, run_plain,
+                             run_steps)
 
 SHARDS = 4
 
@@ -185,9 +186,7 @@ def lm_data():
 @pytest.mark.parametrize("strategy_name, opt_name", [("dp", "sgd"), ("fsdp", "adamw")])
 def test_an_unmarked_mean_loss_gets_the_cost_models_choice_and_trains_like_one_device(strategy_name, opt_name, lm_data):
     strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=2**8, split="largest")}[strategy_name]
-    single = px.DataParallel(1)
-    start = px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=single, rng=0, loss_fn=lm_loss,
-                          mesh=single.make_mesh(jax.devices()[:1]))
+    start = one_device_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], lm_loss)
     reference = run_plain(TinyLM(), OPTIMIZERS[opt_name](), lm_loss, start, lm_data)
     def on_mesh():
         return px.init_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], strategy=strategy, rng=0, loss_fn=lm_loss,

@@ -15,7 +15,7 @@ import pytest
 import parallax as px
 from parallax.inspect import collective_bytes
 from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
-from tests.reference import run_plain, run_steps
+from tests.reference import one_device_state, run_plain, run_steps
 
 
 def train(model, tx, loss_fn, strategy, data, **step_kwargs):
@@ -295,9 +295,7 @@ def test_batchnorm_with_a_hard_coded_axis_name_uses_the_global_batch():
     data = batches("cnn", 5)
     strategy = px.DataParallel()
     state, history = train(HardCodedBatchNorm(), optax.sgd(0.1), classifier_loss, strategy, data)
-    single = px.DataParallel(1)
-    start = px.init_state(HardCodedBatchNorm(None), optax.sgd(0.1), data[0], strategy=single,
-                          mesh=single.make_mesh(jax.devices()[:1]), loss_fn=classifier_loss)
+    start = one_device_state(HardCodedBatchNorm(None), optax.sgd(0.1), data[0], classifier_loss)
     ref = run_plain(HardCodedBatchNorm(None), optax.sgd(0.1), classifier_loss, start, data)
     np.testing.assert_allclose(losses(history), ref.losses, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), jax.device_get(state.model_state),
@@ -321,8 +319,6 @@ def test_global_norm_clipping_sees_the_whole_gradient_under_fsdp():
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
     strategy = px.FSDP(min_weight_size=256, split="largest")
     _, history = train(TinyLM(), tx, lm_loss, strategy, data)
-    single = px.DataParallel(1)
-    start = px.init_state(TinyLM(), tx, data[0], strategy=single, mesh=single.make_mesh(jax.devices()[:1]),
-                          loss_fn=lm_loss)
+    start = one_device_state(TinyLM(), tx, data[0], lm_loss)
     ref = run_plain(TinyLM(), tx, lm_loss, start, data)
     np.testing.assert_allclose(losses(history), ref.losses, atol=1e-5)
