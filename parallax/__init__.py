@@ -27,6 +27,7 @@ try:
     from parallax.sharding.pipeline import PipelineParallel
     from parallax.sharding.rules import DEFAULT_RULES
     from parallax.sharding.strategy import Combined, Strategy, combine
+    from parallax.sharding.topology import Topology
     from parallax.step import metrics
     from parallax.step.build import make_eval_step, make_train_step
     from parallax.step.options import StepOptions
@@ -56,7 +57,7 @@ except ImportError as err:  # a file of this package overwritten by another proj
 __all__ = [
     "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "DataParallel", "EarlyStopping", "FitResult",
     "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "PipelineParallel", "ProgressBar", "ReplicatedParamError", "StatePlan",
-    "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "TrainState", "Trainer", "TrainerConfig",
+    "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "Topology", "TrainState", "Trainer", "TrainerConfig",
     "callbacks", "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
     "make_train_step", "metrics", "per_example_loss", "plan", "plan_state", "specs", "step", "summarize", "testing", "wrap_for_shard_map",
 ]

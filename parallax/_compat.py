@@ -58,6 +58,50 @@ def replica_group_size(hlo_line: str) -> int:
     return 1
 
 
+_GROUPS_ALL_LISTED = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def replica_groups(hlo_line: str, devices: int) -> list[tuple[int, ...]]:
+    """The device groups (partition ids: positions in the mesh's device order) of the collective
+    on one HLO line, in every form XLA prints: explicit lists, iotas (with a transpose), mesh
+    axes, a permute's source-target pairs; one group of all ``devices`` where none is printed.
+
+    Example:
+        >>> replica_groups("x = all-reduce(y), replica_groups={{0,2},{1,3}}", 4)
+        [(0, 2), (1, 3)]
+        >>> replica_groups("x = all-gather(y), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}", 8)
+        [(0, 2, 4, 6), (1, 3, 5, 7)]
+        >>> replica_groups("x = reduce-scatter(y), replica_groups=mesh['data'=2,'fsdp'=4] {'data'}", 8)
+        [(0, 4), (1, 5), (2, 6), (3, 7)]
+        >>> replica_groups("x = collective-permute(y), source_target_pairs={{0,1},{1,0}}", 2)
+        [(0, 1), (1, 0)]
+    """
+    pairs = _PAIRS.search(hlo_line)
+    if pairs:
+        return [tuple(int(v) for v in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", pairs.group(1))]
+    listed = _GROUPS_ALL_LISTED.search(hlo_line)
+    if listed and listed.group(1):
+        return [tuple(int(v) for v in group.split(",") if v) for group in re.findall(r"\{([0-9,]*)\}", listed.group(1))]
+    iota = _GROUPS_IOTA_FULL.search(hlo_line)
+    if iota:
+        shape = [int(v) for v in iota.group("shape").split(",")]
+        dims = [int(v) for v in iota.group("dims").split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group("perm"):
+            ids = ids.transpose([int(v) for v in iota.group("perm").split(",")])
+        return [tuple(int(v) for v in row) for row in ids.reshape(shape[0], -1)]
+    by_mesh = _GROUPS_MESH.search(hlo_line)
+    if by_mesh:
+        axes = _MESH_AXIS.findall(by_mesh.group("axes"))
+        names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+        over = [names.index(name) for name in re.findall(r"'([^']+)'", by_mesh.group("over"))]
+        ids = np.moveaxis(np.arange(int(np.prod(sizes))).reshape(sizes), over, range(len(sizes) - len(over), len(sizes)))
+        return [tuple(int(v) for v in row) for row in ids.reshape(-1, int(np.prod([sizes[i] for i in over], dtype=int)))]
+    return [tuple(range(devices))]
+
+
 def auto_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[Any]) -> Mesh:
     """A mesh of ``devices`` in topology order whose axes are all ``AxisType.Auto``.
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from parallax._compat import replica_group_size
+from parallax._compat import replica_group_size, replica_groups
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -167,6 +167,60 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
         old = stats[kind]
         stats[kind] = CollectiveStat(old.count + runs, old.bytes + moved * runs)
     return stats
+
+
+def collective_groups(hlo_text: str, devices: int) -> list[tuple[str, int, list[tuple[int, ...]]]]:
+    """Each collective of a compiled program as ``(kind, bytes, groups)``: the bytes it moves per
+    device per call of the program (as :func:`collective_bytes` counts them, loop iterations
+    included) and its device groups, as partition ids (positions in the mesh's ``devices.flat``).
+
+    The program is the same whichever devices fill a mesh of its shape, so one compile tells
+    what every layout of the devices over hosts would move across them.
+    """
+    found = []
+    for line, runs, _ in lines_with_runs(hlo_text):
+        match = _OP.search(line)
+        if match is not None:
+            kind = match.group("op")
+            found.append((kind, collective_bytes(line)[kind].bytes * runs, replica_groups(line, devices)))
+    return found
+
+
+def collective_bytes_by_link(hlo_text: str, hosts: Any) -> dict[str, dict[str, CollectiveStat]]:
+    """:func:`collective_bytes` split by the links each collective runs over: ``"inside"`` where
+    every device group lies in one host, ``"across"`` where a group spans hosts.
+
+    Args:
+        hlo_text: the compiled program's text.
+        hosts: the host of each device in the program's order (its mesh's ``devices.flat``;
+            :func:`parallax.sharding.topology.hosts_of`).
+
+    Example:
+        >>> line = "ag = f32[128]{0} all-gather(f32[16]{0} p), replica_groups=[2,4]<=[8], dimensions={0}"
+        >>> collective_bytes_by_link(line, [0, 0, 0, 0, 1, 1, 1, 1])["inside"]["all-gather"]
+        CollectiveStat(count=1, bytes=512)
+        >>> collective_bytes_by_link(line, [0, 1, 0, 1, 0, 1, 0, 1])["across"]["all-gather"].bytes
+        512
+    """
+    hosts = [int(h) for h in hosts]
+    split = {link: {kind: CollectiveStat() for kind in COLLECTIVES} for link in ("inside", "across")}
+    for line, runs, _ in lines_with_runs(hlo_text):
+        match = _OP.search(line)
+        if match is None:
+            continue
+        kind = match.group("op")
+        groups = replica_groups(line, len(hosts))
+        link = "across" if any(len({hosts[i] for i in group}) > 1 for group in groups) else "inside"
+        old = split[link][kind]
+        split[link][kind] = CollectiveStat(old.count + runs, old.bytes + collective_bytes(line)[kind].bytes * runs)
+    return split
+
+
+def across_bytes(collectives: list[tuple[str, int, list[tuple[int, ...]]]], hosts: Any) -> int:
+    """The bytes of :func:`collective_groups`' collectives whose device groups span hosts, with
+    ``hosts`` the host of each device in the program's order."""
+    hosts = [int(h) for h in hosts]
+    return sum(moved for _, moved, groups in collectives if any(len({hosts[i] for i in g}) > 1 for g in groups))
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:

@@ -23,7 +23,8 @@ several things:
 * H: every layout of the batch over the processes in one launch (``tests/scripts/layouts_run.py``):
   DP, FSDP, TP, their 2-axis combinations in either order and user meshes, on array data (each
   process reads the rows its devices hold) and on iterables (where their parts fit; an error
-  naming the layout where not);
+  naming the layout where not); parallax's meshes laid out over the two processes as ``px.plan``
+  measures two simulated hosts, a user's mesh whose tensor axis crosses them warned about;
 * I: scripts that call ``jax.distributed.initialize`` themselves (``tests/scripts/own_init_run.py``),
   through the launcher and started by hand: data of unknown length that ends on one process
   first, a raise at a step, a SIGKILL (four launches at once).
@@ -41,12 +42,14 @@ import subprocess
 import sys
 import time
 
+import optax
 import pytest
 
 import parallax as px
 from parallax.launch import _free_port
 from parallax.train.checkpoint import Checkpointer
 from tests.environment import child_env
+from tests.models import MLP, StackedMLP, classifier_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "multiprocess_run.py")
@@ -256,7 +259,8 @@ def test_ctrl_c_to_the_launcher_stops_every_process_at_one_step(tmp_path):
     assert done[0]["checkpoints"][-1] == done[0]["step"]
 
 
-@pytest.mark.budget(75, "thirteen layouts of the batch over 2 processes, 17 runs in one launch, and the same here")
+@pytest.mark.budget(90, "fourteen layouts of the batch over 2 processes, 19 runs in one launch, the same here, and "
+                        "px.plan of the same layouts on 2 simulated hosts")
 def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tmp_path):
     """Each process feeds exactly the rows its devices hold, however the mesh's axes fall on the
     processes: with TP(4) x FSDP(2) the tensor axis spans the processes and each holds every row."""
@@ -265,8 +269,25 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
     assert "[Gloo]" not in proc.stdout, proc.stdout[-2000:]  # its connection lines, hidden by the launcher
     os.makedirs(tmp_path / "here")
     reference = layouts_run.run(str(tmp_path / "here"))  # 1 x 8, in this process
-    cannot_fit = "tp4+fsdp2, iterable"
+    # Which axes of parallax's own meshes cross the 2 processes: what px.plan measures for 2 simulated hosts.
+    own = {name: strategy() for name, (strategy, mesh) in layouts_run.LAYOUTS.items() if mesh is None}
+    planned = {}
+    for model, names in ((MLP(), [n for n in own if n not in layouts_run.STACKED]), (StackedMLP(), layouts_run.STACKED)):
+        rows = px.plan(model, optax.adamw(3e-3), layouts_run.batches(0, 1, True)[0], loss_fn=classifier_loss,
+                       strategies=[own[n] for n in names], topology=px.Topology(2, 4), compile="jit").rows
+        planned.update({name: row["links"]["crossing"] for name, row in zip(names, rows) if "links" in row})
+    assert reference.pop("warned") == [] and not any(reference.pop("crossing").values())  # one process: one host
+    cannot_fit = "mesh tensor4 across, iterable"
     for index, record in enumerate(json.load(open(tmp_path / f"layouts{i}.json")) for i in (0, 1)):
+        # parallax's meshes keep the tensor axis inside a process, however the parts were combined, and the
+        # batch-splitting axis across them (so each process's iterable part fits); a user mesh whose tensor axis
+        # spans the processes where another layout would not is warned about, and taken as it is.
+        crossing, warned = record.pop("crossing"), record.pop("warned")
+        for run, axes in planned.items():  # parallax's meshes: laid out as px.plan lays out 2 hosts of 4 devices
+            assert crossing[f"{run}, arrays"] == axes, (run, crossing, planned)
+        assert crossing["tp4+fsdp2, iterable"] == ["fsdp"], crossing  # the layout each process's part fits
+        assert crossing["mesh tensor4 across, arrays"] == ["tensor"], crossing  # a user's mesh: as it is, warned
+        assert warned == ["mesh fsdp4 in a process", "mesh tensor4 across"], warned
         uneven = record.pop("uneven parts")  # the same clear error on both processes, before training
         assert uneven.startswith("ValueError: The training data's batches per epoch (each process's) differs between "
                                  "processes: process 0 has 3, process 1 has 2."), uneven
@@ -279,7 +300,7 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
         message = record[cannot_fit]
         assert message.startswith("ValueError: The training data is an iterable"), message
         assert ("{'tensor': 4, 'fsdp': 2}" in message and "process 0: rows 0-15; process 1: rows 0-15" in message
-                and "px.combine(px.FSDP(2), px.TensorParallel(4))" in message), message
+                and "leave mesh= out" in message), message
     assert isinstance(reference[cannot_fit], list)  # one process holds every row: its one part fits
     assert_no_process_left(tmp_path)
 

@@ -45,6 +45,7 @@ from parallax.plan.refs import resolve
 from parallax.sharding.context import mesh_in_context
 from parallax.sharding.named import parse_strategy
 from parallax.sharding.strategy import Strategy
+from parallax.sharding.topology import Topology
 from parallax.step.options import StepOptions
 
 log = logging.getLogger("parallax")
@@ -65,7 +66,8 @@ class PlanReport:
             of ``total``, the bytes offloaded to host memory), ``compiled`` (device memory:
             ``arguments``, ``outputs``, ``temporaries``, ``aliased``; ``host``: host memory),
             ``peak`` (device memory), ``collectives`` (count and bytes by kind),
-            ``collective_bytes``, ``backend``, ``note`` (why an FSDP candidate splits almost
+            ``collective_bytes``, ``links`` (over several hosts: ``hosts``, and the collective bytes
+            moved ``inside`` a host and ``across`` hosts), ``backend``, ``note`` (why an FSDP candidate splits almost
             nothing, and that its paths are timed at the first call, else ``None``), or
             ``error`` for a candidate that does not apply.
         budgets: the memory budgets in bytes.
@@ -98,6 +100,10 @@ class PlanReport:
                        if format_bytes(budget) != label and not label.isdigit()]
         if other_units:
             notes.append(f"Budgets in the table's units: {', '.join(other_units)}.")
+        hosts = sorted({row["links"]["hosts"] for row in self.rows if row.get("links")})
+        if hosts:
+            notes.append(f"in host / across: the collective bytes moved over the links inside a host and between "
+                         f"hosts ({' or '.join(map(str, hosts))} hosts), each collective by its device groups.")
         planned_on = sorted({row["backend"] for row in self.rows})
         if planned_on != [self.target]:
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
@@ -134,8 +140,10 @@ class PlanReport:
 
     def __str__(self) -> str:
         host = any(row.get("compiled", {}).get("host") for row in self.rows if not row.get("error"))
+        links = any(row.get("links") for row in self.rows if not row.get("error"))
         header = ["devices", "strategy", "compile", "params", "opt state", "grads", "model st", "temps", "peak",
-                  *(["host"] if host else []), "moved", *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels)]
+                  *(["host"] if host else []), "moved", *(["in host", "across"] if links else []),
+                  *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels)]
         cells, skipped = [], []
         for row in self.rows:
             if row.get("error"):
@@ -146,6 +154,8 @@ class PlanReport:
                 "params", "opt_state", "gradients", "model_state")), format_bytes(row["compiled"]["temporaries"]),
                 format_bytes(row["peak"]), *([format_bytes(row["compiled"]["host"])] if host else []),
                 format_bytes(row["collective_bytes"]),
+                *([format_bytes(row["links"]["inside"]), format_bytes(row["links"]["across"])] if links and
+                  row.get("links") else ["-", "-"] if links else []),
                 *(format_bytes(kinds[kind]["bytes"]) if kinds[kind]["count"] else "-" for kind, _ in _KINDS),
                 *("yes" if self.fits(row, i) else "no" for i in range(len(self.budgets)))])
         widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
@@ -159,7 +169,8 @@ class PlanReport:
 def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
          strategies: Sequence[str | Strategy] = DEFAULT_STRATEGIES, devices: int | Sequence[int] | None = None,
          memory_budget: int | str | Sequence[int | str] | None = None, target: str | None = None,
-         isolate: bool | None = None, rng: Any = 0, **step_options: Any) -> PlanReport:
+         isolate: bool | None = None, rng: Any = 0, topology: Topology | None = None,
+         **step_options: Any) -> PlanReport:
     """Plans each strategy on each device count without allocating the model.
 
     Args:
@@ -180,6 +191,11 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
             planned on another backend are marked as an estimate. This backend by default.
         isolate: always (``True``) or never (``False``) plan in a subprocess.
         rng: the init seed (shapes only; it does not change the plan).
+        topology: the hosts to plan for (:class:`parallax.Topology`, e.g. 16 hosts of 8 devices), as
+            simulated: each candidate's mesh is laid out over them as parallax lays it out over
+            processes, and each row reports the collective bytes moved inside a host and across
+            hosts (``links``). ``devices`` defaults to the topology's. Over several processes the
+            rows report them without it.
         **step_options: :class:`parallax.StepOptions` (``grad_accum``, ``precision``,
             ``remat``, ``compile``...) of the step to plan.
 
@@ -189,9 +205,15 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     options = StepOptions.create(**step_options)
     around = mesh_in_context()  # a jax.set_mesh around the call: its devices, in its order
     local = list(around.devices.flat) if around is not None else jax.devices()
-    counts = [len(local)] if devices is None else ([devices] if isinstance(devices, int) else list(devices))
+    if topology is not None and not isinstance(topology, Topology):
+        raise ValueError(f"topology={topology!r}; give a px.Topology(hosts=..., devices_per_host=...).")
+    default = [len(local)] if topology is None else [topology.devices]
+    counts = default if devices is None else ([devices] if isinstance(devices, int) else list(devices))
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
         raise ValueError(f"devices={devices!r}; give a device count (an int >= 1) or a list of them.")
+    if topology is not None and counts != [topology.devices]:
+        raise ValueError(f"devices={devices!r} but {topology} has {topology.devices} devices; leave devices out "
+                         "or give the topology's count.")
     given = [] if memory_budget is None else (
         list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget])
     budgets = tuple(parse_bytes(b) for b in given)
@@ -205,11 +227,12 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
 
     def rows_for(strategies: list[Strategy], count: int, opts: StepOptions) -> list[dict]:
         if isolate or (isolate is None and count > len(local)):
-            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng}, count)
+            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng, "topology": topology},
+                                count)
         if "model" not in resolved:
             resolved.update({kind: resolve(kind, value) for kind, value in args.items()})
         return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
-                         strategy, local[:count], opts, rng) for strategy in strategies]
+                         strategy, local[:count], opts, rng, topology) for strategy in strategies]
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())

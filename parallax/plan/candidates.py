@@ -15,9 +15,11 @@ from jax.sharding import NamedSharding
 
 from parallax import inspect
 from parallax.pricing.timing import closest
-from parallax.sharding.context import mesh_on
+from parallax.pricing.host_layout import cheapest_layout
+from parallax.sharding.context import mesh_in_context, mesh_on
 from parallax.sharding.strategy import Strategy, combine
-from parallax.state.plan import plan_state, unsharded_reason
+from parallax.sharding.topology import Topology, crossing_axes, hosts_of
+from parallax.state.plan import plan_state, unsharded_reason, warn_if_crossing
 from parallax.state.search import abstract_batch
 from parallax.state.summary import summarize
 from parallax.step.build import make_train_step
@@ -47,11 +49,18 @@ def with_options(strategy: Strategy, **options: Any) -> Strategy:
 
 
 def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strategy: Strategy,
-             devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0) -> dict:
-    """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply)."""
+             devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0, topology: Topology | None = None) -> dict:
+    """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply).
+
+    Over several hosts (the processes, or ``topology`` as simulated) parallax's own mesh is laid out
+    as the Trainer lays it out, by the bytes the step moves across hosts
+    (:mod:`parallax.pricing.host_layout`), and the row also has ``links``: the collective bytes per
+    device moved inside a host and across hosts (``inside``, ``across``), split by the device
+    groups of each collective and the host of each device, the ``inside_first`` order and the
+    ``crossing`` axes."""
     row = {"strategy": strategy.describe(), "devices": len(devices), "backend": devices[0].platform}
-    try:
-        mesh = mesh_on(strategy, devices)  # a jax.set_mesh's mesh where it fits
+    try:  # a jax.set_mesh's mesh where it fits; laid out over the topology's hosts where one is given
+        mesh = mesh_on(strategy, devices) if topology is None else strategy.make_mesh(devices, topology)
         row["mesh"] = {name: int(size) for name, size in mesh.shape.items()}
         strategy.check_batch_size(int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0]), mesh,
                                   multiple=options.grad_accum)
@@ -64,7 +73,21 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": str(err).splitlines()[0]}
     memory = inspect.memory_bytes(compiled)
-    traffic = inspect.collective_bytes(compiled.as_text())
+    text = compiled.as_text()
+    traffic = inspect.collective_bytes(text)
+    layout = None
+    if mesh is not mesh_in_context():  # parallax's own mesh: over several hosts, laid out by the bytes it moves
+        layout = cheapest_layout(text, plan.strategy, mesh, topology)
+    else:
+        warn_if_crossing(plan.strategy, mesh)
+    laid = mesh if layout is None else layout.mesh  # the same program; its devices placed by host
+    hosts = hosts_of(list(laid.devices.flat), topology)
+    if len(set(hosts.tolist())) > 1:
+        split = inspect.collective_bytes_by_link(text, hosts)
+        row["links"] = {"hosts": len(set(hosts.tolist())),
+                        **{link: sum(stat.bytes for stat in kinds.values()) for link, kinds in split.items()},
+                        "inside_first": list(layout.inside_first) if layout else None,
+                        "crossing": list(crossing_axes(laid, topology))}
     row.update(
         strategy=plan.strategy.describe(mesh), compile=step.mode(), error=None,
         state={"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
@@ -80,5 +103,6 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     )
     close = (f"{' and '.join(row['timed'])} are priced within the cost model's error: the first call times them and "
              f"keeps the faster (these figures are {step.mode()}'s)") if row["timed"] else None
-    row["note"] = "; ".join(n for n in (unsharded_reason(plan), close) if n) or None
+    by_bytes = layout.describe() if layout and layout.inside_first != plan.strategy.inside_first() else None
+    row["note"] = "; ".join(n for n in (unsharded_reason(plan), close, by_bytes) if n) or None
     return row

@@ -71,7 +71,8 @@ def main(argv: list[str]) -> None:
         payload = pickle.load(f)
     args = {kind: resolve(kind, payload[kind]) for kind in ("model", "optimizer", "batch", "loss_fn")}
     rows = [evaluate(args["model"], args["optimizer"], args["batch"], args["loss_fn"], parse_strategy(strategy),
-                     jax.devices(), payload["options"], payload["rng"]) for strategy in payload["strategies"]]
+                     jax.devices(), payload["options"], payload["rng"], payload.get("topology"))
+            for strategy in payload["strategies"]]
     with open(argv[1], "w") as f:
         json.dump(rows, f)
 

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from parallax._compat import auto_mesh
+from parallax.sharding.topology import Topology, place_by_topology
 
 
 def resolve_axis_sizes(axes: Sequence[tuple[str, int]], num_devices: int) -> tuple[tuple[str, int], ...]:
@@ -71,12 +72,18 @@ def resolve_axis_sizes(axes: Sequence[tuple[str, int]], num_devices: int) -> tup
     return tuple((name, int(size)) for name, size in axes)
 
 
-def build_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def build_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None,
+               inside_first: Sequence[str] | None = None, topology: Topology | None = None) -> Mesh:
     """Builds a ``Mesh`` with Auto axes, ordering devices by topology.
 
     Args:
         axes: ``(name, size)`` pairs; one size may be ``-1``.
         devices: the devices to use; all of ``jax.devices()`` by default.
+        inside_first: the axis names, the one to keep inside a host most first
+            (:mod:`parallax.sharding.topology`); the mesh order by default. Where the devices
+            are one host it changes nothing.
+        topology: hosts to lay the devices out over, as simulated (a :class:`Topology`); the
+            processes by default.
 
     Returns:
         A ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto`` (Explicit axes
@@ -91,7 +98,10 @@ def build_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | 
     resolved = resolve_axis_sizes(axes, len(devices))
     names = tuple(name for name, _ in resolved)
     shape = tuple(size for _, size in resolved)
-    return auto_mesh(shape, names, devices)
+    grid = place_by_topology(resolved, devices, names if inside_first is None else inside_first, topology)
+    if grid is None:  # one host: the order jax's mesh utilities give
+        return auto_mesh(shape, names, devices)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def is_explicit(mesh: Mesh) -> bool:

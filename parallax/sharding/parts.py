@@ -24,10 +24,7 @@ def _check_axis(kind: str, size: Any, axis: Any) -> None:
     if not isinstance(axis, str) or not axis:
         raise ValueError(f"{kind}(axis={axis!r}): the axis name must be a non-empty string.")
     if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-        raise ValueError(
-            f"{kind}(size={size!r}): use a positive number of devices, or -1 for the "
-            "devices left over."
-        )
+        raise ValueError(f"{kind}(size={size!r}): use a positive number of devices, or -1 for the devices left over.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +46,7 @@ class DataParallel(Strategy):
     splits_batch = True
     gathers_params = False
     placement_priority = 30
+    link_rank = 30  # one all-reduce of the gradients per step: across hosts first
 
     def __post_init__(self):
         _check_axis("DataParallel", self.size, self.axis)
@@ -99,6 +97,7 @@ class FSDP(Strategy):
     splits_batch = True
     gathers_params = True
     placement_priority = 20
+    link_rank = 20  # params gathered forward and backward, gradients reduce-scattered
     uses_computation = True  # to learn which param dims a scan steps over
 
     def __post_init__(self):
@@ -202,6 +201,7 @@ class TensorParallel(Strategy):
     splits_batch = False
     gathers_params = False
     placement_priority = 10
+    link_rank = 10  # activations at every layer: inside a host first
 
     def __post_init__(self):
         _check_axis("TensorParallel", self.size, self.axis)

@@ -93,6 +93,7 @@ class PipelineParallel(Strategy):
     splits_batch = False
     gathers_params = False
     placement_priority = 0  # the layer dim first: the other parts split the dims left
+    link_rank = 40  # activations once per stage and microbatch: what crosses slow links
     uses_computation = True  # to find the stack
 
     def __post_init__(self):

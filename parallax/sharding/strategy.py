@@ -52,6 +52,9 @@ class Strategy:
     """
 
     uses_computation = False
+    # Over several hosts, parts of lower rank are laid out inside a host first: what their axis
+    # moves per step, most first (parallax.sharding.topology). A part may declare its own.
+    link_rank = 50
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -99,15 +102,42 @@ class Strategy:
             return {name: int(mesh.shape[name]) for name, _ in self.mesh_axes()}
         return dict(resolve_axis_sizes(self.mesh_axes(), jax.device_count()))
 
-    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None, topology: Any = None) -> Mesh:
         """The device mesh of this strategy (Auto axes, topology-ordered devices).
+
+        Over several hosts (processes), the axes that move the most bytes per step are laid out
+        inside a host, whatever order the parts were combined in (:meth:`inside_first`); the
+        axis order, names and specs stay the strategy's.
+
+        Args:
+            devices: the devices; all of ``jax.devices()`` by default.
+            topology: a :class:`parallax.Topology` to lay the devices out over as if they were
+                that many hosts; the processes by default.
 
         Example:
             >>> mesh = px.FSDP().make_mesh()
             >>> mesh.axis_names
             ('fsdp',)
         """
-        return build_mesh(self.mesh_axes(), devices)
+        return build_mesh(self.mesh_axes(), devices, self.inside_first(), topology)
+
+    def host_crossing(self, mesh: Mesh, topology: Any = None) -> str | None:
+        """A sentence for a mesh (a user's) whose tensor or FSDP axis spans hosts where this
+        strategy's own layout would not (:func:`parallax.sharding.topology.host_crossing`)."""
+        from parallax.sharding.topology import host_crossing
+
+        return host_crossing(self, mesh, topology)
+
+    def inside_first(self) -> tuple[str, ...]:
+        """The axis names, the one to keep inside a host most first: by each part's
+        ``link_rank`` (tensor, then FSDP, then data, then pipeline stages), then in mesh order.
+
+        Example:
+            >>> px.combine(px.DataParallel(2), px.FSDP(2), px.TensorParallel(2)).inside_first()
+            ('tensor', 'fsdp', 'data')
+        """
+        ranked = sorted(enumerate(self.parts), key=lambda pair: (pair[1].link_rank, pair[0]))
+        return tuple(part.axis for _, part in ranked)
 
     def resolved(self, mesh: Mesh) -> "Strategy":
         """This strategy with each ``-1`` size replaced by the size ``mesh`` gives its axis

@@ -13,7 +13,7 @@ from parallax.models import LossFn, unwrap_pretrained
 from parallax.sharding.auto import as_strategy
 from parallax.sharding.context import mesh_or_context
 from parallax.sharding.strategy import Strategy
-from parallax.state.plan import plan_state, warn_if_unsharded
+from parallax.state.plan import plan_state, warn_if_crossing, warn_if_unsharded
 from parallax.state.search import describe_changes, resolve
 from parallax.step.options import StepOptions
 from parallax.step.train_state import TrainState
@@ -95,6 +95,7 @@ def init_state(
     strategy = as_strategy(strategy)
     model, params = unwrap_pretrained(model, params)  # a Hugging Face model object: its module and params
     mesh, devices = mesh_or_context(strategy, mesh, devices)  # a jax.set_mesh around the call, where none is given
+    warn_if_crossing(strategy, mesh)  # a user's mesh whose tensor or FSDP axis spans hosts
     found = resolve(model, optimizer, example_batch, strategy, loss_fn=loss_fn, devices=devices, mesh=mesh,
                     options=options, rng=rng, rng_streams=rng_streams, steps=steps)
     plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,

@@ -245,6 +245,15 @@ def warn_if_unsharded(plan: StatePlan) -> None:
         warnings.warn(reason, UserWarning, stacklevel=3)
 
 
+def warn_if_crossing(strategy: Strategy, mesh: Mesh | None) -> None:
+    """Warns when a user's ``mesh`` (given, or set with ``jax.set_mesh``) lays a tensor or FSDP axis
+    across hosts where the strategy's own layout would not
+    (:meth:`parallax.sharding.strategy.Strategy.host_crossing`); the mesh is used as it is."""
+    crossing = None if mesh is None or not isinstance(strategy, Strategy) else strategy.host_crossing(mesh)
+    if crossing is not None:
+        warnings.warn(crossing, UserWarning, stacklevel=3)
+
+
 def _abstract(make: Callable, key: Any, example_batch: Any) -> TrainState:
     try:
         return jax.eval_shape(make, key, example_batch)

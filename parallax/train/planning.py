@@ -4,14 +4,24 @@ where none was given), the strategy an ``"auto"`` search picks, and the state's 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
+import jax
+import numpy as np
+from jax.dtypes import canonicalize_dtype
+from jax.sharding import NamedSharding
+
 from parallax import _multihost
+from parallax.pricing.host_layout import laid_out_by_bytes
 from parallax.sharding.auto import AUTO, is_auto
 from parallax.sharding.context import mesh_or_context
-from parallax.sharding.mesh import is_explicit
-from parallax.state.plan import StatePlan, plan_state, warn_if_unsharded
-from parallax.state.search import resolve
+from parallax.sharding.mesh import build_mesh, is_explicit
+from parallax.state.plan import StatePlan, plan_state, warn_if_crossing, warn_if_unsharded
+from parallax.state.search import abstract_batch, resolve
+from parallax.step.build import make_train_step
+
+log = logging.getLogger("parallax")
 
 
 def plan_run(trainer: Any, example_batch: Any) -> StatePlan:
@@ -20,12 +30,14 @@ def plan_run(trainer: Any, example_batch: Any) -> StatePlan:
     the search of an ``"auto"`` strategy or split; the trainer's steps are rebuilt on the result."""
     if trainer.plan is not None:
         return trainer.plan
+    own_mesh = not trainer.given_mesh  # laid out by parallax: over several hosts, by what each axis moves
     if not trainer.given_mesh:
         mesh, devices = mesh_or_context(trainer.strategy, None, None)
         if trainer.strategy == AUTO:
             trainer.devices = devices
         elif mesh is not None:
             trainer._use(trainer.strategy, mesh)
+            own_mesh = False
     if trainer.mesh is None and trainer.strategy != AUTO:  # none in context either: the strategy's own (or its error)
         trainer._use(trainer.strategy, trainer.strategy.make_mesh(trainer.devices))
     cfg = trainer.config
@@ -39,6 +51,10 @@ def plan_run(trainer: Any, example_batch: Any) -> StatePlan:
         trainer._use(trainer.search.strategy, trainer.search.mesh)
         if cfg.progress and _multihost.is_primary():
             print(trainer.search.headline())  # all of it (describe()) in the log, at INFO
+    if own_mesh:
+        lay_out_by_bytes(trainer, example_batch)
+    else:
+        warn_if_crossing(trainer.strategy, trainer.mesh)  # a user's mesh whose tensor or FSDP axis spans hosts
     trainer.plan = plan_state(trainer.model, trainer.optimizer, example_batch, strategy=trainer.strategy, rng=cfg.seed,
                               loss_fn=trainer.loss_fn, mesh=trainer.mesh, rng_streams=cfg.step.rng_streams,
                               params=trainer.pretrained, sharding_mode=cfg.sharding_mode, offload=cfg.step.offload)
@@ -48,3 +64,31 @@ def plan_run(trainer: Any, example_batch: Any) -> StatePlan:
     if changed and cfg.progress and _multihost.is_primary():
         print(trainer.plan.sharding_note)
     return trainer.plan
+
+
+def lay_out_by_bytes(trainer: Any, example_batch: Any) -> None:
+    """Over several hosts, the trainer's mesh laid out so that its step moves the fewest bytes across
+    them (:mod:`parallax.pricing.host_layout`: the step compiled once, on the kinds' order, as
+    ``px.plan`` compiles it), among the layouts where each process's part of an iterable still fits;
+    process 0's choice on every process."""
+    cfg, strategy, devices = trainer.config, trainer.strategy, list(trainer.mesh.devices.flat)
+    rows = trainer.batch_size or np.shape(jax.tree.leaves(example_batch)[0])[0]  # the global batch, as the step takes it
+    example_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), canonicalize_dtype(x.dtype)),
+                                 example_batch)
+
+    def compiled(mesh):
+        plan = plan_state(trainer.model, trainer.optimizer, example_batch, strategy=strategy, rng=cfg.seed,
+                          loss_fn=trainer.loss_fn, mesh=mesh, rng_streams=cfg.step.rng_streams,
+                          params=None, sharding_mode=cfg.sharding_mode, offload=cfg.step.offload)
+        step = make_train_step(trainer.loss_fn, plan.strategy, cfg.step)
+        return step.lower(plan.abstract_arrays(), abstract_batch(example_batch, NamedSharding(
+            plan.mesh, plan.strategy.batch_spec()))).compile()
+
+    fits = trainer.layout_allowed
+    layout = laid_out_by_bytes(compiled, strategy, devices, allowed=fits and (lambda mesh: fits(mesh, strategy)))
+    if layout is None:
+        return
+    order = tuple(_multihost.agree(list(layout.inside_first)))
+    axes = [(name, int(trainer.mesh.shape[name])) for name in trainer.mesh.axis_names]
+    trainer._use(strategy, build_mesh(axes, devices, order))
+    log.info(layout.describe())

@@ -68,8 +68,7 @@ def check_parts_fit(sharding: NamedSharding, batch_size: int) -> None:
         f"The training data is an iterable, which yields each process's own part of every batch ({share} of "
         f"{batch_size} rows), but the mesh {dict(mesh.shape)} lays the batch ({sharding.spec}) out so that the "
         f"processes' devices hold other rows ({describe_holdings(sharding, batch_size)}): the axes that split the "
-        "batch do not span the processes. Put the axes that "
-        "split the batch first so that they span the processes (e.g. px.combine(px.FSDP(2), "
-        "px.TensorParallel(4)), not px.combine(px.TensorParallel(4), px.FSDP(2))), or in your own mesh lay them "
-        "across the processes; or pass arrays or a grain.MapDataset with batch_size=, which parallax reads row by "
-        "row (each process the rows its devices hold).")
+        "batch do not span the processes. Let them span the processes (leave mesh= out: parallax's own mesh lays "
+        "data and FSDP axes across hosts before a tensor axis, in whatever order they were combined; in your own "
+        "mesh, give each process a share of their devices), or pass arrays or a grain.MapDataset with "
+        "batch_size=, which parallax reads row by row (each process the rows its devices hold).")

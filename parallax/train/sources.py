@@ -9,14 +9,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from parallax.train.data import ArrayData, IterableData, check_batch_leaves, is_array_data
 from parallax.train.grain_data import MapData, allow_grain_workers, grain_kind
-from parallax.train.rows import check_parts_fit
+from parallax.train.rows import check_parts_fit, parts_fit
 
 log = logging.getLogger("parallax")
 _FORMS = {"map": "a grain.MapDataset", "iter": "a grain.IterDataset", "loader": "a grain.DataLoader"}
@@ -125,6 +126,14 @@ def check_first_batch(first: Any, source: Any, batch_size: int | None) -> None:
     expected = "" if wanted is None else f" of batch_size={batch_size} ({wanted} per process)"
     raise ValueError(f"The training data ({form}) yields {what}, where parallax reads each element as a "
                      f"batch{expected}. {fix[0].upper()}{fix[1:]}.")
+
+
+def layouts_it_fits(source: Any, batch_size: int) -> Callable[[Any, Any], bool] | None:
+    """For an iterable of each process's parts: whether a mesh and strategy lay the batch out so that
+    they fit (:func:`parallax.train.rows.parts_fit`); ``None`` for data read row by row (any mesh)."""
+    if isinstance(source, ArrayData):
+        return None
+    return lambda mesh, strategy: parts_fit(NamedSharding(mesh, strategy.batch_spec()), batch_size)
 
 
 def lay_out(source: Any, sharding: Any, batch_size: int) -> None:

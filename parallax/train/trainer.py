@@ -44,7 +44,7 @@ from parallax.train.planning import plan_run
 from parallax.train.preemption import Preemption
 from parallax.train.resume import data_position
 from parallax.train.rows import rows_held
-from parallax.train.sources import as_data, check_first_batch, epoch_steps, lay_out
+from parallax.train.sources import as_data, check_first_batch, epoch_steps, lay_out, layouts_it_fits
 
 log = logging.getLogger("parallax")
 
@@ -96,6 +96,7 @@ class Trainer:
         strategy = as_strategy(strategy if strategy is not None else DataParallel())  # "fsdp" as px.plan reads it
         self.devices, self.pretrained = devices, params
         self.search: Resolved | None = None  # what strategy="auto" or FSDP(split="auto") chose, once a batch is seen
+        self.layout_allowed = None  # (mesh, strategy) -> whether the data can fill it (an iterable's parts)
         check_mesh_option(mesh, devices, strategy)
         self.given_mesh = mesh is not None or devices is not None  # else a jax.set_mesh around fit is used
         if mesh is None and strategy != AUTO:
@@ -225,8 +226,7 @@ class Trainer:
         resume_step = resume_step_of(self.checkpointer, resume)
         metadata = self.checkpointer.read_metadata(resume_step) if resume_step is not None else {}
         self.saved_data = saved_state(metadata)  # an iterator's own position: a resume re-reads nothing
-        first = source.peek(self.saved_data)
-        if first is None:
+        if (first := source.peek(self.saved_data)) is None:
             raise ValueError("The training data yields no batches.")
         check_first_batch(first, source, cfg.batch_size)
         check_batch_leaves(first, "a training batch")
@@ -237,9 +237,9 @@ class Trainer:
                               "itself: arrays or a grain.MapDataset with batch_size=.")
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else epoch_steps(source, cfg.epochs)
         summary = (cfg.progress if cfg.summary is None else cfg.summary) and _multihost.is_primary()
+        self.batch_size = int(getattr(source, "batch_size", None) or np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
+        self.layout_allowed = layouts_it_fits(source, self.batch_size)
         check_plan(self._plan(first), summary, cfg.fail_if_replicated_over)
-        self.batch_size = int(getattr(source, "batch_size", None) or
-                              np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         lay_out(source, self.batch_sharding, self.batch_size)  # each process feeds the rows its devices hold
         if eval_data is not None:
             check_eval_data(self.adapter, self.plan.abstract, eval_data, self.eval_loss_fn, cfg)

@@ -3,7 +3,8 @@
 usage: layouts_run.py OUT_DIR
 
 For each layout of :data:`LAYOUTS` (DP, FSDP, TP, each 2-axis combination of them in either
-order, user meshes whose axes fall across the processes in other ways, and a pipeline's stage
+order, which parallax lays out over the processes by the bytes each axis's collectives move,
+user meshes whose axes fall across the processes in other ways, and a pipeline's stage
 axis across and within the processes, on an MLP whose blocks are stacked), a small MLP trains
 3 steps with AdamW on array data (each process reads the rows its devices hold), and the
 aligned layouts once more on an iterable of each process's own part of every batch; last (with
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -28,6 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import parallax as px  # noqa: E402
+from parallax.sharding.topology import crossing_axes  # noqa: E402
 from tests.models import MLP, StackedMLP, classifier_loss  # noqa: E402
 
 BATCH, STEPS = 16, 3
@@ -51,16 +54,19 @@ LAYOUTS = {
     "tp4+dp2": (lambda: px.combine(px.TensorParallel(4), px.DataParallel(2)), None),  # every process: all rows
     "fsdp2+tp4": (lambda: px.combine(px.FSDP(2, **FSDP), px.TensorParallel(4)), None),
     "tp4+fsdp2": (lambda: px.combine(px.TensorParallel(4), px.FSDP(2, **FSDP)), None),  # every process: all rows
-    # Your own meshes: the FSDP axis inside each process, the tensor axis across them; the devices reversed.
+    # Your own meshes: the FSDP axis inside each process, the tensor axis across them; the tensor axis across
+    # them and the FSDP axis inside (each process then holds every row); the devices reversed.
     "mesh fsdp4 in a process": (lambda: px.combine(px.FSDP(4, **FSDP), px.TensorParallel(2)),
                                 lambda: user_mesh([0, 4, 1, 5, 2, 6, 3, 7], (4, 2), ("fsdp", "tensor"))),
+    "mesh tensor4 across": (lambda: px.combine(px.TensorParallel(4), px.FSDP(2, **FSDP)),
+                            lambda: user_mesh(range(8), (4, 2), ("tensor", "fsdp"))),
     "mesh reversed": (lambda: px.FSDP(**FSDP), lambda: user_mesh(range(7, -1, -1), (8,), ("fsdp",))),
     # A pipeline's stages one per process (the stage axis across them), and both stages in each.
     "pp2+fsdp4": (lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, **FSDP)), None),
     "fsdp4+pp2": (lambda: px.combine(px.FSDP(4, **FSDP), px.PipelineParallel(2)), None),
 }
 STACKED = ("pp2+fsdp4", "fsdp4+pp2")  # trained on StackedMLP, the others on MLP
-ITERABLE = ("fsdp", "dp2+fsdp4", "mesh reversed", "tp4+fsdp2")  # the last: parts that cannot fit, an error
+ITERABLE = ("fsdp", "dp2+fsdp4", "mesh reversed", "tp4+fsdp2", "mesh tensor4 across")  # the last: parts that cannot fit
 
 
 def batches(index, count, iterable):
@@ -76,8 +82,10 @@ def batches(index, count, iterable):
 
 
 def run(out, index=0, count=1):
-    """Trains every layout; returns (and writes) this process's record: {run: losses or error}."""
-    record = {}
+    """Trains every layout; returns (and writes) this process's record: {run: losses or error}, and
+    under ``"crossing"`` the axes whose device groups span processes in each run's mesh, under
+    ``"warned"`` the layouts whose mesh was warned about (a tensor or FSDP axis spanning hosts)."""
+    record, crossing, warned = {}, {}, []
     for name, (strategy, mesh) in LAYOUTS.items():
         for iterable in (False, True) if name in ITERABLE else (False,):
             model = StackedMLP() if name in STACKED else MLP()
@@ -85,10 +93,17 @@ def run(out, index=0, count=1):
                                  mesh=mesh() if mesh else None, max_steps=STEPS, batch_size=BATCH,
                                  shuffle=False, progress=False, compile="jit")
             try:
-                result = trainer.fit(batches(index, count, iterable))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    result = trainer.fit(batches(index, count, iterable))
                 record[f"{name}, {'iterable' if iterable else 'arrays'}"] = [r["loss"] for r in result.history.train]
+                crossing[f"{name}, {'iterable' if iterable else 'arrays'}"] = list(
+                    crossing_axes(jax.tree.leaves(result.state.params)[0].sharding.mesh))
+                if any("spans hosts" in str(w.message) for w in caught):
+                    warned.append(name)
             except ValueError as err:
                 record[f"{name}, {'iterable' if iterable else 'arrays'}"] = f"ValueError: {err}"
+    record["crossing"], record["warned"] = crossing, sorted(set(warned))
     if count > 1:  # each process's list of parts, process 1's one batch shorter, one epoch: refused on both, at start
         parts = batches(index, count, True)[:STEPS - index]
         trainer = px.Trainer(MLP(), optax.adamw(3e-3), classifier_loss, strategy=px.FSDP(**FSDP), epochs=1,

@@ -1,0 +1,112 @@
+"""Which layout of a strategy's axes over hosts moves the fewest bytes across them, read from one
+compiled step.
+
+A compiled SPMD program is the same whichever devices fill a mesh of its shape: only which
+devices form each collective's groups changes. So the step compiled once on any layout tells,
+for every order in which the axes could be laid out from the inside of a host out
+(:func:`parallax.sharding.topology.place_by_topology`), the bytes its collectives would move
+between hosts. The kinds' order (tensor, FSDP, data, stages:
+:meth:`parallax.sharding.strategy.Strategy.inside_first`) is the guess made before anything
+compiles; what moves the fewest bytes across hosts is what the Trainer and ``px.plan`` lay out.
+Links inside a host are 10-50x faster than those between hosts, so the bytes across them are
+what a layout is priced by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from parallax import inspect
+from parallax.sharding.mesh import build_mesh
+from parallax.sharding.strategy import Strategy
+from parallax.sharding.topology import Topology, hosts_of
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """A layout of the mesh's axes over hosts, priced.
+
+    Attributes:
+        mesh: the mesh laid out so (the strategy's axis order; its devices placed by host).
+        inside_first: the axis names, the one kept inside a host most first.
+        across: bytes per device per step its collectives move between hosts.
+        kinds_order_across: the same for the kinds' order (what ``strategy.make_mesh()`` lays out).
+        priced: the bytes across hosts of every order tried, keyed by the order.
+    """
+
+    mesh: Mesh
+    inside_first: tuple[str, ...]
+    across: int
+    kinds_order_across: int
+    priced: dict = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: which axes stay inside a host, and the bytes across hosts against the kinds' order."""
+        crossing = [a for a in self.inside_first if self.mesh.shape[a] > 1]
+        inside = ", ".join(repr(a) for a in crossing[:-1]) or "nothing"
+        saved = (f"; the kinds' order would move {self.kinds_order_across:,} B" if self.kinds_order_across != self.across
+                 else "")
+        return (f"Laid out over hosts by measured bytes: {inside} inside each host first, {crossing[-1]!r} outermost "
+                f"({self.across:,} B per device per step across hosts{saved}).")
+
+
+def orders(strategy: Strategy, mesh: Mesh) -> list[tuple[str, ...]]:
+    """The inside-first orders worth pricing: every order of the axes of more than one device (the
+    kinds' order first), the axes of one device after them."""
+    kinds = strategy.inside_first()
+    busy = [a for a in kinds if mesh.shape[a] > 1]
+    idle = tuple(a for a in kinds if mesh.shape[a] == 1)
+    return [tuple(order) + idle for order in itertools.permutations(busy)]
+
+
+def cheapest_layout(hlo_text: str, strategy: Strategy, mesh: Mesh, topology: Topology | None = None,
+                    allowed: Callable[[Mesh], bool] | None = None) -> HostLayout | None:
+    """The layout of ``mesh``'s devices over hosts whose collectives move the fewest bytes across
+    hosts, from the step compiled on ``mesh`` (``hlo_text``); ``None`` on one host.
+
+    Args:
+        hlo_text: the step compiled on ``mesh`` (any layout of its shape).
+        strategy: the strategy whose axes ``mesh`` has.
+        mesh: the mesh the step was compiled on.
+        topology: the hosts as simulated (:class:`parallax.Topology`); the processes by default.
+        allowed: only layouts whose mesh it accepts (e.g. where each process's part of an
+            iterable still fits the batch's layout); all by default.
+
+    Ties go to the kinds' order (the first tried).
+    """
+    devices = list(mesh.devices.flat)
+    if len(set(hosts_of(devices, topology).tolist())) < 2:
+        return None
+    collectives = inspect.collective_groups(hlo_text, len(devices))
+    axes = [(name, int(mesh.shape[name])) for name in mesh.axis_names]
+    best, priced, first = None, {}, None
+    for order in orders(strategy, mesh):
+        candidate = build_mesh(axes, devices, order, topology)
+        across = inspect.across_bytes(collectives, hosts_of(list(candidate.devices.flat), topology))
+        priced[order] = across
+        first = across if first is None else first
+        if (allowed is None or allowed(candidate)) and (best is None or across < best[2]):
+            best = (candidate, order, across)
+    if best is None:  # none allowed: the kinds' order
+        order = orders(strategy, mesh)[0]
+        best = (build_mesh(axes, devices, order, topology), order, priced[order])
+    return HostLayout(best[0], best[1], best[2], first, priced)
+
+
+def laid_out_by_bytes(compile_step: Callable[[Mesh], Any], strategy: Strategy, devices: Sequence[jax.Device],
+                      topology: Topology | None = None, allowed: Callable[[Mesh], bool] | None = None) -> HostLayout | None:
+    """Compiles the step once on the kinds' layout (``compile_step(mesh)`` returns the compiled
+    program) and returns :func:`cheapest_layout`; ``None`` where the devices are one host or at
+    most one axis has more than one device (then every layout is the same)."""
+    devices = list(devices)
+    if len(set(hosts_of(devices, topology).tolist())) < 2:
+        return None
+    mesh = strategy.make_mesh(devices, topology)
+    if sum(size > 1 for size in mesh.shape.values()) < 2:
+        return None
+    return cheapest_layout(compile_step(mesh).as_text(), strategy, mesh, topology, allowed)

@@ -1,0 +1,160 @@
+"""Meshes laid out by host: the axes that move the most stay inside one (parallax.sharding.topology).
+
+Two hosts of four devices are simulated here with ``px.Topology`` (one process); the launch in
+``tests/test_multiprocess.py`` checks the same layouts over two real processes and trains them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import parallax as px
+from jax.sharding import NamedSharding
+
+from parallax.sharding.mesh import build_mesh
+from parallax.sharding.topology import crossing_axes, hosts_of
+from parallax.state.search import abstract_batch
+from tests.models import MLP, batches, classifier_loss
+
+TWO_HOSTS = px.Topology(hosts=2, devices_per_host=4)
+PARTS = {"dp": lambda n: px.DataParallel(n), "fsdp": lambda n: px.FSDP(n, min_weight_size=0, split="largest"),
+         "tp": lambda n: px.TensorParallel(n)}
+INSIDE_FIRST = ("tp", "fsdp", "dp")  # what each axis moves per step, most first
+AXIS = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
+
+# Every 2-axis combination of DP, FSDP and TP, sizes (2, 4) and (4, 2), in either order: 12 meshes.
+COMBINATIONS = [(first, second, sizes) for pair in itertools.combinations(PARTS, 2)
+                for first, second in (pair, pair[::-1]) for sizes in ((2, 4), (4, 2))]
+
+
+@pytest.mark.parametrize("first, second, sizes", COMBINATIONS, ids=[f"{a}{m}+{b}{n}" for a, b, (m, n) in COMBINATIONS])
+def test_the_kinds_order_keeps_the_busier_kind_of_axis_inside_a_host_in_any_combine_order(first, second, sizes):
+    strategy = px.combine(PARTS[first](sizes[0]), PARTS[second](sizes[1]))
+    mesh = strategy.make_mesh(topology=TWO_HOSTS)
+    assert mesh.axis_names == (AXIS[first], AXIS[second]) and tuple(mesh.shape.values()) == sizes  # the user's order
+    inner = min((first, second), key=INSIDE_FIRST.index)
+    outer = ({first, second} - {inner}).pop()
+    assert crossing_axes(mesh, TWO_HOSTS) == (AXIS[outer],)
+    # Where the inner axis fits in a host (size 4, or 2 beside 2 of the outer), each of its groups is one host's.
+    hosts = hosts_of(list(mesh.devices.flat), TWO_HOSTS).reshape(mesh.devices.shape)
+    groups = np.moveaxis(hosts, mesh.axis_names.index(AXIS[inner]), -1).reshape(-1, mesh.shape[AXIS[inner]])
+    assert all(len(set(row)) == 1 for row in groups.tolist())
+    assert strategy.host_crossing(mesh, TWO_HOSTS) is None  # parallax's own layout: nothing to warn about
+
+
+def test_one_host_keeps_the_mesh_it_always_had():
+    strategy = px.combine(px.TensorParallel(4), px.FSDP(2))
+    assert np.array_equal(strategy.make_mesh().devices, strategy.make_mesh(topology=px.Topology(1, 8)).devices)
+    assert [d.id for d in strategy.make_mesh().devices.flat] == list(range(8))
+    assert crossing_axes(strategy.make_mesh()) == () and strategy.host_crossing(strategy.make_mesh()) is None
+
+
+def test_a_mesh_laid_out_over_hosts_trains_like_one_device():
+    strategy = px.combine(px.TensorParallel(4), px.FSDP(2, min_weight_size=0, split="largest"))
+    mesh = strategy.make_mesh(topology=TWO_HOSTS)
+    assert [d.id for d in mesh.devices.flat] != list(range(8))  # the devices are not in the combine order's places
+    for tx in (optax.sgd(0.1), optax.adamw(3e-3, weight_decay=0.1)):
+        px.testing.assert_equivalent(MLP(), tx, classifier_loss, batches("mlp", 3), strategy, mesh=mesh, compile="jit")
+
+
+def test_a_user_mesh_whose_tensor_axis_spans_hosts_is_named_with_the_layout_that_would_not():
+    strategy = px.combine(px.TensorParallel(4), px.FSDP(2))
+    in_order = jax.make_mesh((4, 2), ("tensor", "fsdp"))  # each tensor group: devices 0, 2, 4, 6 (both hosts)
+    message = strategy.host_crossing(in_order, TWO_HOSTS)
+    assert message.startswith("The mesh's axis 'tensor' (size 4) spans hosts") and "lets 'fsdp' cross" in message
+    assert "leave mesh= out" in message and "strategy.make_mesh(devices)" in message
+    # Data parallelism across the hosts is what parallax would do too: nothing to say.
+    data = px.combine(px.DataParallel(2), px.TensorParallel(4))
+    assert data.host_crossing(jax.make_mesh((2, 4), ("data", "tensor")), TWO_HOSTS) is None
+
+
+_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}")
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1}
+
+
+def _groups(line: str, devices: int) -> list[list[int]]:
+    """The device groups of one collective, read here independently of parallax's reader."""
+    listed, iota = _LISTED.search(line), _IOTA.search(line)
+    if listed:
+        return [[int(v) for v in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", listed.group(1))]
+    if iota:
+        ids = np.arange(devices).reshape([int(v) for v in iota.group(3).split(",")])
+        if iota.group(4):
+            ids = ids.transpose([int(v) for v in iota.group(4).split(",")])
+        return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    by_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if by_mesh:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: the ids of the mesh's positions, grouped over those axes
+        axes = re.findall(r"'([^']+)'=(\d+)", by_mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", by_mesh.group(2))]
+        rest = [i for i in range(len(names)) if i not in over]
+        ids = np.arange(devices).reshape(sizes).transpose(rest + over)
+        return ids.reshape(-1, int(np.prod([sizes[i] for i in over]))).tolist()
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    if pairs:
+        return [[int(v) for v in p.split(",")] for p in re.findall(r"(\d+,\d+)", pairs.group(1))]
+    return [list(range(devices))]
+
+
+def _moved(text: str, mesh) -> dict[str, int]:
+    """Collective bytes per device of a compiled step, inside a host and across hosts: each
+    collective's groups read from the text, mapped to hosts by the mesh's devices (0-3: host 0)."""
+    host = [0 if device.id < 4 else 1 for device in mesh.devices.flat]
+    moved = {"inside": 0, "across": 0}
+    for line in text.splitlines():
+        op = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(-start)?\(", line)
+        if not op:
+            continue
+        sizes = [np.prod([int(d) for d in dims.split(",") if d], dtype=int) * _BYTES[dtype]
+                 for dtype, dims in re.findall(r"\b(f32|s32|u32|bf16|pred)\[([\d,]*)\]", op.group(1))]
+        groups = _groups(line, 8)
+        size = sum(sizes[len(sizes) // 2:]) if op.group(3) and op.group(2) == "all-gather" else sum(sizes)
+        if op.group(2) == "reduce-scatter":
+            size *= len(groups[0])
+        moved["across" if any(len({host[i] for i in g}) > 1 for g in groups) else "inside"] += int(size)
+    return moved
+
+
+@pytest.mark.budget(45, "12 meshes planned, and each compiled here on both of its layouts over the hosts")
+def test_the_plan_lays_each_pair_out_with_the_fewest_bytes_across_hosts_as_the_compiled_steps_move_them():
+    batch, tx = batches("mlp", 1)[0], optax.adamw(1e-3)
+    strategies = [px.combine(PARTS[a](m), PARTS[b](n)) for a, b, (m, n) in COMBINATIONS]
+    report = px.plan(MLP(), tx, batch, loss_fn=classifier_loss, strategies=strategies, topology=TWO_HOSTS,
+                     compile="jit")
+    assert "in host" in str(report) and "across" in str(report)
+    chosen = set()
+    for strategy, row in zip(strategies, report.rows):
+        links = row["links"]
+        assert links["hosts"] == 2 and links["inside"] + links["across"] == row["collective_bytes"], row
+        # Both layouts of the two axes over the hosts, each compiled here on its own devices.
+        axes, layouts = [(name, size) for name, size in strategy.mesh_axes()], {}
+        for order in (strategy.inside_first(), strategy.inside_first()[::-1]):
+            mesh = build_mesh(axes, jax.devices(), order, TWO_HOSTS)
+            plan = px.plan_state(MLP(), tx, batch, strategy=strategy, loss_fn=classifier_loss, mesh=mesh)
+            step = px.make_train_step(classifier_loss, strategy, compile="jit")
+            text = step.lower(plan.abstract_arrays(), abstract_batch(
+                batch, NamedSharding(mesh, strategy.batch_spec()))).compile().as_text()
+            layouts[order] = (_moved(text, mesh), crossing_axes(mesh, TWO_HOSTS))
+        best = min(layouts, key=lambda order: layouts[order][0]["across"])  # ties: the kinds' order, tried first
+        assert tuple(links["inside_first"]) == best, (row["strategy"], layouts, links)
+        assert {"inside": links["inside"], "across": links["across"]} == layouts[best][0], (layouts, links)
+        assert tuple(links["crossing"]) == layouts[best][1]
+        chosen.add(best == strategy.inside_first())
+    assert chosen == {True, False}  # the measured bytes overturn the kinds' order on some of these meshes
+
+
+def test_a_topology_that_does_not_fit_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"Topology\(hosts=0\): give a positive int"):
+        px.Topology(hosts=0, devices_per_host=4)
+    with pytest.raises(ValueError, match=r"describes 16 devices but 8 were given; give hosts × devices_per_host = 8"):
+        px.FSDP().make_mesh(topology=px.Topology(hosts=2, devices_per_host=8))
+    with pytest.raises(ValueError, match=r"devices=16 but Topology\(hosts=2, devices_per_host=4.*has 8 devices"):
+        px.plan(MLP(), "sgd", batches("mlp", 1)[0], loss_fn=classifier_loss, strategies=["dp"], devices=16,
+                topology=TWO_HOSTS)
