@@ -36,6 +36,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -277,12 +278,17 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
                        strategies=[own[n] for n in names], topology=px.Topology(2, 4), compile="jit").rows
         planned.update({name: row["links"]["crossing"] for name, row in zip(names, rows) if "links" in row})
     assert reference.pop("warned") == [] and not any(reference.pop("crossing").values())  # one process: one host
+    assert reference.pop("summary hosts") is None
     cannot_fit = "mesh tensor4 across, iterable"
     for index, record in enumerate(json.load(open(tmp_path / f"layouts{i}.json")) for i in (0, 1)):
         # parallax's meshes keep the tensor axis inside a process, however the parts were combined, and the
         # batch-splitting axis across them (so each process's iterable part fits); a user mesh whose tensor axis
         # spans the processes where another layout would not is warned about, and taken as it is.
         crossing, warned = record.pop("crossing"), record.pop("warned")
+        inside, across = ("tensor", "fsdp") if planned["tp4+fsdp2"] == ["fsdp"] else ("fsdp", "tensor")
+        hosts = record.pop("summary hosts")  # px.summarize: the mesh by host (process 1's device ids are JAX's)
+        assert re.fullmatch(rf"over 2 hosts: '{inside}' inside each host, '{across}' across; host 0: devices 0-3, "
+                            r"host 1: devices (\d+)-(\d+)", hosts), hosts
         for run, axes in planned.items():  # parallax's meshes: laid out as px.plan lays out 2 hosts of 4 devices
             assert crossing[f"{run}, arrays"] == axes, (run, crossing, planned)
         assert crossing["tp4+fsdp2, iterable"] == ["fsdp"], crossing  # the layout each process's part fits

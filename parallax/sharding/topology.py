@@ -32,7 +32,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-__all__ = ["Topology", "crossing_axes", "host_crossing", "hosts_of", "place_by_topology"]
+__all__ = ["Topology", "crossing_axes", "describe_hosts", "host_crossing", "hosts_of", "place_by_topology"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +162,40 @@ def crossing_axes(mesh: jax.sharding.Mesh, topology: Topology | None = None) -> 
         if hosts.shape[index] > 1 and any(len(set(row.tolist())) > 1 for row in along):
             crossing.append(name)
     return tuple(crossing)
+
+
+def describe_hosts(mesh: jax.sharding.Mesh, topology: Topology | None = None) -> str | None:
+    """One line: over how many hosts ``mesh`` lies, which axes stay inside a host and which cross
+    them, and each host's devices; ``None`` on one host.
+
+    Example:
+        >>> mesh = px.combine(px.TensorParallel(4), px.FSDP(2)).make_mesh(topology=px.Topology(2, 4))
+        >>> print(describe_hosts(mesh, px.Topology(2, 4)))
+        over 2 hosts: 'tensor' inside each host, 'fsdp' across; host 0: devices 0-3, host 1: devices 4-7
+    """
+    devices = list(mesh.devices.flat)
+    hosts = hosts_of(devices, topology)
+    if len(set(hosts.tolist())) < 2:
+        return None
+    crossing = crossing_axes(mesh, topology)
+    inside = [a for a in mesh.axis_names if a not in crossing and mesh.shape[a] > 1]
+    held = {}
+    for host, device in zip(hosts.tolist(), devices):
+        held.setdefault(host, []).append(device.id)
+    spans = ", ".join(f"host {h}: devices {_ranges(sorted(ids))}" for h, ids in sorted(held.items()))
+    return (f"over {len(held)} hosts: {', '.join(repr(a) for a in inside) or 'no axis'} inside each host, "
+            f"{', '.join(repr(a) for a in crossing) or 'none'} across; {spans}")
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def host_crossing(strategy, mesh: jax.sharding.Mesh, topology: Topology | None = None) -> str | None:

@@ -35,6 +35,7 @@ from parallax._units import format_bytes, parse_bytes
 from parallax.models import adapter_for
 from parallax.sharding import rules as tp_rules
 from parallax.sharding.strategy import Strategy
+from parallax.sharding.topology import describe_hosts
 from parallax.state.frozen import frozen_paths
 from parallax.state.plan import StatePlan
 from parallax.step.train_state import TrainState
@@ -134,6 +135,8 @@ class Summary:
             ``per_device`` bytes, and ``host``: of ``per_device``, the bytes each device's shards
             keep in host memory (offloaded state; 0 without offload).
         lint: the :class:`Lint`.
+        hosts: over several hosts (processes), which mesh axes stay inside a host and which
+            cross them (:func:`parallax.sharding.topology.describe_hosts`); ``None`` on one.
     """
 
     strategy: str
@@ -141,9 +144,10 @@ class Summary:
     params: tuple[LeafRow, ...]
     totals: dict[str, dict[str, int]]
     lint: Lint
+    hosts: str | None = None
 
     def as_dict(self) -> dict:
-        return {"strategy": self.strategy, "mesh": dict(self.mesh),
+        return {"strategy": self.strategy, "mesh": dict(self.mesh), "hosts": self.hosts,
                 "params": [dict(dataclasses.asdict(row), spec=list(row.spec), shape=list(row.shape))
                            for row in self.params],
                 "totals": {k: dict(v) for k, v in self.totals.items()},
@@ -175,7 +179,7 @@ class Summary:
             ("of which in host memory",) if self.totals["total"]["host"] else ())
 
     def __str__(self) -> str:
-        out = [f"{self.strategy} on mesh {self.mesh}"]
+        out = [f"{self.strategy} on mesh {self.mesh}"] + ([self.hosts] if self.hosts else [])
         out += _columns(("param", "shape", "dtype", "spec", "per device"), self._param_cells())
         out += [""] + _columns(self._total_header(), self._total_cells())
         return "\n".join(out + ["", str(self.lint)])
@@ -246,7 +250,7 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     lint = Lint(tuple(r for r in whole if r.bytes > large_bytes),
                 _unmatched_rules(strategy, [row.path for row in rows["params"]]), sharded, large_bytes, frozen)
     summary = Summary(strategy.describe(mesh) if strategy is not None else "(strategy not given)", sizes,
-                      tuple(rows["params"]), totals, lint)
+                      tuple(rows["params"]), totals, lint, describe_hosts(mesh))
     if fail_if_replicated_over is not None:
         over = [r for r in whole if r.bytes > fail_if_replicated_over]
         if over:

@@ -99,6 +99,8 @@ def run(out, index=0, count=1):
                 record[f"{name}, {'iterable' if iterable else 'arrays'}"] = [r["loss"] for r in result.history.train]
                 crossing[f"{name}, {'iterable' if iterable else 'arrays'}"] = list(
                     crossing_axes(jax.tree.leaves(result.state.params)[0].sharding.mesh))
+                if name == "tp4+fsdp2" and not iterable:  # the summary shows the mesh by host
+                    record["summary hosts"] = px.summarize(result.state, find_frozen=False).hosts
                 if any("spans hosts" in str(w.message) for w in caught):
                     warned.append(name)
             except ValueError as err:
