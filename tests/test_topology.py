@@ -150,6 +150,25 @@ def test_the_plan_lays_each_pair_out_with_the_fewest_bytes_across_hosts_as_the_c
     assert chosen == {True, False}  # the measured bytes overturn the kinds' order on some of these meshes
 
 
+def test_given_bandwidths_the_plan_prices_each_layout_by_the_seconds_its_bytes_take_on_the_two_links():
+    batch = batches("mlp", 1)[0]
+    strategy = px.combine(px.DataParallel(2), px.TensorParallel(4))
+    # Equal links: the layout moving the fewest bytes in all is any; a slow link between hosts: the fewest across.
+    fast_across = px.Topology(2, 4, host_bandwidth=1e9, cross_host_bandwidth=1e12)
+    slow_across = px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
+    rows = {name: px.plan(MLP(), optax.sgd(0.1), batch, loss_fn=classifier_loss, strategies=[strategy],
+                          topology=topology, compile="jit").rows[0]["links"]
+            for name, topology in (("fast", fast_across), ("slow", slow_across))}
+    assert rows["slow"]["across"] < rows["fast"]["across"]  # a slow link between hosts: fewer bytes cross it
+    for name, topology in (("fast", fast_across), ("slow", slow_across)):
+        links = rows[name]
+        assert links["seconds"] == pytest.approx(links["inside"] / topology.host_bandwidth
+                                                 + links["across"] / topology.cross_host_bandwidth)
+    report = px.plan(MLP(), optax.sgd(0.1), batch, loss_fn=classifier_loss, strategies=[strategy], topology=slow_across,
+                     compile="jit")
+    assert "At the topology's bandwidths, the collectives' bytes take per step: DataParallel(data=2)" in str(report)
+
+
 def test_a_topology_that_does_not_fit_is_refused_by_name():
     with pytest.raises(ValueError, match=r"Topology\(hosts=0\): give a positive int"):
         px.Topology(hosts=0, devices_per_host=4)

@@ -104,6 +104,11 @@ class PlanReport:
         if hosts:
             notes.append(f"in host / across: the collective bytes moved over the links inside a host and between "
                          f"hosts ({' or '.join(map(str, hosts))} hosts), each collective by its device groups.")
+        timed = [f"{row['strategy']} {1e3 * row['links']['seconds']:.3g} ms" for row in self.rows
+                 if (row.get("links") or {}).get("seconds") is not None]
+        if timed:
+            notes.append("At the topology's bandwidths, the collectives' bytes take per step: " + "; ".join(timed)
+                         + " (bytes over bandwidth, without latency or overlap).")
         planned_on = sorted({row["backend"] for row in self.rows})
         if planned_on != [self.target]:
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
@@ -194,8 +199,10 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         topology: the hosts to plan for (:class:`parallax.Topology`, e.g. 16 hosts of 8 devices), as
             simulated: each candidate's mesh is laid out over them as parallax lays it out over
             processes, and each row reports the collective bytes moved inside a host and across
-            hosts (``links``). ``devices`` defaults to the topology's. Over several processes the
-            rows report them without it.
+            hosts (``links``). ``devices`` defaults to the topology's. With both of its bandwidths,
+            layouts are chosen by the seconds their bytes take on the two links, and each row's
+            ``links`` has them (``seconds``). Over several processes the rows report the bytes
+            without it.
         **step_options: :class:`parallax.StepOptions` (``grad_accum``, ``precision``,
             ``remat``, ``compile``...) of the step to plan.
 

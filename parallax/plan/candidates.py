@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from parallax import inspect
 from parallax.pricing.timing import closest
-from parallax.pricing.host_layout import cheapest_layout
+from parallax.pricing.host_layout import cheapest_layout, link_seconds
 from parallax.sharding.context import mesh_in_context, mesh_on
 from parallax.sharding.strategy import Strategy, combine
 from parallax.sharding.topology import Topology, crossing_axes, hosts_of
@@ -88,6 +88,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
                         **{link: sum(stat.bytes for stat in kinds.values()) for link, kinds in split.items()},
                         "inside_first": list(layout.inside_first) if layout else None,
                         "crossing": list(crossing_axes(laid, topology))}
+        row["links"]["seconds"] = link_seconds(row["links"]["inside"], row["links"]["across"], topology)
     row.update(
         strategy=plan.strategy.describe(mesh), compile=step.mode(), error=None,
         state={"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],

@@ -37,6 +37,8 @@ class HostLayout:
         across: bytes per device per step its collectives move between hosts.
         kinds_order_across: the same for the kinds' order (what ``strategy.make_mesh()`` lays out).
         priced: the bytes across hosts of every order tried, keyed by the order.
+        seconds: where the topology gives both links' bandwidths, the seconds per step its
+            collective bytes take on them (inside a host and across), by which it was chosen.
     """
 
     mesh: Mesh
@@ -44,6 +46,7 @@ class HostLayout:
     across: int
     kinds_order_across: int
     priced: dict = dataclasses.field(default_factory=dict)
+    seconds: float | None = None
 
     def describe(self) -> str:
         """One line: which axes stay inside a host, and the bytes across hosts against the kinds' order."""
@@ -77,25 +80,43 @@ def cheapest_layout(hlo_text: str, strategy: Strategy, mesh: Mesh, topology: Top
         allowed: only layouts whose mesh it accepts (e.g. where each process's part of an
             iterable still fits the batch's layout); all by default.
 
-    Ties go to the kinds' order (the first tried).
+    Layouts are ranked by the bytes they move across hosts; where ``topology`` gives both links'
+    bandwidths, by the seconds their bytes take on them (inside ÷ ``host_bandwidth`` + across ÷
+    ``cross_host_bandwidth``). Ties go to the kinds' order (the first tried).
     """
     devices = list(mesh.devices.flat)
     if len(set(hosts_of(devices, topology).tolist())) < 2:
         return None
     collectives = inspect.collective_groups(hlo_text, len(devices))
+    total = sum(moved for _, moved, _ in collectives)
     axes = [(name, int(mesh.shape[name])) for name in mesh.axis_names]
     best, priced, first = None, {}, None
     for order in orders(strategy, mesh):
         candidate = build_mesh(axes, devices, order, topology)
         across = inspect.across_bytes(collectives, hosts_of(list(candidate.devices.flat), topology))
-        priced[order] = across
-        first = across if first is None else first
-        if (allowed is None or allowed(candidate)) and (best is None or across < best[2]):
-            best = (candidate, order, across)
+        priced[order], first = across, across if first is None else first
+        cost = link_seconds(total - across, across, topology)
+        cost = across if cost is None else cost
+        if (allowed is None or allowed(candidate)) and (best is None or cost < best[3]):
+            best = (candidate, order, across, cost)
     if best is None:  # none allowed: the kinds' order
         order = orders(strategy, mesh)[0]
-        best = (build_mesh(axes, devices, order, topology), order, priced[order])
-    return HostLayout(best[0], best[1], best[2], first, priced)
+        best = (build_mesh(axes, devices, order, topology), order, priced[order], None)
+    return HostLayout(best[0], best[1], best[2], first, priced,
+                      link_seconds(total - best[2], best[2], topology))
+
+
+def link_seconds(inside: int, across: int, topology: Topology | None) -> float | None:
+    """Seconds per step of ``inside`` and ``across`` bytes on the topology's links; ``None`` where it
+    does not give both bandwidths.
+
+    Example:
+        >>> link_seconds(900e9, 50e9, px.Topology(2, 8, host_bandwidth=900e9, cross_host_bandwidth=50e9))
+        2.0
+    """
+    if topology is None or topology.host_bandwidth is None or topology.cross_host_bandwidth is None:
+        return None
+    return inside / topology.host_bandwidth + across / topology.cross_host_bandwidth
 
 
 def laid_out_by_bytes(compile_step: Callable[[Mesh], Any], strategy: Strategy, devices: Sequence[jax.Device],

@@ -30,7 +30,9 @@ def plan_run(trainer: Any, example_batch: Any) -> StatePlan:
     the search of an ``"auto"`` strategy or split; the trainer's steps are rebuilt on the result."""
     if trainer.plan is not None:
         return trainer.plan
-    own_mesh = not trainer.given_mesh  # laid out by parallax: over several hosts, by what each axis moves
+    # Laid out by parallax (no mesh= given; devices= alone is parallax's mesh on them): over several hosts, by
+    # the bytes each axis moves.
+    own_mesh = not trainer.given_mesh or trainer.devices is not None
     if not trainer.given_mesh:
         mesh, devices = mesh_or_context(trainer.strategy, None, None)
         if trainer.strategy == AUTO:
