@@ -80,7 +80,8 @@ FILE_SECONDS = {
     "test_trainer.py": 79,
     "test_step.py": 66, "test_grain.py": 58, "test_testing.py": 46, "test_losses.py": 45, "test_benchmarks.py": 45,
     "test_resharding.py": 38, "test_fsdp.py": 37, "test_docs.py": 35, "test_per_example_proof.py": 31,
-    "test_elastic.py": 22, "test_tp_layout.py": 20, "test_model_habits.py": 15, "test_distribution.py": 9,
+    "test_topology.py": 45, "test_elastic.py": 22, "test_tp_layout.py": 20, "test_model_habits.py": 15,
+    "test_distribution.py": 9,
 }
 
 
