@@ -108,13 +108,13 @@ def hosts_of(devices: Sequence[jax.Device], topology: Topology | None = None) ->
         [0, 0, 0, 0, 1, 1, 1, 1]
     """
     devices = list(devices)
-    real = Topology.of(devices)
-    if topology is None or (real.hosts > 1 and topology.hosts == real.hosts):
-        keys = sorted({_host_key(d) for d in devices})
-        hosts = np.array([keys.index(_host_key(d)) for d in devices])
-    elif real.hosts > 1:
-        raise ValueError(f"The devices span {real.hosts} processes but the topology says {topology.hosts} hosts "
-                         f"({topology}); leave topology out to use the processes, or give hosts={real.hosts}.")
+    keys = sorted({_host_key(d) for d in devices})  # (slice, process) of each host, in order
+    if topology is None or (len(keys) > 1 and topology.hosts == len(keys)):
+        index = {key: i for i, key in enumerate(keys)}
+        hosts = np.array([index[_host_key(d)] for d in devices])
+    elif len(keys) > 1:
+        raise ValueError(f"The devices span {len(keys)} processes but the topology says {topology.hosts} hosts "
+                         f"({topology}); leave topology out to use the processes, or give hosts={len(keys)}.")
     else:
         if topology.devices != len(devices):
             raise ValueError(f"{topology} describes {topology.devices} devices but {len(devices)} were given; "
