@@ -169,10 +169,11 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
     return stats
 
 
-def collective_groups(hlo_text: str, devices: int) -> list[tuple[str, int, list[tuple[int, ...]]]]:
-    """Each collective of a compiled program as ``(kind, bytes, groups)``: the bytes it moves per
-    device per call of the program (as :func:`collective_bytes` counts them, loop iterations
-    included) and its device groups, as partition ids (positions in the mesh's ``devices.flat``).
+def collective_groups(hlo_text: str, devices: int) -> list[tuple[str, int, int, list[tuple[int, ...]]]]:
+    """Each collective of a compiled program as ``(kind, runs, bytes, groups)``: how many times it
+    runs per call of the program, the bytes it moves per device in all those runs (as
+    :func:`collective_bytes` counts them) and its device groups, as partition ids (positions in
+    the mesh's ``devices.flat``).
 
     The program is the same whichever devices fill a mesh of its shape, so one compile tells
     what every layout of the devices over hosts would move across them.
@@ -182,8 +183,12 @@ def collective_groups(hlo_text: str, devices: int) -> list[tuple[str, int, list[
         match = _OP.search(line)
         if match is not None:
             kind = match.group("op")
-            found.append((kind, collective_bytes(line)[kind].bytes * runs, replica_groups(line, devices)))
+            found.append((kind, runs, collective_bytes(line)[kind].bytes * runs, replica_groups(line, devices)))
     return found
+
+
+def _spans(groups: list[tuple[int, ...]], hosts: list[int]) -> bool:
+    return any(len({hosts[i] for i in group}) > 1 for group in groups)
 
 
 def collective_bytes_by_link(hlo_text: str, hosts: Any) -> dict[str, dict[str, CollectiveStat]]:
@@ -204,23 +209,17 @@ def collective_bytes_by_link(hlo_text: str, hosts: Any) -> dict[str, dict[str, C
     """
     hosts = [int(h) for h in hosts]
     split = {link: {kind: CollectiveStat() for kind in COLLECTIVES} for link in ("inside", "across")}
-    for line, runs, _ in lines_with_runs(hlo_text):
-        match = _OP.search(line)
-        if match is None:
-            continue
-        kind = match.group("op")
-        groups = replica_groups(line, len(hosts))
-        link = "across" if any(len({hosts[i] for i in group}) > 1 for group in groups) else "inside"
-        old = split[link][kind]
-        split[link][kind] = CollectiveStat(old.count + runs, old.bytes + collective_bytes(line)[kind].bytes * runs)
+    for kind, runs, moved, groups in collective_groups(hlo_text, len(hosts)):
+        link = "across" if _spans(groups, hosts) else "inside"
+        split[link][kind] = CollectiveStat(split[link][kind].count + runs, split[link][kind].bytes + moved)
     return split
 
 
-def across_bytes(collectives: list[tuple[str, int, list[tuple[int, ...]]]], hosts: Any) -> int:
+def across_bytes(collectives: list[tuple[str, int, int, list[tuple[int, ...]]]], hosts: Any) -> int:
     """The bytes of :func:`collective_groups`' collectives whose device groups span hosts, with
     ``hosts`` the host of each device in the program's order."""
     hosts = [int(h) for h in hosts]
-    return sum(moved for _, moved, groups in collectives if any(len({hosts[i] for i in g}) > 1 for g in groups))
+    return sum(moved for _, _, moved, groups in collectives if _spans(groups, hosts))
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:

@@ -88,7 +88,7 @@ def cheapest_layout(hlo_text: str, strategy: Strategy, mesh: Mesh, topology: Top
     if len(set(hosts_of(devices, topology).tolist())) < 2:
         return None
     collectives = inspect.collective_groups(hlo_text, len(devices))
-    total = sum(moved for _, moved, _ in collectives)
+    total = sum(moved for _, _, moved, _ in collectives)
     axes = [(name, int(mesh.shape[name])) for name in mesh.axis_names]
     best, priced, first = None, {}, None
     for order in orders(strategy, mesh):
