@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from parallax import inspect
 from parallax.sharding.mesh import build_mesh
 from parallax.sharding.strategy import Strategy
-from parallax.sharding.topology import Topology, hosts_of
+from parallax.sharding.topology import Topology, hosts_of, spans_hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,25 +85,25 @@ def cheapest_layout(hlo_text: str, strategy: Strategy, mesh: Mesh, topology: Top
     ``cross_host_bandwidth``). Ties go to the kinds' order (the first tried).
     """
     devices = list(mesh.devices.flat)
-    if len(set(hosts_of(devices, topology).tolist())) < 2:
+    if not spans_hosts(devices, topology):
         return None
     collectives = inspect.collective_groups(hlo_text, len(devices))
     total = sum(moved for _, _, moved, _ in collectives)
     axes = [(name, int(mesh.shape[name])) for name in mesh.axis_names]
-    best, priced, first = None, {}, None
-    for order in orders(strategy, mesh):
+    tried = orders(strategy, mesh)  # the kinds' order first
+    best, priced = None, {}
+    for order in tried:
         candidate = build_mesh(axes, devices, order, topology)
-        across = inspect.across_bytes(collectives, hosts_of(list(candidate.devices.flat), topology))
-        priced[order], first = across, across if first is None else first
+        across = priced[order] = inspect.across_bytes(collectives, hosts_of(list(candidate.devices.flat), topology))
         cost = link_seconds(total - across, across, topology)
         cost = across if cost is None else cost
-        if (allowed is None or allowed(candidate)) and (best is None or cost < best[3]):
-            best = (candidate, order, across, cost)
+        if (allowed is None or allowed(candidate)) and (best is None or cost < best[2]):
+            best = (candidate, order, cost)
     if best is None:  # none allowed: the kinds' order
-        order = orders(strategy, mesh)[0]
-        best = (build_mesh(axes, devices, order, topology), order, priced[order], None)
-    return HostLayout(best[0], best[1], best[2], first, priced,
-                      link_seconds(total - best[2], best[2], topology))
+        best = (build_mesh(axes, devices, tried[0], topology), tried[0], None)
+    candidate, order = best[:2]
+    return HostLayout(candidate, order, priced[order], priced[tried[0]], priced,
+                      link_seconds(total - priced[order], priced[order], topology))
 
 
 def link_seconds(inside: int, across: int, topology: Topology | None) -> float | None:
@@ -125,7 +125,7 @@ def laid_out_by_bytes(compile_step: Callable[[Mesh], Any], strategy: Strategy, d
     program) and returns :func:`cheapest_layout`; ``None`` where the devices are one host or at
     most one axis has more than one device (then every layout is the same)."""
     devices = list(devices)
-    if len(set(hosts_of(devices, topology).tolist())) < 2:
+    if not spans_hosts(devices, topology):
         return None
     mesh = strategy.make_mesh(devices, topology)
     if sum(size > 1 for size in mesh.shape.values()) < 2:

@@ -32,7 +32,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-__all__ = ["Topology", "crossing_axes", "describe_hosts", "host_crossing", "hosts_of", "place_by_topology"]
+__all__ = ["Topology", "crossing_axes", "describe_hosts", "host_crossing", "hosts_of", "place_by_topology",
+           "spans_hosts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,16 @@ def hosts_of(devices: Sequence[jax.Device], topology: Topology | None = None) ->
     return hosts
 
 
+def spans_hosts(devices: Sequence[jax.Device], topology: Topology | None = None) -> bool:
+    """Whether ``devices`` lie on more than one host (:func:`hosts_of`).
+
+    Example:
+        >>> spans_hosts(jax.devices()), spans_hosts(jax.devices(), px.Topology(2, 4))
+        (False, True)
+    """
+    return len(set(hosts_of(list(devices), topology).tolist())) > 1
+
+
 def place_by_topology(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device], inside_first: Sequence[str],
                       topology: Topology | None = None) -> np.ndarray | None:
     """The device grid (shape: the sizes of ``axes``, in their order) whose axes named first in
@@ -136,9 +147,9 @@ def place_by_topology(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Dev
         topology: hosts as simulated (see :func:`hosts_of`); the processes by default.
     """
     devices = list(devices)
-    hosts = hosts_of(devices, topology)
-    if len(set(hosts.tolist())) < 2:
+    if not spans_hosts(devices, topology):
         return None
+    hosts = hosts_of(devices, topology)
     names = [name for name, _ in axes]
     sizes = dict(axes)
     by_host = [d for _, _, d in sorted(((int(h), d.id, d) for h, d in zip(hosts, devices)), key=lambda t: t[:2])]
@@ -174,9 +185,9 @@ def describe_hosts(mesh: jax.sharding.Mesh, topology: Topology | None = None) ->
         over 2 hosts: 'tensor' inside each host, 'fsdp' across; host 0: devices 0-3, host 1: devices 4-7
     """
     devices = list(mesh.devices.flat)
-    hosts = hosts_of(devices, topology)
-    if len(set(hosts.tolist())) < 2:
+    if not spans_hosts(devices, topology):
         return None
+    hosts = hosts_of(devices, topology)
     crossing = crossing_axes(mesh, topology)
     inside = [a for a in mesh.axis_names if a not in crossing and mesh.shape[a] > 1]
     held = {}
@@ -210,7 +221,7 @@ def host_crossing(strategy, mesh: jax.sharding.Mesh, topology: Topology | None =
         The mesh's axis 'tensor' (size 4) spans hosts: ... strategy.make_mesh() keeps 'tensor' inside each host and lets 'fsdp' cross: ...
     """
     devices = list(mesh.devices.flat)
-    if len(set(hosts_of(devices, topology).tolist())) < 2:
+    if not spans_hosts(devices, topology):
         return None
     rank = {part.axis: part.link_rank for part in strategy.parts}
     crossing, placed = crossing_axes(mesh, topology), crossing_axes(strategy.make_mesh(devices, topology), topology)
