@@ -294,6 +294,10 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
         assert crossing["tp4+fsdp2, iterable"] == ["fsdp"], crossing  # the layout each process's part fits
         assert crossing["mesh tensor4 across, arrays"] == ["tensor"], crossing  # a user's mesh: as it is, warned
         assert warned == ["mesh fsdp4 in a process", "mesh tensor4 across"], warned
+        calibrated = record.pop("calibrated")  # both links measured, each on its own (cost.calibrate)
+        assert "|2 hosts|" in calibrated["key"] and calibrated["inside"] == calibrated["across"] == sorted(
+            ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")), calibrated
+        print("calibrated:", calibrated)
         uneven = record.pop("uneven parts")  # the same clear error on both processes, before training
         assert uneven.startswith("ValueError: The training data's batches per epoch (each process's) differs between "
                                  "processes: process 0 has 3, process 1 has 2."), uneven

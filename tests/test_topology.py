@@ -14,12 +14,15 @@ import numpy as np
 import optax
 import pytest
 
+import flax.linen as nn
 import parallax as px
 from jax.sharding import NamedSharding
 
+from parallax import inspect
+from parallax.pricing.cost import calibrate, estimate
 from parallax.sharding.mesh import build_mesh
 from parallax.sharding.topology import crossing_axes, hosts_of
-from parallax.state.search import abstract_batch
+from parallax.state.search import abstract_batch, resolve
 from tests.models import MLP, batches, classifier_loss
 
 TWO_HOSTS = px.Topology(hosts=2, devices_per_host=4)
@@ -177,3 +180,46 @@ def test_a_topology_that_does_not_fit_is_refused_by_name():
     with pytest.raises(ValueError, match=r"devices=16 but Topology\(hosts=2, devices_per_host=4.*has 8 devices"):
         px.plan(MLP(), "sgd", batches("mlp", 1)[0], loss_fn=classifier_loss, strategies=["dp"], devices=16,
                 topology=TWO_HOSTS)
+
+
+class Wide(nn.Module):
+    """Weights large enough that the bytes of their collectives, not the ops' count, set the price."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(10)(nn.relu(nn.Dense(512)(nn.relu(nn.Dense(512)(x)))))
+
+
+def test_auto_over_hosts_with_a_slow_link_between_them_picks_data_parallel_across_and_fsdp_inside():
+    """HSDP from the pricing: each collective priced on the link it runs over (inside a host at the
+    calibrated speeds, across at them scaled by the topology's bandwidths)."""
+    batch, slow = batches("mlp", 1, 64)[0], px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
+    fsdp = lambda n: px.FSDP(n, min_weight_size=0, split="largest")  # noqa: E731
+    among = [fsdp(8), px.combine(px.DataParallel(2), fsdp(4))]
+    found = resolve(Wide(), optax.adamw(1e-3), batch, "auto", loss_fn=classifier_loss, among=among, topology=slow,
+                    options=px.StepOptions(timed_candidates=0))
+    assert found.choice.picked == "DataParallel(data=2) × FSDP(fsdp=4), shard_map", found.choice.describe()
+    assert crossing_axes(found.mesh, slow) == ("data",)  # the gradients' all-reduce crosses; the gathers stay inside
+    # Each link's bytes at its own speed, as read here from the program's collectives and the devices' hosts.
+    program = {path: compiled for (_, path), (_, compiled) in found.step._compiled.items()}[found.compile]  # as priced
+    devices = list(found.mesh.devices.flat)
+    speeds = calibrate(devices)
+    links = inspect.collective_bytes_by_link(program.as_text(), hosts_of(devices, slow))
+    scale = slow.host_bandwidth / slow.cross_host_bandwidth
+    expected = sum(stat.count * speeds.collectives[kind][0] + stat.bytes * speeds.collectives[kind][1] * factor
+                   for link, factor in (("inside", 1.0), ("across", scale)) for kind, stat in links[link].items())
+    assert estimate(program, speeds, devices, slow).collectives == pytest.approx(expected, rel=1e-9)
+    assert estimate(program, speeds, devices, TWO_HOSTS).collectives < expected  # no bandwidths: one price
+
+
+def test_the_plan_plans_a_cluster_of_more_hosts_and_devices_than_this_process_has():
+    """4 hosts x 4 devices planned from this process of 8: the hosts' layout, their bytes, their seconds."""
+    cluster = px.Topology(4, 4, host_bandwidth=1e12, cross_host_bandwidth=1e10)
+    strategy = px.combine(px.DataParallel(4), px.FSDP(4, min_weight_size=0, split="largest"))
+    (row,) = px.plan(Wide(), optax.adamw(1e-3), batches("mlp", 1, 64)[0], loss_fn=classifier_loss,
+                     strategies=[strategy], devices=16, topology=cluster, compile="shard_map").rows
+    assert row["error"] is None and row["devices"] == 16 and row["mesh"] == {"data": 4, "fsdp": 4}, row
+    links = row["links"]
+    assert links["hosts"] == 4 and links["crossing"] == ["data"], links  # FSDP's gathers inside each host
+    assert links["inside"] + links["across"] == row["collective_bytes"] and 0 < links["across"] < links["inside"]
+    assert links["seconds"] == pytest.approx(links["inside"] / 1e12 + links["across"] / 1e10)

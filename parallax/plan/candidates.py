@@ -68,6 +68,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
                           rng_streams=options.rng_streams, offload=options.offload)
         totals = summarize(plan, find_frozen=False).totals
         step = make_train_step(loss_fn, plan.strategy, options)
+        step.topology = topology  # its compile paths priced on the topology's links
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
         compiled = step.lower(plan.abstract_arrays(), batch).compile()
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch

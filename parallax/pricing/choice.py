@@ -16,6 +16,7 @@ import jax
 from parallax import _multihost
 from parallax._units import format_bytes, parse_bytes
 from parallax.pricing.cost import Estimate, calibrate, estimate
+from parallax.sharding.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +84,19 @@ def memory_budget(given: int | str | None, devices: Sequence[jax.Device]) -> int
 
 
 def choose(compiled: Mapping[str, Any], devices: Sequence[jax.Device], budget: int | None = None, *,
-           what: str = "compile path") -> Choice:
+           what: str = "compile path", topology: Topology | None = None) -> Choice:
     """The fastest of ``compiled`` (label -> ``jax.stages.Compiled``) on ``devices`` that fits ``budget``
     (bytes per device, see :func:`memory_budget`; ``None``: no limit).
+
+    ``devices`` are the programs' devices in their order (their mesh's ``devices.flat``): over several
+    hosts (the processes, or ``topology``'s as simulated) each collective is priced on the links it
+    runs over (:func:`parallax.pricing.cost.estimate`).
 
     When none fits, the one with the smallest peak is taken (and the choice says every
     candidate was over).
     """
     speeds = calibrate(devices)
-    estimates = {label: estimate(program, speeds) for label, program in compiled.items()}
+    estimates = {label: estimate(program, speeds, devices, topology) for label, program in compiled.items()}
     return rank(estimates, budget, what=what)
 
 

@@ -14,6 +14,12 @@ elementwise op and each collective kind at two sizes, run on the given devices a
 A calibration takes a second or two and is cached per machine, device kind, device count
 and JAX version in ``$PARALLAX_CACHE_DIR`` (``~/.cache/parallax`` by default).
 
+Over several hosts the collectives are priced by the links they run over: a collective whose
+device groups lie inside a host at the speeds measured inside one, one whose groups span hosts
+at the speeds measured between them (:attr:`DeviceSpeeds.cross_host`, calibrated where this
+run's devices span processes), or, for hosts a :class:`parallax.Topology` describes with both
+bandwidths, at the inside speeds scaled by ``host_bandwidth / cross_host_bandwidth``.
+
 The model ranks candidates of the *same* work (compile paths, FSDP splits, mesh shapes); it
 is not a profiler. ``benchmarks/cost_model.py`` measures it against real step times.
 
@@ -38,9 +44,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import _cache, _multihost, inspect
 from parallax._compat import mesh_context, shard_map
+from parallax.sharding.topology import Topology, hosts_of
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_VERSION = 3  # of the cached calibration's fields
+_VERSION = 4  # of the cached calibration's fields
 CACHE_FILE = "device_speeds.json"
 
 
@@ -57,6 +64,9 @@ class DeviceSpeeds:
             :func:`parallax.inspect.collective_bytes` counts them.
         overhead: seconds of launching one program.
         calibration_seconds: what measuring took (0 when read from the cache).
+        cross_host: where the devices span hosts (processes), kind -> ``(seconds per op, seconds
+            per byte)`` of a collective whose groups span them; ``collectives`` then holds those of
+            groups inside one host. ``None`` on one host.
     """
 
     key: str
@@ -66,6 +76,21 @@ class DeviceSpeeds:
     collectives: dict[str, tuple[float, float]]
     overhead: float = 0.0
     calibration_seconds: float = 0.0
+    cross_host: dict[str, tuple[float, float]] | None = None
+
+    def across(self, topology: Topology | None = None) -> dict[str, tuple[float, float]] | None:
+        """The collectives' speeds between hosts: scaled from those inside by ``topology``'s two
+        bandwidths where it gives both, else as calibrated (``None`` where neither says).
+
+        Example:
+            >>> speeds = DeviceSpeeds("k", 1e-12, 1e-10, 1e-10, {"all-reduce": (1e-5, 1e-9)})
+            >>> speeds.across(px.Topology(2, 4, host_bandwidth=100e9, cross_host_bandwidth=25e9))
+            {'all-reduce': (1e-05, 4e-09)}
+        """
+        if topology is not None and topology.host_bandwidth and topology.cross_host_bandwidth:
+            slower = topology.host_bandwidth / topology.cross_host_bandwidth
+            return {kind: (latency, per_byte * slower) for kind, (latency, per_byte) in self.collectives.items()}
+        return self.cross_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,17 +133,35 @@ def _costs(compiled: Any) -> tuple[float, float]:
     return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
 
 
-def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
-    """The predicted step time of ``compiled`` (a ``jax.stages.Compiled``) on ``speeds``' devices."""
+def estimate(compiled: Any, speeds: DeviceSpeeds, devices: Sequence[jax.Device] | None = None,
+             topology: Topology | None = None) -> Estimate:
+    """The predicted step time of ``compiled`` (a ``jax.stages.Compiled``) on ``speeds``' devices.
+
+    Args:
+        compiled: the program.
+        speeds: :func:`calibrate`'s.
+        devices: the program's devices in its order (its mesh's ``devices.flat``): where they span
+            hosts (the processes, or ``topology``'s) and the speeds between hosts are known
+            (:meth:`DeviceSpeeds.across`), each collective is priced on the links it runs over.
+        topology: the hosts as simulated, with their links' bandwidths (:class:`parallax.Topology`).
+    """
     flops, accessed = _costs(compiled)
     text = compiled.as_text()
     flops += inspect.loop_dot_flops(text)  # cost_analysis counts a loop's body once (a scanned stack, a pipeline)
     transposed = inspect.layout_bytes(text)
     traffic = inspect.collective_bytes(text)
+    across = speeds.across(topology) if devices is not None else None
+    hosts = hosts_of(list(devices), topology) if across is not None else None
+    if hosts is not None and len(set(hosts.tolist())) > 1:
+        links = inspect.collective_bytes_by_link(text, hosts)
+        priced = [(links["inside"], speeds.collectives), (links["across"], across)]
+    else:
+        priced = [(traffic, speeds.collectives)]
     collective_s = 0.0
-    for kind, stat in traffic.items():
-        latency, per_byte = speeds.collectives.get(kind, speeds.collectives["all-reduce"])
-        collective_s += stat.count * latency + stat.bytes * per_byte
+    for stats, kinds in priced:
+        for kind, stat in stats.items():
+            latency, per_byte = kinds.get(kind, kinds["all-reduce"])
+            collective_s += stat.count * latency + stat.bytes * per_byte
     compute = flops * speeds.seconds_per_flop
     memory = accessed * speeds.seconds_per_byte + transposed * speeds.seconds_per_layout_byte
     return Estimate(seconds=speeds.overhead + compute + memory + collective_s, compute=compute, memory=memory,
@@ -131,21 +174,24 @@ def estimate(compiled: Any, speeds: DeviceSpeeds) -> Estimate:
 def device_key(devices: Sequence[jax.Device]) -> str:
     """What a measurement on ``devices`` holds for: the machine, device kind and count, JAX version."""
     first = devices[0]
+    hosts = len(set(hosts_of(list(devices)).tolist()))
     return "|".join([platform.node(), first.platform, getattr(first, "device_kind", "?"), str(len(devices)),
-                     f"jax {jax.__version__}", f"v{_VERSION}"])
+                     *([f"{hosts} hosts"] if hosts > 1 else []), f"jax {jax.__version__}", f"v{_VERSION}"])
 
 
 def _stored(speeds: DeviceSpeeds) -> dict:
     return {"seconds_per_flop": speeds.seconds_per_flop, "seconds_per_byte": speeds.seconds_per_byte,
             "seconds_per_layout_byte": speeds.seconds_per_layout_byte, "overhead": speeds.overhead,
             "collectives": {k: list(v) for k, v in speeds.collectives.items()},
-            "calibration_seconds": speeds.calibration_seconds}
+            "calibration_seconds": speeds.calibration_seconds,
+            "cross_host": None if speeds.cross_host is None else {k: list(v) for k, v in speeds.cross_host.items()}}
 
 
 def _from_stored(key: str, stored: dict, calibration_seconds: float = 0.0) -> DeviceSpeeds:
     return DeviceSpeeds(key, stored["seconds_per_flop"], stored["seconds_per_byte"], stored["seconds_per_layout_byte"],
                         {k: tuple(v) for k, v in stored["collectives"].items()}, stored["overhead"],
-                        calibration_seconds)
+                        calibration_seconds,
+                        None if stored.get("cross_host") is None else {k: tuple(v) for k, v in stored["cross_host"].items()})
 
 
 def _timed(fn: Any, *args: Any, repeats: int = 5) -> tuple[float, Any]:
@@ -220,27 +266,45 @@ def _measure_on(mesh: Mesh, start: float) -> DeviceSpeeds:
     seconds_per_flop, seconds_per_byte, per_layout_byte, overhead = _nonnegative_fit(np.array(features),
                                                                                       np.array(seconds))
 
-    collectives = {}
-    ops = {
-        "all-gather": lambda x: jax.lax.all_gather(x, "d", tiled=True),
-        "all-reduce": lambda x: jax.lax.psum(x, "d"),
-        "reduce-scatter": lambda x: jax.lax.psum_scatter(x, "d", tiled=True),
-        "all-to-all": lambda x: jax.lax.all_to_all(x, "d", 0, 0, tiled=True),
-        "collective-permute": lambda x: jax.lax.ppermute(x, "d", [(i, (i + 1) % n) for i in range(n)]),
-    }
-    for kind, op in ops.items():
-        points = []
-        for elements in (256, max(2**17 // shrink, 2**10)):  # per device: 1 KiB and 512 KiB (up to 8 devices)
-            mapped = jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"),
-                                       manual_axes={"d"}))
-            data = jnp.ones((n * elements,), jnp.float32, device=rows)
-            seconds, compiled = _timed(mapped, data)
-            moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
-            points.append((float(moved), seconds))
-        collectives[kind] = _two_point(*points)
+    hosts = hosts_of(devices)
+    count = len(set(hosts.tolist()))
+    if count > 1 and n % count == 0 and n // count > 1:  # over several hosts: each link measured on its own
+        by_host = sorted(range(n), key=lambda i: (int(hosts[i]), devices[i].id))
+        grid = Mesh(np.array([devices[i] for i in by_host]).reshape(count, n // count), ("host", "d"))
+        collectives, cross_host = _collective_speeds(grid, "d", shrink), _collective_speeds(grid, "host", shrink)
+    else:
+        collectives, cross_host = _collective_speeds(mesh, "d", shrink), None
     return DeviceSpeeds(device_key(devices), float(seconds_per_flop), float(seconds_per_byte), float(per_layout_byte),
                         collectives,
-                        overhead=float(overhead), calibration_seconds=time.perf_counter() - start)
+                        overhead=float(overhead), calibration_seconds=time.perf_counter() - start,
+                        cross_host=cross_host)
+
+
+def _collective_speeds(mesh: Mesh, axis: str, shrink: int) -> dict[str, tuple[float, float]]:
+    """Each collective kind over ``axis`` of ``mesh`` (every device taking part), at two sizes,
+    as ``(seconds per op, seconds per byte)``."""
+    n, size = mesh.size, int(mesh.shape[axis])
+    every = PartitionSpec(tuple(mesh.axis_names))
+    ops = {
+        "all-gather": lambda x: jax.lax.all_gather(x, axis, tiled=True),
+        "all-reduce": lambda x: jax.lax.psum(x, axis),
+        "reduce-scatter": lambda x: jax.lax.psum_scatter(x, axis, tiled=True),
+        "all-to-all": lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True),
+        "collective-permute": lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % size) for i in range(size)]),
+    }
+    collectives = {}
+    with mesh_context(mesh):
+        for kind, op in ops.items():
+            points = []
+            for elements in (256, max(2**17 // shrink, 2**10)):  # per device: 1 KiB and 512 KiB (up to 8 devices)
+                mapped = jax.jit(shard_map(op, mesh=mesh, in_specs=every, out_specs=every,
+                                           manual_axes=set(mesh.axis_names)))
+                data = jnp.ones((n * elements,), jnp.float32, device=NamedSharding(mesh, every))
+                seconds, compiled = _timed(mapped, data)
+                moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
+                points.append((float(moved), seconds))
+            collectives[kind] = _two_point(*points)
+    return collectives
 
 
 def calibrate(devices: Sequence[jax.Device] | None = None, *, refresh: bool = False) -> DeviceSpeeds:

@@ -1,14 +1,13 @@
 """``strategy="auto"`` and ``FSDP(split="auto")``: compile each candidate, price it, keep the fastest that fits.
 
-Each candidate's state is planned from shapes (nothing is allocated) and its train step is
-compiled ahead of time on abstract arrays placed on the candidate's mesh, then priced by the
-cost model (:mod:`parallax.pricing.cost`). Candidates whose state alone exceeds the memory
-budget are dropped before anything compiles; those whose compiled peak exceeds it after.
-A candidate that does not apply (the batch does not divide, a tensor layout cannot be
-derived) is skipped with its reason. Where the best estimates lie close together, the
-closest few are then run for a few steps and the measured fastest is kept where it beats the
-cost model's pick by more than 10%
-(:mod:`parallax.pricing.timing`, ``StepOptions.timed_candidates``).
+Each candidate's state is planned from shapes (nothing is allocated) and its train step is compiled
+ahead of time on abstract arrays placed on the candidate's mesh, then priced by the cost model
+(:mod:`parallax.pricing.cost`; over several hosts, its collectives on the links they run over).
+Candidates whose state alone exceeds the memory budget are dropped before anything compiles; those
+whose compiled peak exceeds it after. A candidate that does not apply (the batch does not divide, a
+tensor layout cannot be derived) is skipped with its reason. Where the best estimates lie close
+together, the closest few are run for a few steps and the measured fastest is kept where it beats
+the cost model's pick by more than 10% (:mod:`parallax.pricing.timing`, ``StepOptions.timed_candidates``).
 
 Example:
     >>> found = resolve(model, optax.adam(1e-3), batch, "auto", loss_fn=loss_fn, devices=jax.devices()[:4])
@@ -36,6 +35,7 @@ from parallax.pricing.timing import Timed, on_mesh, settle
 from parallax.sharding.auto import (AUTO, candidates, fsdp_split, is_auto, pipeline_candidates, split_candidates,
                                     with_split)
 from parallax.sharding.strategy import Strategy
+from parallax.sharding.topology import Topology
 from parallax.state.plan import plan_state
 from parallax.state.search_budget import SearchBudget
 from parallax.state.summary import summarize
@@ -162,7 +162,8 @@ def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
             devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
             options: StepOptions | None = None, rng: Any = 0, rng_streams: Sequence[str] = ("dropout",),
-            among: Sequence[Strategy] | None = None, steps: int | None = None) -> Resolved:
+            among: Sequence[Strategy] | None = None, steps: int | None = None,
+            topology: Topology | None = None) -> Resolved:
     """The concrete strategy for ``strategy``: itself unless it is ``"auto"`` or has ``FSDP(split="auto")``.
 
     Args:
@@ -180,6 +181,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             more than ``steps`` times the best estimated step time so far (what the rest could
             at most save). ``options.search_seconds`` bounds it in any case (and alone, without
             ``steps``: no fixed split is fast on every model, ``benchmarks/zoo.py``).
+        topology: hosts as simulated, with their links' bandwidths (:class:`parallax.Topology`; by default the
+            processes, at calibrated speeds): each candidate laid out and priced on them (never timed here).
     """
     if not is_auto(strategy):
         return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
@@ -200,12 +203,12 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     spent = SearchBudget(options.search_seconds, steps, device_key(devices),
                          [_pool_label(candidate, splitting, split_open, path) for candidate, path, split_open in pool])
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
-                                splitting, rng, rng_streams, spent)
+                                splitting, rng, rng_streams, spent, topology)
     estimates, found, skipped, runnable = price(options)
     if strategy == AUTO and among is None and _stacks(found):  # a pipeline over its stack is a candidate too
         staged = priced_candidates(pipeline_candidates(len(devices)), options.compile)
         more = _price(staged, options, model, optimizer, example_batch, loss_fn, mesh, devices, budget, splitting,
-                      rng, rng_streams)  # all priced (no clock): the same pool on every run
+                      rng, rng_streams, None, topology)  # all priced (no clock): the same pool on every run
         for mine, theirs in zip((estimates, found, skipped, runnable), more):
             mine.update(theirs)
     changes: dict = {}
@@ -231,7 +234,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
     stopped = spent.stopped(estimates)
-    if not stopped and all(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(example_batch)):
+    if not stopped and topology is None and all(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(example_batch)):
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices)
     picked, picked_mesh, path, step = found[choice.picked]
@@ -301,9 +304,8 @@ def _pool_label(candidate: Strategy, splitting: bool, split_open: bool, path: st
 
 
 def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
-           loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool,
-           rng: Any, rng_streams: Sequence[str],
-           spent: SearchBudget | None = None) -> tuple[dict, dict, dict, dict]:
+           loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool, rng: Any,
+           rng_streams: Sequence[str], spent: SearchBudget | None = None, topology: Topology | None = None) -> tuple:
     """Plans and compiles each candidate with ``options``, in order, until ``spent`` says stop: the
     cost model's estimates, the strategies and meshes, the skipped with their reasons, and what
     timing needs, by label."""
@@ -317,7 +319,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             skipped[label] = stop
             continue
         try:
-            candidate_mesh = mesh if mesh is not None else candidate.make_mesh(devices)
+            candidate_mesh = mesh if mesh is not None else candidate.make_mesh(devices, topology)
             base = _label(candidate, candidate_mesh, splitting, split_open)
             label = base + (f", {path}" if path else "")
             candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
@@ -334,7 +336,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
-            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) if path else ())
+            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) * bool(path), topology=topology)
             placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
             step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
                                                                   abstract_batch(example_batch, placement))

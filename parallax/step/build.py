@@ -5,16 +5,15 @@ Two ways to compile, driven by the same spec tree and the same loss closure
 
 * ``"shard_map"`` (:mod:`parallax.step.shard_map`): the gradient is computed inside
   ``jax.shard_map``, manual over the data/FSDP axes, with explicit collectives.
-* ``"jit"`` (:mod:`parallax.step.jit`): the same loss under ``jax.jit`` with shardings; the
-  compiler inserts every collective. Always used for pure tensor parallelism.
+* ``"jit"`` (:mod:`parallax.step.jit`): the same loss under ``jax.jit`` with shardings; the compiler
+  inserts every collective. Always used for pure tensor parallelism.
 
-``compile="auto"`` is exact for any loss: ``jit`` unless the loss is a mean of per-example
-terms (marked :func:`parallax.per_example_loss`, or read so from its trace by
-:mod:`parallax.pricing.per_example_proof`), then whichever path the cost model prices faster
-for this model, strategy and batch (see ``Step.mode``).
+``compile="auto"`` is exact for any loss: ``jit`` unless the loss is a mean of per-example terms (marked
+:func:`parallax.per_example_loss`, or read so from its trace by :mod:`parallax.pricing.per_example_proof`),
+then whichever path the cost model prices faster for this model, strategy and batch (see ``Step.mode``).
 
-The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays, so
-transformations that need global norms (``clip_by_global_norm``, LAMB, ...) see the whole gradient.
+The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays, so transformations that need
+global norms (``clip_by_global_norm``, LAMB, ...) see the whole gradient.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from parallax.sharding.auto import AUTO, as_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
+from parallax.sharding.topology import Topology
 from parallax.step.batch import (check_batch, check_batch_devices, host_leaves_placed, layout_key, leading_dims,
                                  state_specs_of)
 from parallax.step.jit import jit_gradients
@@ -62,17 +62,17 @@ class Step:
         train: a train step (update) or an eval step (metric sums).
         replicated_batch: an eval step that takes a batch of any size, whole on every device.
         choice: the cost model's pick of the compile path (``None`` while there is none).
-        proof: for a loss as written, whether its trace showed a mean of per-example terms
-            (``None`` until the first call reads it).
+        proof: for a loss as written, whether its trace showed a mean of per-example terms (``None`` until read).
         auto_strategy: built with ``strategy="auto"``.
         reshardings: per compiled path, the tensors the compiler replicated to reshard them
             (:mod:`parallax.step.resharding`; logged as a warning when the path taken has any).
         prefer: of the paths ``compile="auto"`` allows, the ones to compile (the search prices an
             FSDP split on the path it is fast on); where it allows none of them, those it allows.
+        topology: the hosts (:class:`parallax.Topology`) the paths' collectives are priced on; ``None``: the processes.
     """
 
     def __init__(self, loss_fn: LossFn, strategy: Strategy | str, options: StepOptions, *, train: bool,
-                 replicated_batch: bool = False, prefer: tuple[str, ...] = ()):
+                 replicated_batch: bool = False, prefer: tuple[str, ...] = (), topology: Topology | None = None):
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}.")
         strategy = as_strategy(strategy)
@@ -91,6 +91,7 @@ class Step:
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
         self.reshardings: dict[str, list[Resharding]] = {}
         self.prefer = prefer
+        self.topology = topology
         self._compiled: dict[tuple, tuple[Any, Any]] = {}  # (layout, path) -> jitted step, program (reuse())
 
     def modes(self) -> tuple[str, ...]:
@@ -109,12 +110,11 @@ class Step:
     def mode(self) -> str:
         """``"shard_map"`` or ``"jit"``: how this step compiles (``"auto"`` until the first call decides it).
 
-        ``compile="auto"`` is exact for any loss: ``jit`` (the loss sees the global batch) unless the
-        loss is a mean of per-example terms, marked :func:`parallax.per_example_loss` or read so from
-        its trace at the first call (:attr:`proof`). Then both paths are exact: the train step
-        compiles both at its first call and keeps the faster by the cost model among those whose peak
-        fits ``memory_budget``, or where it is a close call by a few steps on a copy of the state
-        (:mod:`parallax.step.timed_paths`). :attr:`choice` holds the estimates and times.
+        ``compile="auto"`` is exact for any loss: ``jit`` (the loss sees the global batch) unless the loss is a mean
+        of per-example terms, marked :func:`parallax.per_example_loss` or read so from its trace at the first call
+        (:attr:`proof`). Then both paths are exact: the train step compiles both at its first call and keeps the
+        faster by the cost model among those whose peak fits ``memory_budget``, or where it is a close call by a few
+        steps on a copy of the state (:mod:`parallax.step.timed_paths`). :attr:`choice` holds the estimates and times.
         """
         if self.choice is not None:
             return self.choice.picked
@@ -183,7 +183,7 @@ class Step:
         if not compiled:
             raise failed
         devices = list(mesh.devices.flat)
-        choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices))
+        choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices), topology=self.topology)
         return choice, {mode: functions[mode] for mode in compiled}, compiled
 
     def reuse(self, priced: Step | None) -> bool:

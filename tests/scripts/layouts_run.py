@@ -30,6 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import parallax as px  # noqa: E402
+from parallax.pricing.cost import calibrate  # noqa: E402
 from parallax.sharding.topology import crossing_axes  # noqa: E402
 from tests.models import MLP, StackedMLP, classifier_loss  # noqa: E402
 
@@ -106,6 +107,12 @@ def run(out, index=0, count=1):
             except ValueError as err:
                 record[f"{name}, {'iterable' if iterable else 'arrays'}"] = f"ValueError: {err}"
     record["crossing"], record["warned"] = crossing, sorted(set(warned))
+    if count > 1:  # the devices' speeds measured inside a process and between the processes, each on its own
+        speeds = calibrate(jax.devices())
+        record["calibrated"] = {"key": speeds.key, "inside": sorted(speeds.collectives),
+                                "across": sorted(speeds.cross_host or ()),
+                                "all-reduce per byte, across / inside": speeds.cross_host["all-reduce"][1]
+                                / speeds.collectives["all-reduce"][1]}
     if count > 1:  # each process's list of parts, process 1's one batch shorter, one epoch: refused on both, at start
         parts = batches(index, count, True)[:STEPS - index]
         trainer = px.Trainer(MLP(), optax.adamw(3e-3), classifier_loss, strategy=px.FSDP(**FSDP), epochs=1,
