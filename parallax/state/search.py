@@ -185,7 +185,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             processes, at calibrated speeds): each candidate laid out and priced on them (never timed here).
     """
     if not is_auto(strategy):
-        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices))
+        return Resolved(strategy, mesh if mesh is not None else strategy.make_mesh(devices, topology))
     if loss_fn is None and strategy != AUTO:  # nothing to compile: the split that needs no pricing
         log.info("FSDP(split='auto') prices each split by compiling the train step, which needs loss_fn=; "
                  "without it each param is split along its largest dim (split='largest').")
@@ -336,7 +336,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
-            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) * bool(path), topology=topology)
+            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) if path else (), topology=topology)
             placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
             step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
                                                                   abstract_batch(example_batch, placement))
