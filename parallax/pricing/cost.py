@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import _cache, _multihost, inspect
 from parallax._compat import mesh_context, shard_map
-from parallax.sharding.topology import Topology, hosts_of
+from parallax.sharding.topology import Topology, hosts_of, place_by_topology
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _VERSION = 4  # of the cached calibration's fields
@@ -266,11 +266,11 @@ def _measure_on(mesh: Mesh, start: float) -> DeviceSpeeds:
     seconds_per_flop, seconds_per_byte, per_layout_byte, overhead = _nonnegative_fit(np.array(features),
                                                                                       np.array(seconds))
 
-    hosts = hosts_of(devices)
-    count = len(set(hosts.tolist()))
-    if count > 1 and n % count == 0 and n // count > 1:  # over several hosts: each link measured on its own
-        by_host = sorted(range(n), key=lambda i: (int(hosts[i]), devices[i].id))
-        grid = Mesh(np.array([devices[i] for i in by_host]).reshape(count, n // count), ("host", "d"))
+    hosts = len(set(hosts_of(devices).tolist()))
+    grid = (place_by_topology([("host", hosts), ("d", n // hosts)], devices, ("d", "host"))
+            if hosts > 1 and n % hosts == 0 and n // hosts > 1 else None)
+    if grid is not None:  # over several hosts: each link measured on its own, 'd' inside a host, 'host' across
+        grid = Mesh(grid, ("host", "d"))
         collectives, cross_host = _collective_speeds(grid, "d", shrink), _collective_speeds(grid, "host", shrink)
     else:
         collectives, cross_host = _collective_speeds(mesh, "d", shrink), None

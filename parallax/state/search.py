@@ -189,7 +189,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     if loss_fn is None and strategy != AUTO:  # nothing to compile: the split that needs no pricing
         log.info("FSDP(split='auto') prices each split by compiling the train step, which needs loss_fn=; "
                  "without it each param is split along its largest dim (split='largest').")
-        return _largest(strategy, mesh, devices)
+        return _largest(strategy, mesh, devices, topology=topology)
     if loss_fn is None:
         raise ValueError(f"strategy={strategy!r} compiles each candidate's train step to price it: pass loss_fn=.")
     if strategy == AUTO and mesh is not None:
@@ -230,7 +230,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         if splitting:  # the search could not compile this model's step: the split that needs no pricing
             log.info("FSDP(split='auto') could not price the splits (%s); each param is split along its largest dim.",
                      reasons)
-            return _largest(strategy, mesh, devices, skipped)
+            return _largest(strategy, mesh, devices, skipped, topology)
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
     stopped = spent.stopped(estimates)
@@ -250,10 +250,10 @@ def _stacks(found: dict) -> bool:
 
 
 def _largest(strategy: Strategy, mesh: Mesh | None, devices: Sequence[jax.Device] | None,
-             skipped: dict[str, str] | None = None) -> Resolved:
+             skipped: dict[str, str] | None = None, topology: Topology | None = None) -> Resolved:
     """An open split settled without pricing: each param split along its largest dim."""
     largest = with_split(strategy, "largest")
-    return Resolved(largest, mesh if mesh is not None else largest.make_mesh(devices), skipped=dict(skipped or {}))
+    return Resolved(largest, mesh if mesh is not None else largest.make_mesh(devices, topology), skipped=dict(skipped or {}))
 
 
 def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Strategy, str | None, bool]]:
