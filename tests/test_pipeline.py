@@ -237,28 +237,80 @@ class NormedBlock(nn.Module):
 class DroppingBlock(nn.Module):
     @nn.compact
     def __call__(self, h, _):
-        return nn.Dropout(0.1, deterministic=False)(nn.Dense(WIDTH)(h)), None
+        return h + nn.Dropout(0.2, deterministic=False)(nn.Dense(WIDTH)(nn.LayerNorm()(h))), None
 
 
 class StackOf(nn.Module):
     block: type
     variables: tuple = ("params",)
+    split_dropout: bool = True  # a key per layer; False: every layer draws from one key (nn.scan's default)
 
     @nn.compact
     def __call__(self, x):
         blocks = nn.scan(self.block, variable_axes={name: 0 for name in self.variables},
-                         split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast, length=4)
+                         split_rngs={"params": True, "dropout": self.split_dropout}, in_axes=nn.broadcast, length=4)
         return nn.Dense(2)(blocks()(nn.Dense(WIDTH)(x), None)[0])
 
 
-@pytest.mark.parametrize("model, message", [
-    (StackOf(NormedBlock, ("params", "batch_stats")), "update state of their own"),
-    (StackOf(DroppingBlock), "per-layer random keys, e.g. dropout"),
-])
-def test_a_stack_a_pipeline_cannot_run_exactly_is_refused_before_compiling(model, message):
-    with pytest.raises(ValueError, match=message):
-        px.init_state(model, optax.sgd(0.1), stacked_batches(1)[0], strategy=PIPELINES["dp4-pp2"](),
-                      loss_fn=stacked_loss)
+def test_a_stack_a_pipeline_cannot_run_exactly_is_refused_before_compiling():
+    with pytest.raises(ValueError, match="update state of their own"):
+        px.init_state(StackOf(NormedBlock, ("params", "batch_stats")), optax.sgd(0.1), stacked_batches(1)[0],
+                      strategy=PIPELINES["dp4-pp2"](), loss_fn=stacked_loss)
+
+
+def dropout_loss(model, batch):
+    """GPT-2's causal-LM loss with its dropout on (attention, residual and embedding dropout)."""
+    from tests import third_party
+
+    tokens = batch["tokens"][:, :-1]
+    logits = model(tokens, tokens >= 0, third_party._positions(tokens), deterministic=False).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
+DROPOUT = {  # blocks that draw random numbers: every mask is one device's
+    "stack-key-per-layer-pp4-adamw": lambda: (StackOf(DroppingBlock), optax.adamw(1e-2), PIPELINES["pp4"]()),
+    "stack-one-key-circular-sgd": lambda: (StackOf(DroppingBlock, split_dropout=False), optax.sgd(0.1),
+                                           px.combine(px.DataParallel(4), px.PipelineParallel(
+                                               2, schedule="circular", repeats=2, microbatches=2))),
+    "list-key-each-pp2-fsdp4-sgd": lambda: (Keyed(), optax.sgd(0.1), px.combine(
+        px.PipelineParallel(2, blocks="KeyedLayer"), px.FSDP(4, min_weight_size=0))),
+    "gpt2-dropout-dp4-pp2-adamw": lambda: (hugging_face("gpt2", dropout=0.1)[0], optax.adamw(1e-2), px.combine(
+        px.DataParallel(4), px.PipelineParallel(2, blocks="FlaxGPT2Block"))),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPOUT))
+def test_blocks_that_draw_random_numbers_train_like_one_device_with_its_masks(case):
+    """Dropout in a linen nn.scan (a key per layer, or one key every layer draws from), blocks given
+    a key each, and an unmodified Hugging Face GPT-2 with its dropout on: against a plain
+    one-device optax loop, so every mask is the one a device drawing for the whole batch draws."""
+    from tests import third_party
+
+    model, tx, strategy = DROPOUT[case]()
+    gpt2 = case.startswith("gpt2")
+    mesh = strategy.make_mesh(jax.devices()[:4]) if "-pp4-" in case else None
+    loss, batches = (dropout_loss, third_party.batches("text", 2)) if gpt2 else (stacked_loss, stacked_batches(2))
+    report = px.testing.assert_equivalent(model, tx, loss, batches, strategy, mesh=mesh)
+    assert report.mode == "jit", report
+
+
+def test_a_random_draw_a_pipeline_cannot_make_as_one_device_is_named():
+    mesh = Mesh(jax.devices()[:2], ("stage",))
+    key, w, x = jax.random.key(0), jnp.ones((4, WIDTH, WIDTH)) / 3, jnp.ones((ROWS, WIDTH))
+
+    def transposed(w, x):  # the batch is not the draw's leading dim
+        drop = lambda h: h * jax.random.bernoulli(key, 0.5, h.shape[::-1]).T  # noqa: E731
+        return jax.lax.scan(lambda h, wl: (drop(jnp.tanh(h @ wl)), None), x, w)[0].sum()
+
+    def in_a_branch(w, x):  # drawn inside a cond
+        drop = lambda h: jax.lax.cond(h.sum() > 0, lambda: h * jax.random.bernoulli(key, 0.5, h.shape),  # noqa: E731
+                                      lambda: h)
+        return jax.lax.scan(lambda h, wl: (drop(jnp.tanh(h @ wl)), None), x, w)[0].sum()
+
+    with pytest.raises(ValueError, match=r"shape \(4, 16\) for the batch of 16 rows .* the batch is their leading dim"):
+        pipelined(transposed, mesh=mesh, axis="stage", microbatches=2)(w, x)
+    with pytest.raises(ValueError, match="per example inside a cond .* Draw them outside it"):
+        pipelined(in_a_branch, mesh=mesh, axis="stage", microbatches=2)(w, x)
 
 
 W_NNX = WIDTH
@@ -422,7 +474,6 @@ def test_the_listed_blocks_are_split_over_the_stages_and_the_step_passes_activat
 @pytest.mark.parametrize("blocks, dropout, loss, message", [
     ("FlaxGPT2Attention", 0.0, None, "found no blocks of that class called in turn"),
     (None, 0.0, None, r"calls FlaxGPT2Block at several places: .* PipelineParallel\(blocks='FlaxGPT2Block'\)"),
-    ("FlaxGPT2Block", 0.1, "dropout", "draw random numbers .dropout. compute something different in each block"),
     ("FlaxGPT2Block", 0.0, "hidden_states", "reads a block's output besides the next block"),
 ])
 def test_blocks_a_pipeline_cannot_run_are_named_before_compiling(blocks, dropout, loss, message):
@@ -457,12 +508,6 @@ class Keyed(nn.Module):
         for index in range(4):
             h = KeyedLayer()(h, jax.random.fold_in(jax.random.key(0), index))
         return nn.Dense(2)(h)
-
-
-def test_blocks_given_a_key_each_are_refused_by_name():
-    with pytest.raises(ValueError, match="differs from block to block but is not a param"):
-        px.init_state(Keyed(), optax.sgd(0.1), stacked_batches(1)[0], loss_fn=stacked_loss,
-                      strategy=px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks="KeyedLayer")))
 
 
 def test_auto_prices_the_pipelines_over_a_stack_and_only_for_a_stack():

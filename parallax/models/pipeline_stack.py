@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
-from parallax.sharding.chains import Chain, call_body, find_chains
+from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws
+from parallax.sharding.chains import Chain, call_body, find_chains, folded_constants
 
 PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
@@ -141,9 +142,10 @@ def _inner(eqn: Any) -> Any:
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Sequence[frozenset], stack: Stack,
-              bodies: Iterator[Any]) -> tuple[list[Any], list[frozenset]]:
+              bodies: Iterator[Any], draws: Draws | None = None,
+              folds: dict[int, Any] | None = None) -> tuple[list[Any], list[frozenset]]:
     """Evaluates ``jaxpr``, each stack scan run by the pipeline on the next of ``bodies``; every
-    value's kinds tracked."""
+    value's kinds tracked; inside a layer, its random draws made as one device makes them (``draws``)."""
     values: dict[Any, Any] = {}
     kind_of: dict[Any, frozenset] = {}
     for var, value in zip(jaxpr.constvars, consts):
@@ -171,7 +173,15 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
                 values[var], kind_of[var] = value, frozenset({PARAMS, BATCH})
             continue
         ins, in_kinds = [read(v) for v in eqn.invars], [kind(v) for v in eqn.invars]
-        if name == "scan" and _is_stack(eqn, in_kinds):
+        if folds and index in folds:  # this block's own key constant
+            ins = [ins[0], folds[index]]
+        if draws is not None and name == RANDOM_BITS:
+            outs, out_kinds = [draws.draw(eqn, *ins)], [frozenset().union(*in_kinds)]
+        elif draws is not None and draws.opens(eqn):
+            inner = _inner(eqn)
+            inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+            outs, out_kinds = _evaluate(inner_jaxpr, inner_consts, ins, in_kinds, stack, bodies, draws)
+        elif name == "scan" and _is_stack(eqn, in_kinds):
             outs = _run_stack(eqn, ins, in_kinds, used, stack, next(bodies))
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
         elif name in _INLINED and _holds_stack(eqn):
@@ -187,25 +197,6 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         for var, value, k in zip(eqn.outvars, outs, out_kinds):
             values[var], kind_of[var] = value, k
     return [read(v) for v in jaxpr.outvars], [kind(v) for v in jaxpr.outvars]
-
-
-def _in_context(jaxpr: Any, mesh: Any) -> Any:
-    """``jaxpr`` with the mesh its calls record (``ctx_mesh``: the mesh in context when it was
-    traced, where the stage axis was automatic) replaced by ``mesh``, the one it runs in (inside
-    the pipeline, where the stage axis is manual), in every jaxpr nested in it."""
-
-    def fix(value: Any) -> Any:
-        if isinstance(value, core.ClosedJaxpr):
-            return core.ClosedJaxpr(_in_context(value.jaxpr, mesh), value.consts)
-        if isinstance(value, core.Jaxpr):
-            return _in_context(value, mesh)
-        if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
-            return tuple(fix(v) for v in value)
-        return value
-
-    eqns = [eqn.replace(params={name: mesh if name == "ctx_mesh" and value is not None else fix(value)
-                                for name, value in eqn.params.items()}) for eqn in jaxpr.eqns]
-    return jaxpr.replace(eqns=eqns)
 
 
 def _split(eqn: Any, items: Sequence[Any]) -> tuple[list, list, list]:
@@ -240,11 +231,11 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
             "The stack's layers update state of their own (e.g. BatchNorm statistics, or a cache): a pipeline runs "
             "each layer once per microbatch, so they would not be updated as on one device. Use a normalisation "
             "without batch statistics in the blocks (LayerNorm, RMSNorm), or train without PipelineParallel.")
-    if any(k != {PARAMS} for k in xs_kinds):
+    if any(BATCH in k for k in xs_kinds):
         raise ValueError(
-            "The stack's scan steps over values that are not params as well (per-layer random keys, e.g. dropout with "
-            "split_rngs={'dropout': True}, or scanned inputs): a pipeline steps only over the blocks' params. Make "
-            "the blocks deterministic (or draw their randomness outside the stack) to pipeline them.")
+            "The stack's scan steps over values computed from the batch (a scanned input per layer): a pipeline steps "
+            "over the blocks' params and per-layer values (random keys) and splits only the carried activations into "
+            "microbatches. Pass such values as the carry, or compute them inside the blocks, to pipeline them.")
     if any(BATCH not in k for k in carry_kinds):
         raise ValueError(
             "The stack's scan carries a value that is not per example (an accumulator, e.g. an auxiliary loss summed "
@@ -257,14 +248,16 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
         raise ValueError("The stack's scan also returns an output per layer (its ys), which the model reads: a pipeline "
                          "returns only the last layer's activations. Return the activations alone to pipeline it.")
     shared = [c for i, c in enumerate(consts) if i not in per_example]
+    draws, rows_of = layer_draws(body, params["jaxpr"], min(rows), stack.microbatches)
 
     def layer(w: list, h: list, c: list, s: list) -> list:
         it_c, it_s = iter(c), iter(s)
         ordered = [next(it_c) if i in per_example else next(it_s) for i in range(len(consts))]
-        return _run_body(body, [*ordered, *h, *w], stack)[:len(h)]
+        return _run_body(body, [*ordered, *h, *w], stack, draws(c))[:len(h)]
 
-    out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example], shared, mesh=stack.mesh,
-                   axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
+    # The stack's xs: the layers' params and any other per-layer values (a random key per layer).
+    out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example] + rows_of, shared,
+                   mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
     return list(out) + [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in ys]
 
 
@@ -273,11 +266,11 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
     """A list of identical blocks called in turn, run by the pipeline with ``body`` (one call at a
     microbatch's shape) on their params stacked: the last call's outputs."""
     first, last = calls[0], calls[-1]
-    if chain.varying:
+    if any(BATCH in kind(eqn.invars[p]) or STATE in kind(eqn.invars[p]) for eqn in calls for p in chain.varying):
         raise ValueError(
-            "The blocks read a value that differs from block to block but is not a param (a random key per block, "
-            "e.g. dropout): a pipeline steps only over the blocks' params. Make the blocks deterministic "
-            "(deterministic=True, or a dropout rate of 0) to pipeline them.")
+            "The blocks read a value computed from the batch that differs from block to block (not the activations "
+            "one block passes the next): a pipeline splits only the activations into microbatches. Compute it inside "
+            "the blocks, or pass it on as the activations, to pipeline them.")
     for eqn in calls[:-1]:
         if any(uses.get(v, 0) != 1 for v in (eqn.outvars[q] for q in chain.carry_out)):
             raise ValueError(
@@ -298,21 +291,29 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
             "statistics (LayerNorm, RMSNorm), or train without PipelineParallel.")
     if any(BATCH not in kinds[p] for p in chain.carry):
         raise ValueError("The blocks pass on a value that is not per example: a pipeline passes only the activations.")
-    weights = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in chain.weights]
-    rest = [p for p in range(len(operands)) if p not in chain.weights and p not in chain.carry]
+    # Stepped over: each block's params and any other value that differs per block (a random key, the
+    # constants a linen block folds into its keys).
+    stepped = (*chain.weights, *chain.varying)
+    weights = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in stepped]
+    if chain.folded:
+        weights.append(jax.numpy.asarray([[folded_constants(call_body(eqn)[0])[i] for i in chain.folded]
+                                          for eqn in calls], jax.numpy.uint32))
+    rest = [p for p in range(len(operands)) if p not in stepped and p not in chain.carry]
     rows = {int(operands[p].shape[0]) for p in chain.carry}
     per_example = _per_example(rest, operands, kinds, body, rows, "The blocks")
     shared = [p for p in rest if p not in per_example]
+    draws, rows_of = layer_draws(body, core.ClosedJaxpr(*call_body(first)), min(rows), stack.microbatches)
 
     def layer(w: list, h: list, c: list, s: list) -> list:
         ordered = list(operands)
-        for positions, given in ((chain.weights, w), (chain.carry, h), (per_example, c), (shared, s)):
+        for positions, given in ((stepped, w), (chain.carry, h), (per_example, c), (shared, s)):
             for p, value in zip(positions, given):
                 ordered[p] = value
-        outs = _run_body(body, ordered, stack)
+        folds = dict(zip(chain.folded, w[-1])) if chain.folded else {}
+        outs = _run_body(body, ordered, stack, draws(c), folds)
         return [outs[q] for q in chain.carry_out]
 
-    out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example],
+    out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example] + rows_of,
                    [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,
                    repeats=stack.repeats)
     results = [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in last.outvars]
@@ -321,11 +322,13 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
     return results
 
 
-def _run_body(body: Any, operands: Sequence[Any], stack: Stack) -> list[Any]:
+def _run_body(body: Any, operands: Sequence[Any], stack: Stack, draws: Draws | None = None,
+              folds: dict[int, Any] | None = None) -> list[Any]:
     """``body`` (one layer, traced at a microbatch's shape) on ``operands``, bound in the context it
-    runs in: inside the pipeline, where the stage axis is manual."""
-    here = _in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
-    return _evaluate(here, body.consts, operands, [frozenset()] * len(operands), stack, iter(()))[0]
+    runs in: inside the pipeline, where the stage axis is manual; its draws made by ``draws``, and
+    its equations in ``folds`` folding that value into their key instead of their constant."""
+    here = in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
+    return _evaluate(here, body.consts, operands, [frozenset()] * len(operands), stack, iter(()), draws, folds)[0]
 
 
 def _per_example(positions: Sequence[int], values: Sequence[Any], kinds: Sequence[frozenset], body: Any,

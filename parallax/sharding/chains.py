@@ -30,8 +30,10 @@ class Chain:
         weights: the operand positions holding a call's own params (a layer).
         carry: the operand positions holding the activations.
         carry_out: the output positions that become the next call's ``carry``, in its order.
-        varying: operand positions that differ from call to call but are not params (per-block
-            random keys: what a pipeline cannot step over).
+        varying: operand positions that differ from call to call but are not params (a random key
+            given to each block).
+        folded: the equations of the body whose key constant differs from call to call (a linen
+            module folds its path into the random keys it makes): a value per block, like ``varying``.
     """
 
     calls: tuple[int, ...]
@@ -39,6 +41,7 @@ class Chain:
     carry: tuple[int, ...]
     carry_out: tuple[int, ...]
     varying: tuple[int, ...] = ()
+    folded: tuple[int, ...] = ()
 
 
 def find_chains(jaxpr: Any, is_param: Callable[[Any], bool], consts: Sequence[Any] = ()) -> list[Chain]:
@@ -52,7 +55,7 @@ def find_chains(jaxpr: Any, is_param: Callable[[Any], bool], consts: Sequence[An
     eqns = jaxpr.eqns
     calls = [i for i, eqn in enumerate(eqns) if eqn.primitive.name in REMAT]
     same = _Recomputed(jaxpr, consts)
-    text = {i: str(eqns[i].params["jaxpr"]) for i in calls}
+    text = {i: _text(eqns[i].params["jaxpr"]) for i in calls}
     chains, taken = [], set()
     for start in calls:
         if start in taken:
@@ -68,9 +71,29 @@ def find_chains(jaxpr: Any, is_param: Callable[[Any], bool], consts: Sequence[An
             link, members = found, members + [following]
         if len(members) > 1:
             carry, carry_out, weights, varying = link
-            chains.append(Chain(tuple(members), weights, carry, carry_out, varying))
+            constants = [folded_constants(eqns[i].params["jaxpr"]) for i in members]
+            folded = tuple(i for i in constants[0] if len({c[i] for c in constants}) > 1)
+            chains.append(Chain(tuple(members), weights, carry, carry_out, varying, folded))
             taken.update(members)
     return chains
+
+
+def folded_constants(body: Any) -> dict[int, int]:
+    """The constants ``body`` folds into random keys (``random_fold_in`` of a literal), by equation:
+    a linen module folds the hash of its path into each key it makes, so blocks alike but for their
+    place in the model differ there alone."""
+    body = getattr(body, "jaxpr", body)
+    return {i: int(eqn.invars[1].val) for i, eqn in enumerate(body.eqns)
+            if eqn.primitive.name == "random_fold_in" and isinstance(eqn.invars[1], core.Literal)}
+
+
+def _text(body: Any) -> str:
+    """``body`` printed with its folded key constants left out: what two calls of one block share."""
+    body = getattr(body, "jaxpr", body)
+    folded = folded_constants(body)
+    eqns = [eqn.replace(invars=[eqn.invars[0], core.Literal(np.uint32(0), eqn.invars[1].aval)]) if i in folded else eqn
+            for i, eqn in enumerate(body.eqns)]
+    return str(body.replace(eqns=eqns))
 
 
 def _link(before: Any, after: Any, is_param: Callable[[Any], bool], same: "_Recomputed") -> tuple | None:

@@ -137,10 +137,8 @@ class PipelineParallel(Strategy):
                 raise ValueError(
                     f"PipelineParallel(blocks={name!r}) found no blocks of that class called in turn in the model: no two "
                     f"calls of {name} that compute the same thing on their own params, each on the activations the one "
-                    "before returned. Blocks that draw random numbers (dropout) compute something different in each "
-                    "block: make them deterministic (deterministic=True, or a dropout rate of 0) to pipeline them. "
-                    "Else name the class of the model's repeated block, or leave blocks=None for a model that stacks "
-                    "its blocks.")
+                    "before returned. Name the class of the model's repeated block, or leave blocks=None for a "
+                    "model that stacks its blocks.")
             return dataclasses.replace(self, chained=dict.fromkeys(chained))
         scanned = computation.scanned_dims()
         if not scanned:
