@@ -268,7 +268,8 @@ def dropout_loss(model, batch):
 
 
 DROPOUT = {  # blocks that draw random numbers: every mask is one device's
-    "stack-key-per-layer-pp4-adamw": lambda: (StackOf(DroppingBlock), optax.adamw(1e-2), PIPELINES["pp4"]()),
+    "stack-remat-key-per-layer-pp4-adamw": lambda: (StackOf(nn.remat(DroppingBlock)), optax.adamw(1e-2),
+                                                    PIPELINES["pp4"]()),  # the draws inside the block's checkpoint
     "stack-one-key-circular-sgd": lambda: (StackOf(DroppingBlock, split_dropout=False), optax.sgd(0.1),
                                            px.combine(px.DataParallel(4), px.PipelineParallel(
                                                2, schedule="circular", repeats=2, microbatches=2))),
@@ -281,9 +282,9 @@ DROPOUT = {  # blocks that draw random numbers: every mask is one device's
 
 @pytest.mark.parametrize("case", list(DROPOUT))
 def test_blocks_that_draw_random_numbers_train_like_one_device_with_its_masks(case):
-    """Dropout in a linen nn.scan (a key per layer, or one key every layer draws from), blocks given
-    a key each, and an unmodified Hugging Face GPT-2 with its dropout on: against a plain
-    one-device optax loop, so every mask is the one a device drawing for the whole batch draws."""
+    """Dropout in a linen nn.scan (a key per layer, in nn.remat blocks; or one key every layer
+    draws from), blocks given a key each, and an unmodified Hugging Face GPT-2 with its dropout
+    on: against a plain one-device optax loop, so every mask is the one device's."""
     from tests import third_party
 
     model, tx, strategy = DROPOUT[case]()

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws
-from parallax.sharding.chains import Chain, call_body, find_chains, folded_constants
+from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants
 
 PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
@@ -177,10 +177,14 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
             ins = [ins[0], folds[index]]
         if draws is not None and name == RANDOM_BITS:
             outs, out_kinds = [draws.draw(eqn, *ins)], [frozenset().union(*in_kinds)]
-        elif draws is not None and draws.opens(eqn):
-            inner = _inner(eqn)
+        elif draws is not None and draws.opens(eqn):  # a call holding a per-example draw, run here (a
+            inner = _inner(eqn)                          # jax.checkpoint kept, with its policy)
             inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
-            outs, out_kinds = _evaluate(inner_jaxpr, inner_consts, ins, in_kinds, stack, bodies, draws)
+            opened = lambda *a: _evaluate(inner_jaxpr, inner_consts, a, in_kinds, stack, bodies, draws)[0]  # noqa: E731
+            if name in REMAT:
+                opened = jax.checkpoint(opened, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+            outs = opened(*ins)
+            out_kinds = [frozenset().union(*in_kinds)] * len(outs)
         elif name == "scan" and _is_stack(eqn, in_kinds):
             outs = _run_stack(eqn, ins, in_kinds, used, stack, next(bodies))
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
