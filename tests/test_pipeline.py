@@ -189,6 +189,25 @@ def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name
     assert report.mode == "jit" and report.max_diff <= 1e-5, report
 
 
+def test_the_pipeline_iterations_keep_what_the_remat_policy_keeps_and_train_like_one_device():
+    """Each iteration keeps its input and, with ``remat=("Block", dots_saveable)``, the matmuls'
+    outputs: the step then has no more matmuls than with no ``remat`` at all (where the iterations
+    ignored the policy, the backward pass recomputed the matmuls the blocks kept: 13 against 11),
+    and the training is one device's."""
+    strategy, batch = PIPELINES["pp2-fsdp4"](), stacked_batches(1)[0]
+    dots = {}
+    for remat in ((), ("Block", jax.checkpoint_policies.dots_saveable)):
+        options = px.StepOptions(remat=remat)
+        state = px.init_state(Stacked(8), optax.sgd(0.1), batch, strategy=strategy, loss_fn=stacked_loss,
+                              options=options)
+        text = px.make_train_step(stacked_loss, strategy, options).lower(state, batch).compile().as_text()
+        dots[remat] = text.count(" dot(")
+    assert dots[("Block", jax.checkpoint_policies.dots_saveable)] <= dots[()], dots
+    report = px.testing.assert_equivalent(Stacked(8), optax.sgd(0.1), stacked_loss, stacked_batches(2), strategy,
+                                          remat=("Block", jax.checkpoint_policies.dots_saveable))
+    assert report.mode == "jit" and report.max_diff <= 1e-5, report
+
+
 def test_each_stage_holds_its_layers_and_the_step_passes_activations_between_stages():
     strategy = px.Trainer(Stacked(8), optax.adam(1e-2), stacked_loss, strategy="pp2+fsdp").strategy  # by short name
     assert strategy == px.combine(px.PipelineParallel(2), px.FSDP())

@@ -14,7 +14,7 @@ so nothing it computes reaches the results or the gradients.
 
 Gradients are autodiff's: the transpose of a ``ppermute`` is the ``ppermute`` back, so the
 backward pass runs the schedule in reverse. Each iteration is rematerialised, keeping only the
-stage's input (``policy`` overrides).
+stage's input (and what a ``policy`` keeps besides).
 
 Example:
     >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("stage",))
@@ -59,8 +59,9 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
         axis: the stage axis (``S`` devices).
         microbatches: ``M``; divides ``B``; with ``repeats > 1`` at least ``S``.
         repeats: ``R``: each stage holds ``R`` non-adjacent groups of layers (circular).
-        policy: what each iteration keeps for the backward pass (a ``jax.checkpoint`` policy);
-            by default only the stage's input.
+        policy: what each iteration keeps for the backward pass besides the stage's input (a
+            ``jax.checkpoint`` policy, e.g. ``dots_saveable``: the matmuls' outputs, not
+            recomputed); by default the stage's input alone.
 
     Returns:
         The activations after layer ``N-1``, laid out as ``inputs``.
@@ -108,6 +109,14 @@ def _swap_leading(w: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return jnp.swapaxes(grouped, 0, 1).reshape(w.shape)
 
 
+def _keeping(policy: Any) -> Any:
+    """The iteration's checkpoint policy: its input kept, and what ``policy`` keeps (or offloads)."""
+    inputs = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
+    if policy is None:
+        return inputs
+    return lambda prim, *args, **params: inputs(prim, *args, **params) or policy(prim, *args, **params)
+
+
 def _keep(valid: jax.Array, value: Any) -> Any:
     """``value`` where ``valid``; in a bubble the same values with no gradient path."""
     return jax.tree.map(lambda a: jnp.where(valid, a, jax.lax.stop_gradient(a)), value)
@@ -145,8 +154,7 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
             out = jax.lax.scan(lambda hh, wl: (body(wl, hh, c, s), None), h, w)[0]
             return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), out
 
-        keep = policy if policy is not None else jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
-        iteration = jax.checkpoint(iteration, prevent_cse=False, policy=keep)
+        iteration = jax.checkpoint(iteration, prevent_cse=False, policy=_keeping(policy))
         first = jax.tree.map(lambda x: jnp.zeros_like(x[0]), inputs)
         stored = jax.tree.map(jnp.zeros_like, inputs) if R > 1 else None
         _, outputs = jax.lax.scan(iteration, (first, stored), jnp.arange(iterations))

@@ -45,16 +45,17 @@ class Stack:
     axis: str
     microbatches: int
     repeats: int = 1
+    policy: Any = None  # what each iteration keeps besides its input (a jax.checkpoint policy)
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
-              params_argnum: int = 0, batch_argnums: Sequence[int] = (1,),
+              policy: Any = None, params_argnum: int = 0, batch_argnums: Sequence[int] = (1,),
               state_argnums: Sequence[int] = ()) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
         fn: the function (a model's forward pass, a loss).
-        mesh, axis, repeats: as :func:`parallax.models.pipeline.pipeline` takes them.
+        mesh, axis, repeats, policy: as :func:`parallax.models.pipeline.pipeline` takes them.
         microbatches: the microbatch count, or a function of the batch's rows that gives it.
         params_argnum: the argument holding the params.
         batch_argnums: the arguments holding the batch (every leaf with the batch on its leading dim).
@@ -79,7 +80,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         if len(rows) != 1 or min(rows) % count:
             raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
-        stack = Stack(mesh, axis, count, repeats)
+        stack = Stack(mesh, axis, count, repeats, policy)
         # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
         # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
         def shape_of(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
@@ -261,7 +262,8 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
 
     # The stack's xs: the layers' params and any other per-layer values (a random key per layer).
     out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example] + rows_of, shared,
-                   mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats)
+                   mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats,
+                   policy=stack.policy)
     return list(out) + [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in ys]
 
 
@@ -319,7 +321,7 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
 
     out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example] + rows_of,
                    [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,
-                   repeats=stack.repeats)
+                   repeats=stack.repeats, policy=stack.policy)
     results = [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in last.outvars]
     for q, value in zip(chain.carry_out, out):
         results[q] = value

@@ -32,7 +32,7 @@ def jit_loss(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str],
     it, and the transpose (a reduce-scatter) brings its gradient back to the shard.
     """
     closure = with_run_changes(loss_closure(adapter, loss_fn, rng_streams, with_blocks_marked(run, strategy)),
-                               strategy, mesh)
+                               strategy, mesh, run.remat)
     if not (is_explicit(mesh) and strategy.fsdp_axes and param_specs is not None):
         return closure
     fsdp = set(strategy.fsdp_axes)

@@ -18,16 +18,19 @@ from jax.sharding import Mesh
 from parallax.models import ModelRun
 from parallax.models.blocks import repeated_blocks
 from parallax.models.pipeline_stack import pipelined
+from parallax.models.remat_policy import remat_parts
 from parallax.sharding.pipeline import PipelineRun
 from parallax.sharding.strategy import Strategy
 
 
-def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh) -> Callable:
-    """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out."""
+def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tuple = ()) -> Callable:
+    """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
+    pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs."""
+    policy = remat_parts(remat)[1]
     for change in strategy.run_changes:
         if isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
-            loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats,
+            loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
                              microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
                              params_argnum=0, batch_argnums=(2,), state_argnums=(1,))
         else:
