@@ -8,7 +8,9 @@ deep MLP stack (the stack dominates the step) under ``DataParallel(2) × Pipelin
 8 simulated devices, for several microbatch counts ``M`` (GPipe) and with ``repeats=2``
 (circular), times the compiled steps in interleaved rounds, and prints each configuration's step
 time relative to the one with the most microbatches against the same ratio of the predicted
-factors: measured ÷ predicted, goal within 10%.
+factors: measured ÷ predicted, goal within 10%. ``--models lm`` runs the benchmark LM instead
+(``benchmarks/models.py``'s ``TransformerLM``, 8 blocks kept in a list, pipelined with
+``blocks="Block"``): results in ``pipeline_bubble_lm.{md,json}``.
 """
 
 from benchmarks import side_runner_args
@@ -27,7 +29,8 @@ def main() -> None:
     import parallax as px
     from benchmarks import report, time_interleaved
 
-    width, layers, rows = (64, 8, 64) if args.smoke else (512, 8, 512)
+    lm = args.models == "lm"
+    width, layers, rows = (64, 8, 64) if args.smoke else ((128, 8, 64) if lm else (512, 8, 512))
 
     class Block(nn.Module):
         @nn.compact
@@ -45,6 +48,18 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(rows, width)).astype(np.float32), "y": rng.normal(size=(rows, width)).astype(np.float32)}
+    make, blocks, what = Deep, None, f"Deep MLP stack ({layers} blocks of width {width}, {rows} rows)"
+    if lm:  # the benchmark LM: its blocks in a list, named for the pipeline
+        from benchmarks.models import TransformerLM
+
+        sequence = 32
+        make, blocks = (lambda: TransformerLM(vocab=256, features=width, layers=layers, heads=4)), "Block"
+        what = f"Benchmark LM ({layers} blocks in a list of width {width}, {rows} rows of {sequence} tokens)"
+        batch = {"tokens": rng.integers(0, 256, size=(rows, sequence + 1)).astype(np.int32)}
+
+        def loss_fn(model, batch):  # noqa: F811 (the LM's next-token loss)
+            logits = model(batch["tokens"][:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
 
     class Runner:
         def __init__(self, schedule: str, repeats: int, microbatches: int):
@@ -52,8 +67,8 @@ def main() -> None:
             self.factor = (repeats * microbatches + 3) / (repeats * microbatches)  # S = 4
             self.schedule, self.repeats, self.microbatches = schedule, repeats, microbatches
             strategy = px.combine(px.DataParallel(2), px.PipelineParallel(4, microbatches=microbatches, schedule=schedule,
-                                                                          repeats=repeats))
-            self.state = px.init_state(Deep(), optax.sgd(1e-3), batch, strategy=strategy, loss_fn=loss_fn)
+                                                                          repeats=repeats, blocks=blocks))
+            self.state = px.init_state(make(), optax.sgd(1e-3), batch, strategy=strategy, loss_fn=loss_fn)
             self.step = px.make_train_step(loss_fn, strategy, compile="jit")
             mesh = strategy.make_mesh()
             self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
@@ -93,7 +108,7 @@ def main() -> None:
         row["fitted_s"], row["measured_over_fitted"] = float(fitted), row["step_s"] / float(fitted)
 
     def markdown(results, meta):
-        lines = [f"Deep MLP stack ({layers} blocks of width {width}, {rows} rows), DataParallel(2) × PipelineParallel(4), "
+        lines = [f"{what}, DataParallel(2) × PipelineParallel(4), "
                  f"{meta['rounds']} interleaved rounds; ratios against GPipe M=16.", "",
                  "| configuration | iterations | step s (median) | measured ratio, median (min–max) | predicted | "
                  "measured ÷ predicted | measured ÷ fitted |", "| --- " * 7 + "|"]
@@ -106,7 +121,7 @@ def main() -> None:
                       f"{1e3 * meta['per_pass_s']:.1f} ms per pass of the whole batch through a stage's layers."]
         return "\n".join(lines) + "\n"
 
-    report(args, "pipeline_bubble", results, markdown, width=width, layers=layers, rows=rows,
+    report(args, "pipeline_bubble_lm" if lm else "pipeline_bubble", results, markdown, model=args.models, width=width, layers=layers, rows=rows,
            per_iteration_s=float(per_iteration), per_pass_s=float(per_pass))
 
 

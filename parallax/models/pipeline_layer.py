@@ -31,10 +31,12 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from jax.extend import core
 
+from parallax.sharding.chains import REMAT
+
 RANDOM_BITS = "random_bits"
-# Calls opened to reach a draw inside them (``remat2`` is jax.checkpoint: the pipeline already
-# rematerialises each iteration); a draw inside any other (a custom derivative, a loop) is refused.
-OPENED = ("jit", "pjit", "closed_call", "core_call", "remat2")
+# Calls opened to reach a draw inside them (a jax.checkpoint stays one, with its policy); a draw
+# inside any other (a custom derivative, a loop, a branch) is refused.
+OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
 
 
 def in_context(jaxpr: Any, mesh: Any) -> Any:
@@ -104,7 +106,6 @@ class Draws:
     def __init__(self, per_example: Sequence[bool], rows: jax.Array, batch: int):
         self._flags: Iterator[bool] = iter(per_example)
         self.rows, self.batch = rows, batch
-        self.any = any(per_example)
 
     def holds(self, eqn: Any) -> bool:
         """Whether ``eqn`` is, or holds, a draw."""

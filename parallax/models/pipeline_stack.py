@@ -146,7 +146,8 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
               bodies: Iterator[Any], draws: Draws | None = None,
               folds: dict[int, Any] | None = None) -> tuple[list[Any], list[frozenset]]:
     """Evaluates ``jaxpr``, each stack scan run by the pipeline on the next of ``bodies``; every
-    value's kinds tracked; inside a layer, its random draws made as one device makes them (``draws``)."""
+    value's kinds tracked; inside a layer, its random draws made as one device makes them (``draws``)
+    and the equations in ``folds`` folding that value into their key instead of their constant."""
     values: dict[Any, Any] = {}
     kind_of: dict[Any, frozenset] = {}
     for var, value in zip(jaxpr.constvars, consts):
