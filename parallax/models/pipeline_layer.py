@@ -5,13 +5,12 @@ automatic: :func:`in_context` rebinds the calls it records to the mesh it runs i
 draws are made as one device makes them (:class:`Draws`).
 
 A layer that draws random numbers per example (dropout) draws, on one device, the bits of the
-whole batch from its key: ``random_bits(key, shape=(B, ...))``, where each row's bits depend on
-the key and the row's place in the batch (``jax_threefry_partitionable``, which a data-parallel
-step relies on too). The pipeline runs the layer on a microbatch, traced at its shape: the same
-key would draw ``(mb, ...)`` bits, other numbers than one device's. So the pipeline hands the
+whole batch from its key: ``random_bits(key, shape=(B, ...))``. The pipeline runs the layer on
+a microbatch, traced at its shape: the same key would draw ``(mb, ...)`` bits, other numbers
+than one device's. So the pipeline hands the
 layer its rows' indices in the batch, and :class:`Draws` makes each such draw at the batch's
-shape and takes the microbatch's rows from it: every mask is one device's, at the cost of
-drawing the batch's bits once per microbatch. A draw whose shape does not depend on the batch
+shape and takes the microbatch's rows from it: every mask is one device's (whatever the PRNG
+implementation), at the cost of drawing the batch's bits once per microbatch. A draw whose shape does not depend on the batch
 (one number per layer) is made as it is.
 
 Example:
