@@ -292,6 +292,8 @@ DROPOUT = {  # blocks that draw random numbers: every mask is one device's
     "stack-one-key-circular-sgd": lambda: (StackOf(DroppingBlock, split_dropout=False), optax.sgd(0.1),
                                            px.combine(px.DataParallel(4), px.PipelineParallel(
                                                2, schedule="circular", repeats=2, microbatches=2))),
+    "nnx-scan-streams-dp4-pp2-sgd": lambda: (lambda: NnxDroppingStack(nnx.Rngs(0, dropout=1)), optax.sgd(0.1),
+                                             PIPELINES["dp4-pp2"]()),
     "list-key-each-pp2-fsdp4-sgd": lambda: (Keyed(), optax.sgd(0.1), px.combine(
         px.PipelineParallel(2, blocks="KeyedLayer"), px.FSDP(4, min_weight_size=0))),
     "gpt2-dropout-dp4-pp2-adamw": lambda: (hugging_face("gpt2", dropout=0.1)[0], optax.adamw(1e-2), px.combine(
@@ -304,8 +306,9 @@ DROPOUT = {  # blocks that draw random numbers: every mask is one device's
         "pipelined, each AdamW)")) if case.startswith("gpt2") else case for case in DROPOUT])
 def test_blocks_that_draw_random_numbers_train_like_one_device_with_its_masks(case):
     """Dropout in a linen nn.scan (a key per layer, in nn.remat blocks; or one key every layer
-    draws from), blocks given a key each, and an unmodified Hugging Face GPT-2 with its dropout
-    on: against a plain one-device optax loop, so every mask is the one device's."""
+    draws from), in an NNX nnx.scan whose blocks hold their own RNG streams, blocks given a key
+    each, and an unmodified Hugging Face GPT-2 with its dropout on: against a plain one-device
+    optax loop, so every mask is the one device's."""
     from tests import third_party
 
     model, tx, strategy = DROPOUT[case]()
@@ -357,6 +360,35 @@ class NnxStacked(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(rngs):
             return NnxBlock(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return self.head(run(self.embed(x), self.blocks))
+
+
+class NnxDroppingBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin, self.drop = nnx.Linear(W_NNX, W_NNX, rngs=rngs), nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.drop(self.lin(h))
+
+
+class NnxDroppingStack(nnx.Module):
+    """Blocks with dropout holding their own RNG streams, split per block (nnx.split_rngs + nnx.vmap)."""
+
+    def __init__(self, rngs):
+        self.embed, self.head = nnx.Linear(3, W_NNX, rngs=rngs), nnx.Linear(W_NNX, 2, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NnxDroppingBlock(rngs)
 
         self.blocks = make(rngs)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import zlib
 from typing import Any, Callable, Mapping, Sequence
 
@@ -240,7 +241,11 @@ def _reseed(module: nnx.Module, rngs: Mapping[str, Any]) -> list[tuple[Any, Any,
         if base is None and first is not None:  # a stream not named in rng_streams: its own fold of the first
             base = jax.random.fold_in(first, zlib.crc32(stream.tag.encode()) % 2**31)
         if base is not None:
-            stream.key.set_value(jax.random.wrap_key_data(base, impl=jax.random.key_impl(stream.key.get_value())))
+            own = stream.key.get_value()
+            key = jax.random.wrap_key_data(base, impl=jax.random.key_impl(own))
+            if own.shape:  # a stream of stacked blocks (nnx.split_rngs + nnx.vmap): a key each, as split_rngs splits
+                key = jax.random.split(key, math.prod(own.shape)).reshape(own.shape)
+            stream.key.set_value(key)
             stream.count.set_value(jax.numpy.zeros_like(stream.count.get_value()))
     return saved
 
