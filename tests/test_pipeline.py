@@ -292,8 +292,8 @@ DROPOUT = {  # blocks that draw random numbers: every mask is one device's
     "stack-one-key-circular-sgd": lambda: (StackOf(DroppingBlock, split_dropout=False), optax.sgd(0.1),
                                            px.combine(px.DataParallel(4), px.PipelineParallel(
                                                2, schedule="circular", repeats=2, microbatches=2))),
-    "nnx-scan-streams-dp4-pp2-sgd": lambda: (lambda: NnxDroppingStack(nnx.Rngs(0, dropout=1)), optax.sgd(0.1),
-                                             PIPELINES["dp4-pp2"]()),
+    "nnx-scan-streams-dp4-pp2-sgd": lambda: (lambda: NnxStacked(4, nnx.Rngs(0, dropout=1), NnxDroppingBlock),
+                                             optax.sgd(0.1), PIPELINES["dp4-pp2"]()),
     "list-key-each-pp2-fsdp4-sgd": lambda: (Keyed(), optax.sgd(0.1), px.combine(
         px.PipelineParallel(2, blocks="KeyedLayer"), px.FSDP(4, min_weight_size=0))),
     "gpt2-dropout-dp4-pp2-adamw": lambda: (hugging_face("gpt2", dropout=0.1)[0], optax.adamw(1e-2), px.combine(
@@ -351,15 +351,16 @@ class NnxBlock(nnx.Module):
 
 
 class NnxStacked(nnx.Module):
-    """Blocks made with nnx.vmap and run with nnx.scan, as flax's docs stack them."""
+    """Blocks made with nnx.vmap and run with nnx.scan, as flax's docs stack them (each ``block``'s
+    RNG streams, if it holds any, split per block)."""
 
-    def __init__(self, layers, rngs):
+    def __init__(self, layers, rngs, block=NnxBlock):
         self.embed, self.head = nnx.Linear(3, W_NNX, rngs=rngs), nnx.Linear(W_NNX, 2, rngs=rngs)
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(rngs):
-            return NnxBlock(rngs)
+            return block(rngs)
 
         self.blocks = make(rngs)
 
@@ -372,32 +373,13 @@ class NnxStacked(nnx.Module):
 
 
 class NnxDroppingBlock(nnx.Module):
+    """A block with dropout holding its own RNG stream (stacked: one per block, nnx.split_rngs)."""
+
     def __init__(self, rngs):
         self.lin, self.drop = nnx.Linear(W_NNX, W_NNX, rngs=rngs), nnx.Dropout(0.2, rngs=rngs)
 
     def __call__(self, h):
         return h + self.drop(self.lin(h))
-
-
-class NnxDroppingStack(nnx.Module):
-    """Blocks with dropout holding their own RNG streams, split per block (nnx.split_rngs + nnx.vmap)."""
-
-    def __init__(self, rngs):
-        self.embed, self.head = nnx.Linear(3, W_NNX, rngs=rngs), nnx.Linear(W_NNX, 2, rngs=rngs)
-
-        @nnx.split_rngs(splits=4)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return NnxDroppingBlock(rngs)
-
-        self.blocks = make(rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(h, block):
-            return block(h)
-
-        return self.head(run(self.embed(x), self.blocks))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

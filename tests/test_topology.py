@@ -23,7 +23,7 @@ from parallax.pricing.cost import calibrate, estimate
 from parallax.sharding.mesh import build_mesh
 from parallax.sharding.topology import crossing_axes, hosts_of
 from parallax.state.search import abstract_batch, resolve
-from tests.models import MLP, batches, classifier_loss
+from tests.models import MLP, StackedMLP, batches, classifier_loss
 
 TWO_HOSTS = px.Topology(hosts=2, devices_per_host=4)
 PARTS = {"dp": lambda n: px.DataParallel(n), "fsdp": lambda n: px.FSDP(n, min_weight_size=0, split="largest"),
@@ -227,20 +227,7 @@ def test_the_plan_plans_a_cluster_of_more_hosts_and_devices_than_this_process_ha
     assert links["seconds"] == pytest.approx(links["inside"] / 1e12 + links["across"] / 1e10)
 
 
-class StackLayer(nn.Module):
-    @nn.compact
-    def __call__(self, h, _):
-        return h + nn.Dense(256)(nn.relu(nn.Dense(256)(h))), None
-
-
-class DeepStack(nn.Module):
-    """Eight layers in a linen ``nn.scan``: 1 M params against a batch of 16 rows of 256 activations."""
-
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        h = nn.Dense(256)(x)
-        h, _ = nn.scan(StackLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=8)()(h, None)
-        return nn.Dense(10)(h)
+DEEP = StackedMLP(hidden=256, layers=8)  # eight blocks of 2 x 256 x 512 weights in a linen nn.scan (2 M params)
 
 
 def test_auto_over_hosts_with_a_slow_link_pipelines_a_stack_across_them():
@@ -249,7 +236,7 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_stack_across_them():
     batch, slow = batches("mlp", 1, 16)[0], px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
     fsdp = lambda n: px.FSDP(n, min_weight_size=0, split="largest")  # noqa: E731
     among = [fsdp(8), px.combine(px.DataParallel(2), fsdp(4)), px.combine(px.PipelineParallel(2), fsdp(4))]
-    found = resolve(DeepStack(), optax.adamw(1e-3), batch, "auto", loss_fn=classifier_loss, among=among, topology=slow,
+    found = resolve(DEEP, optax.adamw(1e-3), batch, "auto", loss_fn=classifier_loss, among=among, topology=slow,
                     options=px.StepOptions(timed_candidates=0))
     assert found.choice.picked == "PipelineParallel(stage=2) × FSDP(fsdp=4), jit", found.choice.describe()
     assert crossing_axes(found.mesh, slow) == ("stage",)
@@ -258,8 +245,8 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_stack_across_them():
     assert across["collective-permute"].bytes > 0  # the activations between the stages
     # What else crosses is the params outside the stack (their gradients summed over the stages), never the stack's
     # 8 x 2 x 256 x 256 weights' gathers or reductions.
-    state = px.init_state(DeepStack(), optax.adamw(1e-3), batch, strategy=found.strategy, mesh=found.mesh,
+    state = px.init_state(DEEP, optax.adamw(1e-3), batch, strategy=found.strategy, mesh=found.mesh,
                           loss_fn=classifier_loss)
-    outside = sum(leaf.nbytes for name, part in state.params.items() if "Scan" not in name for leaf in jax.tree.leaves(part))
+    outside = sum(leaf.nbytes for name, part in state.params.items() if name != "blocks" for leaf in jax.tree.leaves(part))
     others = sum(stat.bytes for kind, stat in across.items() if kind != "collective-permute")
     assert 0 < others <= outside < sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)) // 100, (others, outside)
