@@ -119,8 +119,8 @@ def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset],
             found.append(eqn.params["jaxpr"])
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
         elif eqn.primitive.name in _INLINED and _holds_stack(eqn):
-            inner = _inner(eqn)
-            inner_found, out_kinds = _stack_bodies(getattr(inner, "jaxpr", inner), in_kinds, getattr(inner, "consts", ()))
+            inner_jaxpr, inner_consts = call_body(eqn)
+            inner_found, out_kinds = _stack_bodies(inner_jaxpr, in_kinds, inner_consts)
             found += inner_found
         else:
             out_kinds = [frozenset().union(*in_kinds)] * len(eqn.outvars)
@@ -136,10 +136,6 @@ def _chains(jaxpr: Any, kinds: Sequence[frozenset], consts: Sequence[Any]) -> li
         union = frozenset().union(*(kind_of.get(v, frozenset()) for v in eqn.invars if not isinstance(v, core.Literal)))
         kind_of.update((v, union) for v in eqn.outvars)
     return find_chains(jaxpr, lambda v: kind_of.get(v) == {PARAMS}, consts)
-
-
-def _inner(eqn: Any) -> Any:
-    return eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Sequence[frozenset], stack: Stack,
@@ -180,8 +176,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         if draws is not None and name == RANDOM_BITS:
             outs, out_kinds = [draws.draw(eqn, *ins)], [frozenset().union(*in_kinds)]
         elif draws is not None and draws.opens(eqn):  # a call holding a per-example draw, run here (a
-            inner = _inner(eqn)                          # jax.checkpoint kept, with its policy)
-            inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+            inner_jaxpr, inner_consts = call_body(eqn)  # jax.checkpoint kept, with its policy)
             opened = lambda *a: _evaluate(inner_jaxpr, inner_consts, a, in_kinds, stack, bodies, draws)[0]  # noqa: E731
             if name in REMAT:
                 opened = jax.checkpoint(opened, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
@@ -191,9 +186,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
             outs = _run_stack(eqn, ins, in_kinds, used, stack, next(bodies))
             out_kinds = [frozenset({PARAMS, BATCH})] * len(eqn.outvars)
         elif name in _INLINED and _holds_stack(eqn):
-            inner = _inner(eqn)
-            inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
-            outs, out_kinds = _evaluate(inner_jaxpr, inner_consts, ins, in_kinds, stack, bodies)
+            outs, out_kinds = _evaluate(*call_body(eqn), ins, in_kinds, stack, bodies)
         else:
             # Bound in the context it runs in (not the one recorded at tracing: inside the pipeline's
             # shard_map the stage axis is manual, where the layer was traced with it automatic).
@@ -217,8 +210,7 @@ def _is_stack(eqn: Any, in_kinds: Sequence[frozenset]) -> bool:
 
 
 def _holds_stack(eqn: Any) -> bool:
-    inner = _inner(eqn)
-    inner = getattr(inner, "jaxpr", inner)
+    inner = call_body(eqn)[0]
     return inner is not None and any(e.primitive.name in ("scan", *_INLINED) for e in inner.eqns)
 
 

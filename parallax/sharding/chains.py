@@ -181,7 +181,8 @@ def chained_params(jaxpr: Any, param_count: int, consts: Sequence[Any] = ()) -> 
 
 
 def call_body(eqn: Any) -> Any:
-    """A call's body as a ``ClosedJaxpr``-like pair: ``(jaxpr, consts)``."""
-    body = eqn.params["jaxpr"]
+    """A call's body as a ``ClosedJaxpr``-like pair: ``(jaxpr, consts)`` (``(None, ())`` for an
+    equation that calls nothing)."""
+    body = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
     return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
 
