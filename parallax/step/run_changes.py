@@ -3,9 +3,11 @@
 A part that only places arrays leaves the loss as it is. A part with a ``run_change``
 (:attr:`parallax.sharding.strategy.Strategy.run_changes`) changes how the model computes it: a
 :class:`~parallax.sharding.pipeline.PipelineRun` runs the model's stack of blocks as a pipeline
-over its axis (:mod:`parallax.models.pipeline_stack`). Each change is carried out on the traced
-loss, so the model's own code runs unchanged, and only on the ``jit`` path (the compiler
-places every other axis's collectives around it).
+over its axis (:mod:`parallax.models.pipeline_stack`); a
+:class:`~parallax.sharding.context_parallel.ContextRun` splits each attention along its queries'
+sequence over its axis (:mod:`parallax.models.context_attention`). Each change is carried out on
+the traced loss, so the model's own code runs unchanged, and only on the ``jit`` path (the
+compiler places every other axis's collectives around it).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from jax.sharding import Mesh
 
 from parallax.models import ModelRun
 from parallax.models.blocks import repeated_blocks
+from parallax.models.context_attention import context_parallel
 from parallax.models.pipeline_stack import pipelined
 from parallax.models.remat_policy import remat_parts
+from parallax.sharding.context_parallel import ContextRun
 from parallax.sharding.pipeline import PipelineRun
 from parallax.sharding.strategy import Strategy
 
@@ -27,8 +31,11 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
     pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs."""
     policy = remat_parts(remat)[1]
-    for change in strategy.run_changes:
-        if isinstance(change, PipelineRun):
+    # The attention split first: a pipeline then runs the layers it changed.
+    for change in sorted(strategy.run_changes, key=lambda c: not isinstance(c, ContextRun)):
+        if isinstance(change, ContextRun):
+            loss = context_parallel(loss, mesh=mesh, axis=change.axis)
+        elif isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
                              microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
@@ -66,7 +73,9 @@ def run_change_paths(strategy: Strategy, compile_option: str) -> tuple[tuple[str
     """The compile paths a strategy that changes how the model runs allows (``None``: any)."""
     if not strategy.run_changes:
         return None
+    what = " and ".join(dict.fromkeys("splits the model's attention over the sequence" if isinstance(c, ContextRun)
+                                      else "runs the model's stack as a pipeline" for c in strategy.run_changes))
     if compile_option == "shard_map":
-        raise ValueError(f"{strategy.describe()} runs the model's stack as a pipeline, which the jit path compiles: "
+        raise ValueError(f"{strategy.describe()} {what}, which the jit path compiles: "
                          "pass compile='jit' or 'auto' (compile='shard_map' cannot take it).")
-    return ("jit",), "a pipeline runs on the jit path"
+    return ("jit",), f"{strategy.describe()} {what}: it runs on the jit path"

@@ -1,0 +1,81 @@
+"""Context parallelism: a model's sequence split over a mesh axis, its attention included.
+
+A part that changes how the model runs, not only where its arrays live: it places no param
+(params are replicated over its axis, or split by the parts it is combined with), and declares a
+:class:`ContextRun` (:attr:`Strategy.run_change`), which the step carries out on the traced loss
+(:mod:`parallax.models.context_attention`): each attention the model computes is split along its
+queries' sequence over the axis, the keys and values gathered whole, and everything position-wise
+around it follows (the compiler places it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from parallax.sharding.strategy import Strategy
+
+METHODS = ("all_gather",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextRun:
+    """How the model's attention runs: its queries' sequence split over ``axis``, by ``method``."""
+
+    axis: str
+    method: str = "all_gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel(Strategy):
+    """The sequence split over ``size`` devices, attention included, for the attention a model already has.
+
+    Every attention in the traced loss (flax's ``nn.MultiHeadDotProductAttention`` and
+    ``nnx.MultiHeadAttention``, ``jax.nn.dot_product_attention``, an einsum of ``q`` and ``k``, a
+    softmax and an einsum with ``v``, as Hugging Face's Flax models write it) runs with its queries
+    split along the sequence over the axis and the keys and values gathered (``method="all_gather"``):
+    each device computes its queries' rows of the scores, so no device holds the whole sequence's
+    scores, and the activations around attention are split along the sequence too. The model runs on
+    the global sequence: positions, masks and losses mean what they mean on one device. Combines
+    with the other parts: ``px.combine(px.ContextParallel(2), px.FSDP(4))``.
+
+    Args:
+        size: devices on the axis; ``-1`` takes the devices left over. It must divide the
+            sequence length of every attention.
+        method: how keys and values reach every query: ``"all_gather"`` (each device gathers them
+            whole, per attention).
+        axis: the mesh axis name.
+
+    Example:
+        >>> px.ContextParallel(4).describe(), px.ContextParallel(4).model_axes
+        ('ContextParallel(context=4)', ('context',))
+    """
+
+    size: int = -1
+    method: str = "all_gather"
+    axis: str = "context"
+
+    splits_batch = False
+    gathers_params = False
+    placement_priority = 40  # places no param
+    link_rank = 35  # keys and values of every attention, each step: inside a host before data parallelism
+
+    def __post_init__(self):
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ValueError(f"ContextParallel(axis={self.axis!r}): the axis name must be a non-empty string.")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or (self.size < 1 and self.size != -1):
+            raise ValueError(f"ContextParallel(size={self.size!r}): use a positive number of devices, or -1 for the "
+                             "devices left over.")
+        if self.method not in METHODS:
+            raise ValueError(f"ContextParallel(method={self.method!r}): use one of {METHODS} (each device gathers "
+                             "the keys and values of the sequence whole, per attention).")
+
+    @property
+    def run_change(self) -> ContextRun:
+        return ContextRun(self.axis, self.method)
+
+    def place(self, path, shape, dims, axis_sizes):
+        return dims
+
+    def why_whole(self, path, shape, axis_sizes) -> str:
+        """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
+        return f"ContextParallel({self.axis}) splits the sequence, not params"
