@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -42,23 +43,22 @@ _OPAQUE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custo
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """One attention in a jaxpr: the equation of its scores and of its weighted values.
+    """One attention in a jaxpr: the equation of its scores and of its weighted values, and where
+    the queries' and the keys' sequence dims are in each operand and result.
 
     Attributes:
-        scores: the index of the ``dot_general`` of ``q·kᵀ``.
-        values: the index of the ``dot_general`` of the weights times ``v``.
-        query_dim, key_dim: the sequence dims of ``q`` and ``k``.
-        weights_operand: which operand of ``values`` holds the weights (0 or 1).
-        value_dim: the keys' dim of ``v`` (the one ``values`` contracts).
-        queries: the sequence length of the queries; keys: of the keys.
+        scores: the index of the ``dot_general`` of ``q·kᵀ``; ``query_side`` its operand holding ``q``.
+        values: the index of the ``dot_general`` of the weights times ``v``; ``weights_side`` its
+            operand holding the weights.
+        dims: ``{(equation index, "in" operand | "out"): (split dim, whole dim)}``: each operand
+            and result to pin, its queries' dim split over the axis (``None``: none) and its keys'
+            dim whole (``None``: none).
+        queries, keys: the sequence lengths of the queries and of the keys.
     """
 
     scores: int
     values: int
-    query_dim: int
-    key_dim: int
-    weights_operand: int
-    value_dim: int
+    dims: dict
     queries: int
     keys: int
 
@@ -70,12 +70,55 @@ def _dims(eqn: Any) -> tuple[tuple, tuple, list[int], list[int]]:
     return (lc, rc), (lb, rb), [d for d in range(lhs) if d not in (*lc, *lb)], [d for d in range(rhs) if d not in (*rc, *rb)]
 
 
+def _reshaped(old: Sequence[int], new: Sequence[int], dim: int) -> int | None:
+    """Where ``dim`` of shape ``old`` is in the reshape to ``new``, where it stays a dim of its own."""
+    before = math.prod(old[:dim])
+    for j in range(len(new)):
+        if math.prod(new[:j]) == before and new[j] == old[dim]:
+            return j
+    return None
+
+
+def _moved(eqn: Any, operand: int, dims: tuple[int, int]) -> list[tuple[int, int] | None]:
+    """Where the (queries, keys) dims of ``eqn``'s operand at ``operand`` are in each of its results."""
+    name, shape = eqn.primitive.name, tuple(eqn.invars[operand].aval.shape)
+    if name == "transpose":
+        perm = list(eqn.params["permutation"])
+        return [tuple(perm.index(d) for d in dims)]
+    if name == "broadcast_in_dim":
+        return [tuple(int(eqn.params["broadcast_dimensions"][d]) for d in dims)]
+    if name == "reshape":
+        moved = tuple(_reshaped(shape, tuple(eqn.outvars[0].aval.shape), d) for d in dims)
+        return [None if None in moved else moved]
+    inner = _body(eqn)
+    if inner is not None and name != "scan":
+        return _track(inner[0], {inner[0].invars[operand]: dims}, outputs=True)
+    return [dims if tuple(getattr(v.aval, "shape", ())) == shape else None for v in eqn.outvars]
+
+
+def _track(jaxpr: Any, tracked: dict, outputs: bool = False, start: int = 0) -> Any:
+    """The (queries, keys) dims of every value computed from ``tracked`` in ``jaxpr`` from equation
+    ``start`` on (``outputs``: those of its outputs, in order)."""
+    tracked = dict(tracked)
+    for eqn in jaxpr.eqns[start:]:
+        for operand, v in enumerate(eqn.invars):
+            if isinstance(v, core.Literal) or v not in tracked or eqn.primitive.name == "dot_general":
+                continue
+            for out, dims in zip(eqn.outvars, _moved(eqn, operand, tracked[v])):
+                if dims is not None:
+                    tracked.setdefault(out, dims)
+    if outputs:
+        return [None if isinstance(v, core.Literal) else tracked.get(v) for v in jaxpr.outvars]
+    return tracked
+
+
 def find_attention(jaxpr: Any) -> list[Attention]:
     """The attentions computed in ``jaxpr`` itself (not inside its calls), in the order they run.
 
-    A pair of ``dot_general`` equations: the scores, with batch dims and one free dim on each side
-    (the queries' and the keys' sequence), and a later one that contracts a value computed from
-    the scores, of their shape, over the keys' dim and batches over the same dims.
+    A pair of ``dot_general`` equations: the scores, batched over some dims (batch, heads) with one
+    free dim on the keys' side (their sequence) and the queries' sequence among the other side's
+    free dims, and a later one that contracts a value computed from the scores (through a mask, a
+    softmax, dropout, transposes and reshapes) over the keys' dim and keeps the queries' dim.
     """
     eqns = jaxpr.eqns
     found, taken = [], set()
@@ -83,40 +126,53 @@ def find_attention(jaxpr: Any) -> list[Attention]:
         if eqn.primitive.name != "dot_general" or index in taken:
             continue
         _, (lb, _), lhs_free, rhs_free = _dims(eqn)
-        if not lb or len(lhs_free) != 1 or len(rhs_free) != 1:
+        if not lb:
             continue
-        shape = eqn.outvars[0].aval.shape
-        batch, key_at = len(lb), len(lb) + 1  # the output is (batch..., queries, keys)
-        derived = {eqn.outvars[0]}
-        for later_index in range(index + 1, len(eqns)):
-            later = eqns[later_index]
-            operands = [v for v in later.invars if not isinstance(v, core.Literal)]
-            if not any(v in derived for v in operands):
+        for query_side in (0, 1):
+            query_free, key_free = (lhs_free, rhs_free) if query_side == 0 else (rhs_free, lhs_free)
+            if len(key_free) != 1 or not query_free:
                 continue
-            if later.primitive.name == "dot_general":
-                match = _weighted_values(later, derived, shape, batch, key_at)
-                if match is not None:
-                    weights_operand, value_dim = match
-                    query_dim, key_dim = lhs_free[0], rhs_free[0]
-                    found.append(Attention(index, later_index, query_dim, key_dim, weights_operand, value_dim,
-                                           int(eqn.invars[0].aval.shape[query_dim]),
-                                           int(eqn.invars[1].aval.shape[key_dim])))
-                    taken.add(later_index)
-                    break
-            derived.update(later.outvars)
+            keys = int(eqn.invars[1 - query_side].aval.shape[key_free[0]])
+            query_shape = eqn.invars[query_side].aval.shape
+            query_dim = max(query_free, key=lambda d: (query_shape[d] == keys, query_shape[d]))
+            at = ({d: len(lb) + i for i, d in enumerate(lhs_free)},  # where each side's free dims are in the result
+                  {d: len(lb) + len(lhs_free) + i for i, d in enumerate(rhs_free)})
+            out = (at[query_side][query_dim], at[1 - query_side][key_free[0]])
+            match = _weighted_values(eqns, index, out)
+            if match is None:
+                continue
+            values, dims = match
+            dims[(index, query_side)] = (query_dim, None)
+            dims[(index, 1 - query_side)] = (None, key_free[0])
+            dims[(index, "out")] = out
+            found.append(Attention(index, values, dims, int(query_shape[query_dim]), keys))
+            taken.add(values)
+            break
     return found
 
 
-def _weighted_values(eqn: Any, derived: set, shape: tuple, batch: int, key_at: int) -> tuple[int, int] | None:
-    """``(weights operand, v's keys dim)`` if ``eqn`` contracts weights of the scores' ``shape``
-    (computed from them) over the keys' dim, batching over the scores' batch dims; else ``None``."""
-    (lc, rc), (lb, rb), _, _ = _dims(eqn)
-    for side, (contract, batched, other_contract) in enumerate(((lc, lb, rc), (rc, rb, lc))):
-        operand = eqn.invars[side]
-        if isinstance(operand, core.Literal) or operand not in derived or tuple(operand.aval.shape) != tuple(shape):
-            continue
-        if tuple(contract) == (key_at,) and tuple(batched) == tuple(range(batch)):
-            return side, other_contract[0]
+def _weighted_values(eqns: Sequence[Any], index: int, out: tuple[int, int]) -> tuple[int, dict] | None:
+    """The equation after ``index`` that contracts the scores' weights over the keys' dim, keeping
+    the queries' dim, and the dims to pin in it; ``None`` if there is none."""
+    tracked = {eqns[index].outvars[0]: out}
+    for later_index in range(index + 1, len(eqns)):
+        later = eqns[later_index]
+        if later.primitive.name == "dot_general":
+            (lc, rc), (lb, rb), lhs_free, rhs_free = _dims(later)
+            for side, (contract, other_contract, free) in enumerate(((lc, rc, lhs_free), (rc, lc, rhs_free))):
+                operand = later.invars[side]
+                dims = None if isinstance(operand, core.Literal) else tracked.get(operand)
+                if dims is None or tuple(contract) != (dims[1],) or dims[0] not in free:
+                    continue
+                query_out = len(lb) + (free.index(dims[0]) if side == 0 else len(lhs_free) + free.index(dims[0]))
+                return later_index, {(later_index, side): dims, (later_index, 1 - side): (None, other_contract[0]),
+                                     (later_index, "out"): (query_out, None)}
+        for operand, v in enumerate(later.invars):
+            if isinstance(v, core.Literal) or v not in tracked or later.primitive.name == "dot_general":
+                continue
+            for result, dims in zip(later.outvars, _moved(later, operand, tracked[v])):
+                if dims is not None:
+                    tracked.setdefault(result, dims)
     return None
 
 
@@ -208,24 +264,14 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
     values: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     values.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
-    scores = {a.scores: a for a in find_attention(jaxpr)}
-    weighted = {a.values: a for a in scores.values()}
+    pinned = {i: a.dims for a in find_attention(jaxpr) for i in (a.scores, a.values)}
     for index, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
-        if index in scores:
-            a = scores[index]
-            ins = [pin(ins[0], split=a.query_dim), pin(ins[1], whole=a.key_dim)]
-            out = _bind(eqn, ins)[0]  # (batch..., queries, keys)
-            outs = [pin(out, split=out.ndim - 2, whole=out.ndim - 1)]
-        elif index in weighted:
-            a = weighted[index]
-            w = a.weights_operand
-            ins[w] = pin(ins[w], split=ins[w].ndim - 2, whole=ins[w].ndim - 1)
-            ins[1 - w] = pin(ins[1 - w], whole=a.value_dim)
-            (_, _), (lb, _), lhs_free, _ = _dims(eqn)
-            query_at = len(lb) + (0 if w == 0 else len(lhs_free))
-            outs = [pin(_bind(eqn, ins)[0], split=query_at)]
+        if index in pinned:
+            dims = pinned[index]
+            ins = [pin(x, *dims[(index, side)]) if (index, side) in dims else x for side, x in enumerate(ins)]
+            outs = [pin(_bind(eqn, ins)[0], *dims[(index, "out")])]
         elif name in (*_INLINED, *REMAT, "scan") and holds_attention(call_body(eqn)[0]):
             outs = _open(eqn, ins, pin)
         else:

@@ -1,0 +1,163 @@
+"""ContextParallel: the sequence split over an axis, attention included, for the attention a model
+already has (linen and NNX attention modules, ``jax.nn.dot_product_attention``, Hugging Face's
+hand-written einsums), against a plain one-device optax loop."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import parallax as px
+from tests import third_party
+from tests.models import TinyLM, batches, lm_loss
+
+SEQ = 8  # every attention's length: the tokens are SEQ + 1, the loss shifting them by one
+
+
+class NnxLM(nnx.Module):
+    """NNX's attention module with a causal and a padding mask combined, and dropout on its weights."""
+
+    def __init__(self, rngs: nnx.Rngs, vocab: int = 64, dim: int = 32, heads: int = 4):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, dim, dropout_rate=0.1, decode=False, rngs=rngs)
+        self.up, self.down = nnx.Linear(dim, 2 * dim, rngs=rngs), nnx.Linear(2 * dim, dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, tokens, keep):
+        x = self.embed(tokens)
+        mask = nnx.combine_masks(nnx.make_causal_mask(tokens), nnx.make_attention_mask(keep, keep))
+        x = x + self.attn(self.norm(x), mask=mask, deterministic=False)
+        return self.head(x + self.down(nnx.gelu(self.up(x))))
+
+
+class DotProductLM(nn.Module):
+    """Attention through ``jax.nn.dot_product_attention`` (causal), heads split by hand."""
+
+    vocab: int = 64
+    dim: int = 32
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        b, s, _ = x.shape
+        # No bias on k: its gradient is zero (a softmax ignores a shift along the keys), which Adam
+        # would turn into steps of rounding noise.
+        h = nn.LayerNorm()(x)
+        q, k, v = (nn.Dense(self.dim, use_bias=name != "k", name=name)(h).reshape(b, s, self.heads, -1)
+                   for name in ("q", "k", "v"))
+        x = x + nn.Dense(self.dim, name="out")(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, -1))
+        return nn.Dense(self.vocab, name="head")(x + nn.Dense(self.dim)(nn.gelu(nn.Dense(2 * self.dim)(x))))
+
+
+def padded_loss(model, batch):
+    """Next-token loss over the tokens the padding mask keeps (each row's tail padded)."""
+    tokens, keep = batch["x"], batch["keep"]
+    logits = model(tokens[:, :-1], keep[:, :-1])
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]) * keep[:, 1:]
+    return per_token.sum() / keep[:, 1:].sum()
+
+
+def gpt2_padded_loss(model, batch):
+    tokens, keep = batch["x"], batch["keep"]
+    positions = jnp.broadcast_to(jnp.arange(SEQ), (tokens.shape[0], SEQ))
+    logits = model(tokens[:, :-1], keep[:, :-1], positions, deterministic=True).logits
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]) * keep[:, 1:]
+    return per_token.sum() / keep[:, 1:].sum()
+
+
+def padded_batches(steps: int, vocab: int = 64) -> list[dict]:
+    """LM batches whose rows keep 5 to 9 tokens, the rest padding (``keep`` 0)."""
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(steps):
+        lengths = rng.integers(5, SEQ + 2, 16)
+        keep = (np.arange(SEQ + 1)[None] < lengths[:, None]).astype(np.int32)
+        out.append({"x": rng.integers(0, vocab, (16, SEQ + 1)).astype(np.int32), "keep": keep})
+    return out
+
+
+STRATEGIES = {
+    "cp4": lambda: px.ContextParallel(4),  # on 4 of the 8 devices
+    "cp2-fsdp4": lambda: px.combine(px.ContextParallel(2), px.FSDP(4, min_weight_size=64)),
+    "cp2-tp2-dp2": lambda: px.combine(px.ContextParallel(2), px.TensorParallel(2), px.DataParallel(2)),
+}
+MODELS = {
+    "linen": (lambda: TinyLM(), lm_loss, lambda: batches("lm", 2)),
+    "nnx": (lambda: NnxLM(nnx.Rngs(0, dropout=1)), padded_loss, lambda: padded_batches(2)),
+    "dot_product_attention": (lambda: DotProductLM(), lambda m, b: lm_loss(lambda x, train: m(x), b),
+                              lambda: batches("lm", 2)),
+    "gpt2": (lambda: third_party.gpt2(layers=2), gpt2_padded_loss,
+             lambda: padded_batches(2, vocab=third_party.VOCAB)),
+}
+
+
+@pytest.mark.parametrize("model, strategy, optimizer", [
+    ("linen", "cp4", "sgd"), ("linen", "cp2-fsdp4", "adamw"), ("linen", "cp2-tp2-dp2", "sgd"),
+    ("nnx", "cp2-tp2-dp2", "adamw"), ("nnx", "cp4", "sgd"),
+    ("dot_product_attention", "cp2-fsdp4", "sgd"), ("dot_product_attention", "cp4", "adamw"),
+    ("gpt2", "cp2-fsdp4", "adamw"), ("gpt2", "cp2-tp2-dp2", "sgd"),
+])
+def test_context_parallel_trains_an_unmodified_model_like_one_device(model, strategy, optimizer):
+    build, loss_fn, data = MODELS[model]
+    make = STRATEGIES[strategy]
+    mesh = make().make_mesh(jax.devices()[:4]) if strategy == "cp4" else None
+    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
+    report = px.testing.assert_equivalent(build(), opt, loss_fn, data(), make(), mesh=mesh)
+    assert report.mode == "jit", report
+
+
+def score_tiles(text: str) -> set[tuple[int, int]]:
+    """The (rows, columns) of every batched matmul's result in a compiled program's text."""
+    return {tuple(int(d) for d in dims.split(",")[-2:])
+            for dims in re.findall(r"= f32\[(\d+(?:,\d+){3,})\]\{[\d,]*\} dot\(", text)}
+
+
+def test_each_device_computes_its_queries_rows_of_the_scores_and_no_device_all_of_them():
+    """The compiled step's scores are (16/4 queries × 16 keys) per device under ContextParallel(4);
+    without it (the same batch) they are (16 × 16): what this test would see were the attention left
+    whole. (16 tokens: no other matmul of the model has a dim of that size.)"""
+    batch = {"x": np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)}
+    tiles = {}
+    for name, strategy in (("cp", px.combine(px.DataParallel(2), px.ContextParallel(4))), ("dp", px.DataParallel())):
+        state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
+        text = px.make_train_step(lm_loss, strategy).lower(state, batch).compile().as_text()
+        tiles[name] = score_tiles(text)
+    assert (4, 16) in tiles["cp"] and (16, 16) not in tiles["cp"], tiles
+    assert (16, 16) in tiles["dp"], tiles
+
+
+def mlp_loss(model, batch):
+    return jnp.mean((model(batch["x"][..., None].astype(jnp.float32)) - 1.0) ** 2)
+
+
+@pytest.mark.parametrize("build, loss_fn, batch, strategy, message", [
+    (TinyLM, lm_loss, {"x": np.zeros((16, 7), np.int32)}, px.combine(px.DataParallel(2), px.ContextParallel(4)),
+     r"queries have length 6, which 4 does not divide: pad the sequence to 8"),
+    (lambda: nn.Dense(4), mlp_loss, {"x": np.zeros((16, 8), np.int32)}, px.ContextParallel(),
+     r"found no attention in the model .* jax.nn.dot_product_attention"),
+])
+def test_what_context_parallelism_cannot_split_is_named_before_compiling(build, loss_fn, batch, strategy, message):
+    with pytest.raises(ValueError, match=message):
+        px.init_state(build(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=loss_fn)
+
+
+def test_context_parallel_arguments_and_paths_are_checked():
+    with pytest.raises(ValueError, match=r"ContextParallel\(method='ring'\): use one of \('all_gather',\)"):
+        px.ContextParallel(2, method="ring")
+    with pytest.raises(ValueError, match=r"ContextParallel\(size=0\)"):
+        px.ContextParallel(0)
+    assert px.Trainer(TinyLM(), optax.sgd(0.1), lm_loss, strategy="cp2+fsdp").strategy == px.combine(
+        px.ContextParallel(2), px.FSDP())
+    strategy, batch = px.combine(px.DataParallel(2), px.ContextParallel(4)), batches("lm", 1)[0]
+    state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="splits the model's attention over the sequence, which the jit path compiles"):
+        px.make_train_step(lm_loss, strategy, compile="shard_map").lower(state, batch)
