@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from parallax.step.run_changes import run_change_paths
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
 
@@ -161,3 +162,5 @@ def test_context_parallel_arguments_and_paths_are_checked():
     state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
     with pytest.raises(ValueError, match="splits the model's attention over the sequence, which the jit path compiles"):
         px.make_train_step(lm_loss, strategy, compile="shard_map").lower(state, batch)
+    with pytest.raises(ValueError, match="ContextParallel does not combine with PipelineParallel yet"):
+        run_change_paths(px.combine(px.ContextParallel(2), px.PipelineParallel(2), px.DataParallel(2)), "auto")

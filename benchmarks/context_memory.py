@@ -1,0 +1,72 @@
+"""Per-device memory against sequence length under ContextParallel (``python -m benchmarks.context_memory``).
+
+A causal transformer LM (2 blocks of linen's ``nn.MultiHeadDotProductAttention``, width 64, 4
+heads) on a batch of 2 sequences, planned by ``px.plan`` (compiled, nothing allocated) for each
+sequence length under ``ContextParallel(c)`` on ``c`` devices (``c = 1``: one device, no context
+axis). It prints each compiled step's per-device peak (arguments + outputs - donated + temps,
+from ``memory_analysis()``: exact), the peak times ``c`` over one device's (1.0 where memory falls
+exactly as 1/CP), and the longest of the lengths whose step fits a per-device budget
+(``--budget``, bytes) at each context size.
+"""
+
+from benchmarks import side_runner_args
+
+LENGTHS = (256, 512, 1024, 2048)
+SIZES = (1, 2, 4, 8)
+
+
+def main() -> None:
+    args = side_runner_args(__doc__, models="lm", rounds=1, budget="40000000")
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import parallax as px
+    from benchmarks import report
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(4)(h, h, mask=nn.make_causal_mask(x[..., 0]))
+            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(256, 64)(tokens)
+            for _ in range(2):
+                x = Block()(x)
+            return nn.Dense(256)(nn.LayerNorm()(x))
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+    lengths = LENGTHS[:2] if args.smoke else LENGTHS
+    results = []
+    for length in lengths:
+        batch = {"tokens": jax.ShapeDtypeStruct((2, length + 1), jnp.int32)}
+        for size in SIZES:
+            row = px.plan(LM(), optax.adamw(1e-3), batch, loss_fn=loss_fn, strategies=["dp" if size == 1 else f"cp{size}"],
+                          devices=[size]).rows[0]
+            results.append({"length": length, "context": size, "peak": int(row["peak"])})
+    budget = int(args.budget)
+
+    def markdown(rows, meta):
+        one = {r["length"]: r["peak"] for r in rows if r["context"] == 1}
+        lines = ["| tokens | CP | peak per device | peak × CP ÷ one device's |", "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['length']} | {r['context']} | {r['peak'] / 2**20:.1f} MiB | {r['peak'] * r['context'] / one[r['length']]:.3f} |"
+                  for r in rows]
+        lines += ["", f"Longest of these sequences whose step fits {meta['budget'] / 2**20:.1f} MiB per device:", ""]
+        for size in SIZES:
+            fits = [r["length"] for r in rows if r["context"] == size and r["peak"] <= meta["budget"]]
+            lines.append(f"- CP {size}: {max(fits) if fits else 'none'}")
+        return "\n".join(lines)
+
+    report(args, "context_memory", results, markdown, budget=budget, batch=2)
+
+
+if __name__ == "__main__":
+    main()
