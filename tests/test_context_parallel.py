@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from parallax.models.context_attention import model_has_attention
 from parallax.step.run_changes import run_change_paths
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
@@ -98,6 +99,8 @@ MODELS = {
                               lambda: batches("lm", 2)),
     "gpt2": (lambda: third_party.gpt2(layers=2), gpt2_padded_loss,
              lambda: padded_batches(2, vocab=third_party.VOCAB)),
+    "llama": (lambda: third_party.llama(layers=1), gpt2_padded_loss,  # grouped-query heads, rotary positions
+              lambda: padded_batches(2, vocab=third_party.VOCAB)),
 }
 
 
@@ -105,7 +108,7 @@ MODELS = {
     ("linen", "cp4", "sgd"), ("linen", "cp2-fsdp4", "adamw"), ("linen", "cp2-tp2-dp2", "sgd"),
     ("nnx", "cp2-tp2-dp2", "adamw"), ("nnx", "cp4", "sgd"),
     ("dot_product_attention", "cp2-fsdp4", "sgd"), ("dot_product_attention", "cp4", "adamw"),
-    ("gpt2", "cp2-fsdp4", "adamw"), ("gpt2", "cp2-tp2-dp2", "sgd"),
+    ("gpt2", "cp2-fsdp4", "adamw"), ("gpt2", "cp2-tp2-dp2", "sgd"), ("llama", "cp4", "adamw"),
 ])
 def test_context_parallel_trains_an_unmodified_model_like_one_device(model, strategy, optimizer):
     build, loss_fn, data = MODELS[model]
@@ -164,3 +167,21 @@ def test_context_parallel_arguments_and_paths_are_checked():
         px.make_train_step(lm_loss, strategy, compile="shard_map").lower(state, batch)
     with pytest.raises(ValueError, match="ContextParallel does not combine with PipelineParallel yet"):
         run_change_paths(px.combine(px.ContextParallel(2), px.PipelineParallel(2), px.DataParallel(2)), "auto")
+
+
+def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence_that_fits_nowhere():
+    """Two 512-token sequences on 2 devices under FSDP need 16.8 MiB each; 4 or 8 devices cannot split a
+    batch of 2 rows, but the sequence over them can: the plan's fix is ContextParallel on 8 devices."""
+    batch = {"x": jax.ShapeDtypeStruct((2, 513), jnp.int32)}
+    report = px.plan(TinyLM(), optax.adamw(1e-3), batch, loss_fn=lm_loss, strategies=["fsdp"], devices=[2],
+                     memory_budget="8MB")
+    tried = report.as_dict()["fixes"]["8MB"]
+    assert [fix["change"] for fix in tried if fix["error"]] == ["devices=4", "devices=8"]  # the batch does not split
+    split = [fix for fix in tried if "ContextParallel" in fix["change"]]
+    assert [fix["strategy"] for fix in split] == ["ContextParallel(context=2) × FSDP(fsdp=2)",
+                                                  "ContextParallel(context=4) × FSDP(fsdp=2)"]
+    assert split[-1]["fits"] and split[1]["peak"] < split[0]["peak"] < tried[0]["peak"], tried
+    assert "use devices=8, strategy=ContextParallel(context=4) × FSDP(fsdp=-1)" in str(report)
+    # Only a model with attention is offered it (read from its trace).
+    assert model_has_attention(NnxLM(nnx.Rngs(0, dropout=1)), padded_batches(1)[0], padded_loss)
+    assert not model_has_attention(nn.Dense(4), {"x": np.zeros((16, 8), np.int32)}, mlp_loss)

@@ -183,6 +183,21 @@ def holds_attention(jaxpr: Any) -> bool:
     return any(_body(eqn) is not None and holds_attention(_body(eqn)[0]) for eqn in jaxpr.eqns)
 
 
+def model_has_attention(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> bool:
+    """Whether ``loss_fn(model, batch)`` computes an attention :func:`context_parallel` reaches
+    (the model initialised and run from shapes: nothing is allocated)."""
+    from parallax.models import ModelRun, adapter_for
+
+    adapter = adapter_for(model)
+
+    def loss(key: Any, batch: Any) -> Any:
+        rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+        params, state = adapter.init(rngs, batch, loss_fn, ())
+        return adapter.apply(adapter.unbox(params), state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
+
+    return holds_attention(jax.make_jaxpr(loss)(jax.random.PRNGKey(0), example_batch).jaxpr)
+
+
 def _body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     name = eqn.primitive.name
     if name in (*_INLINED, *REMAT, "scan", *_OPAQUE):

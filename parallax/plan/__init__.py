@@ -40,6 +40,7 @@ from parallax.plan import isolated
 from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate
 from parallax.models import unwrap_pretrained
 from parallax.models.blocks import repeated_blocks
+from parallax.models.context_attention import model_has_attention
 from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
 from parallax.sharding.context import mesh_in_context
@@ -258,14 +259,22 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
                 log.info("Could not read the model's repeated blocks (%s); remat is not among the options tried.",
                          str(err).splitlines()[0] if str(err) else type(err).__name__)
                 resolved["blocks"] = ()
-        def tried(opts: StepOptions, count: int, strategy: Strategy = strategy) -> dict:  # each compiled once
-            key = (strategy.describe(), opts, count)
+            try:
+                resolved["attention"] = model_has_attention(here["model"], here["batch"], here["loss_fn"],
+                                                            options.rng_streams)
+            except Exception as err:  # noqa: BLE001 - as above: the other options are still tried
+                log.info("Could not read whether the model computes attention (%s); ContextParallel is not among the "
+                         "options tried.", str(err).splitlines()[0] if str(err) else type(err).__name__)
+                resolved["attention"] = False
+        def tried(opts: StepOptions, count: int, other: Strategy | None = None, strategy: Strategy = strategy) -> dict:
+            planned = other or strategy  # each compiled once
+            key = (planned.describe(), opts, count)
             if key not in memo:
-                memo[key] = rows_for([strategy], count, opts)[0]
+                memo[key] = rows_for([planned], count, opts)[0]
             return memo[key]
 
         fixes[label if len(counts) == 1 else f"{label} on {count} devices"] = find_fix(
-            tried, options, count, budget, resolved["blocks"])
+            tried, options, count, budget, resolved["blocks"], strategy=strategy, attention=resolved["attention"])
     return dataclasses.replace(report, fixes=fixes)
 
 

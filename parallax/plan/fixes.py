@@ -5,7 +5,10 @@ tried in order of what they cost in speed, each by compiling the real train step
 (exact bytes, as for every plan row): the optimizer state in host memory; the model's repeated
 blocks (:func:`parallax.models.blocks.repeated_blocks`) rematerialised keeping their matmul outputs, then keeping
 nothing; the params in host memory too; that with the blocks rematerialised; then 2x and 4x
-the devices. The first that fits ends the search; every one tried is reported with its numbers.
+the devices, each also with the sequence split over the added devices
+(:class:`parallax.ContextParallel`, for a model with attention): more devices hold a batch of few
+long sequences only by splitting them. The first that fits ends the search; every one tried is
+reported with its numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Callable, Sequence
 
 import jax
 
+from parallax.sharding.context_parallel import ContextParallel
+from parallax.sharding.strategy import Strategy, combine
 from parallax.step.options import StepOptions
 
 
@@ -65,26 +70,42 @@ def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
     return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
 
 
-def find_fix(evaluate: Callable[[StepOptions, int], dict], options: StepOptions, devices: int, budget: int,
-             blocks: Sequence[str], more_devices: Sequence[int] = (2, 4)) -> list[Fix]:
-    """Tries :func:`options_to_try`, then more devices, until one fits ``budget``.
+def with_context(strategy: Strategy, size: int) -> Strategy | None:
+    """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already)."""
+    if any(isinstance(part, ContextParallel) for part in strategy.parts):
+        return None
+    return combine(ContextParallel(size), *strategy.parts)
+
+
+def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, budget: int,
+             blocks: Sequence[str], more_devices: Sequence[int] = (2, 4), strategy: Strategy | None = None,
+             attention: bool = False) -> list[Fix]:
+    """Tries :func:`options_to_try`, then more devices (each also with the sequence split over the
+    added ones, where the model has attention), until one fits ``budget``.
 
     Args:
-        evaluate: ``evaluate(options, devices) -> row`` plans the candidate with those options.
+        evaluate: ``evaluate(options, devices, strategy=None) -> row`` plans the candidate with those
+            options (with ``strategy`` instead of the candidate's where given).
         options: the step options the plan was made with.
         devices: the device count of the candidate.
         budget: bytes per device.
         blocks: module class names ``remat`` may name (:func:`parallax.models.blocks.repeated_blocks`).
         more_devices: factors of ``devices`` to try last, with ``options`` as given.
+        strategy: the candidate's strategy (to add a context axis to); ``None``: devices alone.
+        attention: the model computes attention (:func:`parallax.models.context_attention.model_has_attention`).
 
     Returns:
         Every option tried, in order; the last fits if any does.
     """
     tried = []
-    attempts = [(change, opts, devices) for change, opts in options_to_try(options, blocks)]
-    attempts += [(f"devices={devices * factor}", options, devices * factor) for factor in more_devices]
-    for change, opts, count in attempts:
-        row = evaluate(opts, count)
+    attempts = [(change, opts, devices, None) for change, opts in options_to_try(options, blocks)]
+    for factor in more_devices:
+        attempts.append((f"devices={devices * factor}", options, devices * factor, None))
+        split = with_context(strategy, factor) if strategy is not None and attention else None
+        if split is not None:
+            attempts.append((f"devices={devices * factor}, strategy={split.describe()}", options, devices * factor, split))
+    for change, opts, count, other in attempts:
+        row = evaluate(opts, count) if other is None else evaluate(opts, count, other)
         fits = row.get("error") is None and row["peak"] <= budget
         tried.append(Fix(change, count, row, fits))
         if fits:
