@@ -47,12 +47,11 @@ class Attention:
     the queries' and the keys' sequence dims are in each operand and result.
 
     Attributes:
-        scores: the index of the ``dot_general`` of ``q·kᵀ``; ``query_side`` its operand holding ``q``.
-        values: the index of the ``dot_general`` of the weights times ``v``; ``weights_side`` its
-            operand holding the weights.
-        dims: ``{(equation index, "in" operand | "out"): (split dim, whole dim)}``: each operand
-            and result to pin, its queries' dim split over the axis (``None``: none) and its keys'
-            dim whole (``None``: none).
+        scores: the index of the ``dot_general`` of ``q·kᵀ``.
+        values: the index of the ``dot_general`` of the weights times ``v``.
+        dims: ``{(equation index, operand 0 | 1 | "out"): (split dim, whole dim)}``: each operand and
+            result of the two to pin, its queries' dim split over the axis (``None``: none) and its
+            keys' dim whole (``None``: none).
         queries, keys: the sequence lengths of the queries and of the keys.
     """
 

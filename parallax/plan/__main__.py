@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", required=True, help="package.module:name of loss_fn(model, batch)")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, or package.module:name")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated: dp, fsdp, tp, pp joined by + with optional sizes (default "
+                        help="comma-separated: dp, fsdp, tp, pp, cp joined by + with optional sizes (default "
                              f"{','.join(DEFAULT_STRATEGIES)})")
     parser.add_argument("--min-weight-size", type=int, default=None,
                         help="FSDP option: params with at most this many elements stay replicated (default 2**18)")
