@@ -119,24 +119,39 @@ def test_context_parallel_trains_an_unmodified_model_like_one_device(model, stra
     assert report.mode == "jit", report
 
 
+def batched_dots(text: str) -> list[tuple[int, ...]]:
+    """The result shape of every batched matmul in a compiled program's text."""
+    return [tuple(int(d) for d in dims.split(","))
+            for dims in re.findall(r"= f32\[(\d+(?:,\d+){3,})\]\{[\d,]*\} dot\(", text)]
+
+
 def score_tiles(text: str) -> set[tuple[int, int]]:
-    """The (rows, columns) of every batched matmul's result in a compiled program's text."""
-    return {tuple(int(d) for d in dims.split(",")[-2:])
-            for dims in re.findall(r"= f32\[(\d+(?:,\d+){3,})\]\{[\d,]*\} dot\(", text)}
+    """The (rows, columns) of every batched matmul's result."""
+    return {shape[-2:] for shape in batched_dots(text)}
+
+
+def elements(text: str, tile: tuple[int, int]) -> int:
+    """The elements of the batched matmul results whose (rows, columns) are ``tile``: the scores and
+    their gradients a device computes (each element costs the head dim's multiply-adds)."""
+    return sum(int(np.prod(shape)) for shape in batched_dots(text) if shape[-2:] == tile)
 
 
 def test_each_device_computes_its_queries_rows_of_the_scores_and_no_device_all_of_them():
     """The compiled step's scores are (16/4 queries × 16 keys) per device under ContextParallel(4);
     without it (the same batch) they are (16 × 16): what this test would see were the attention left
-    whole. (16 tokens: no other matmul of the model has a dim of that size.)"""
+    whole. (16 tokens: no other matmul of the model has a dim of that size.) Each device computes an
+    eighth of the scores under both, so the gathers duplicate no work; and the step is one program
+    that every device runs on its share, so a causal mask leaves every device the same work."""
     batch = {"x": np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)}
-    tiles = {}
+    tiles, texts = {}, {}
     for name, strategy in (("cp", px.combine(px.DataParallel(2), px.ContextParallel(4))), ("dp", px.DataParallel())):
         state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
         text = px.make_train_step(lm_loss, strategy).lower(state, batch).compile().as_text()
-        tiles[name] = score_tiles(text)
+        tiles[name], texts[name] = score_tiles(text), text
     assert (4, 16) in tiles["cp"] and (16, 16) not in tiles["cp"], tiles
     assert (16, 16) in tiles["dp"], tiles
+    assert elements(texts["cp"], (4, 16)) == elements(texts["dp"], (16, 16)) == 2 * (16 // 8) * 4 * 16 * 16, (
+        batched_dots(texts["cp"]), batched_dots(texts["dp"]))  # the scores, and their gradient
 
 
 def mlp_loss(model, batch):
