@@ -31,7 +31,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
     pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs."""
     policy = remat_parts(remat)[1]
-    for change in strategy.run_changes:
+    # The attention split first: a pipeline then runs the layers with their attention split.
+    for change in sorted(strategy.run_changes, key=lambda c: not isinstance(c, ContextRun)):
         if isinstance(change, ContextRun):
             loss = context_parallel(loss, mesh=mesh, axis=change.axis)
         elif isinstance(change, PipelineRun):
@@ -72,11 +73,6 @@ def run_change_paths(strategy: Strategy, compile_option: str) -> tuple[tuple[str
     """The compile paths a strategy that changes how the model runs allows (``None``: any)."""
     if not strategy.run_changes:
         return None
-    kinds = {type(change) for change in strategy.run_changes}
-    if {ContextRun, PipelineRun} <= kinds:
-        raise ValueError(f"{strategy.describe()}: ContextParallel does not combine with PipelineParallel yet (the "
-                         "pipeline's layers would run the attention inside its loop, which the context split does not "
-                         "reach). Use one of them, with DataParallel, FSDP or TensorParallel.")
     what = " and ".join(dict.fromkeys("splits the model's attention over the sequence" if isinstance(c, ContextRun)
                                       else "runs the model's stack as a pipeline" for c in strategy.run_changes))
     if compile_option == "shard_map":
