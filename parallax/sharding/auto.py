@@ -11,6 +11,7 @@ import itertools
 
 from jax.sharding import Mesh
 
+from parallax.sharding.context_parallel import ContextParallel
 from parallax.sharding.named import parse_strategy
 from parallax.sharding.parts import FSDP, FSDP_SPLITS, DataParallel, TensorParallel
 from parallax.sharding.pipeline import PipelineParallel
@@ -102,6 +103,25 @@ def pipeline_candidates(device_count: int, *, data: DataParallel = DataParallel(
     return found
 
 
+def context_candidates(device_count: int, *, data: DataParallel = DataParallel(),
+                       fsdp: FSDP = FSDP(split="largest")) -> list[Strategy]:
+    """The meshes with a context axis ``strategy="auto"`` adds for a model with attention whose batch
+    the devices cannot split (a few long sequences): for each context size ``C`` that divides the
+    devices, the sequence over all of them, or DP or FSDP over the rest.
+
+    Example:
+        >>> [s.describe() for s in context_candidates(4)]  # doctest: +NORMALIZE_WHITESPACE
+        ['ContextParallel(context=2) × DataParallel(data=2)', 'ContextParallel(context=2) × FSDP(fsdp=2)',
+         'ContextParallel(context=4)']
+    """
+    found = []
+    for size in (d for d in range(2, device_count + 1) if device_count % d == 0):
+        context, rest = ContextParallel(size), device_count // size
+        found += [context] if rest == 1 else [combine(context, dataclasses.replace(data, size=rest)),
+                                              combine(context, dataclasses.replace(fsdp, size=rest))]
+    return found
+
+
 def with_split(strategy: Strategy, split: str) -> Strategy:
     """``strategy`` with each FSDP part's ``split="auto"`` set to ``split``.
 
@@ -126,8 +146,9 @@ def fsdp_split(strategy: Strategy) -> str | None:
 
 
 def from_mesh(mesh: Mesh) -> Strategy:
-    """The strategy a mesh built by ``strategy="auto"`` stands for (axes ``data``, ``fsdp``, ``tensor``)."""
-    kinds = {"data": DataParallel, "fsdp": FSDP, "tensor": TensorParallel}
+    """The strategy a mesh built by ``strategy="auto"`` stands for (axes ``data``, ``fsdp``, ``tensor``,
+    ``context``)."""
+    kinds = {"data": DataParallel, "fsdp": FSDP, "tensor": TensorParallel, "context": ContextParallel}
     unknown = [name for name in mesh.axis_names if name not in kinds]
     if unknown:
         raise ValueError(f"strategy='auto' reads the strategy from the state's mesh, but its axes {list(mesh.axis_names)} "

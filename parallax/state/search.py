@@ -29,10 +29,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
+from parallax.models.context_attention import model_has_attention
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import (AUTO, candidates, fsdp_split, is_auto, pipeline_candidates, split_candidates,
+from parallax.sharding.auto import (AUTO, candidates, context_candidates, fsdp_split, is_auto, pipeline_candidates,
+                                    split_candidates,
                                     with_split)
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
@@ -169,7 +171,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     Args:
         model, optimizer, example_batch, loss_fn, rng, rng_streams: as for :func:`parallax.init_state`.
         strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, :func:`~parallax.sharding.auto.candidates`;
-            with a stack of blocks, the pipelines of ``pipeline_candidates`` too) or a strategy whose FSDP part has
+            with a stack of blocks, the pipelines of ``pipeline_candidates`` too; for a model with attention
+            whose batch the devices do not divide, the context meshes of ``context_candidates`` too) or a strategy whose FSDP part has
             ``split="auto"`` (each split on the given mesh); any other strategy is returned as is.
         devices: the devices to search meshes over (all of this process's by default).
         mesh: for a split search, the mesh to use; ``strategy="auto"`` picks its own.
@@ -211,6 +214,14 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                       rng, rng_streams, None, topology)  # all priced (no clock): the same pool on every run
         for mine, theirs in zip((estimates, found, skipped, runnable), more):
             mine.update(theirs)
+    if strategy == AUTO and among is None and _rows(example_batch) % len(devices) \
+            and model_has_attention(model, example_batch, loss_fn, rng_streams):
+        # A few long sequences the devices cannot split: the sequence over them is a candidate too.
+        split = priced_candidates(context_candidates(len(devices)), options.compile)
+        more = _price(split, options, model, optimizer, example_batch, loss_fn, mesh, devices, budget, splitting,
+                      rng, rng_streams, None, topology)
+        for mine, theirs in zip((estimates, found, skipped, runnable), more):
+            mine.update(theirs)
     changes: dict = {}
     if budget is not None and not any(e.peak <= budget for e in estimates.values()):
         for fields in _fallbacks(options, lambda: repeated_blocks(model, example_batch, loss_fn)):
@@ -241,6 +252,12 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step)
     log.info("%s", resolved.describe())
     return resolved
+
+
+def _rows(batch: Any) -> int:
+    """The batch's rows (its leaves' leading dim; 0 for a batch without one)."""
+    shapes = [tuple(getattr(leaf, "shape", np.shape(leaf))) for leaf in jax.tree.leaves(batch)]
+    return next((int(shape[0]) for shape in shapes if shape), 0)
 
 
 def _stacks(found: dict) -> bool:
