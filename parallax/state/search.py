@@ -29,15 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
-from parallax.models.context_attention import model_has_attention
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import (AUTO, candidates, context_candidates, fsdp_split, is_auto, pipeline_candidates,
-                                    split_candidates,
-                                    with_split)
+from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
+from parallax.state.more_candidates import more_candidates
 from parallax.state.plan import plan_state
 from parallax.state.search_budget import SearchBudget
 from parallax.state.summary import summarize
@@ -208,18 +206,11 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
                                 splitting, rng, rng_streams, spent, topology)
     estimates, found, skipped, runnable = price(options)
-    if strategy == AUTO and among is None and _stacks(found):  # a pipeline over its stack is a candidate too
-        staged = priced_candidates(pipeline_candidates(len(devices)), options.compile)
-        more = _price(staged, options, model, optimizer, example_batch, loss_fn, mesh, devices, budget, splitting,
-                      rng, rng_streams, None, topology)  # all priced (no clock): the same pool on every run
-        for mine, theirs in zip((estimates, found, skipped, runnable), more):
-            mine.update(theirs)
-    if strategy == AUTO and among is None and _rows(example_batch) % len(devices) \
-            and model_has_attention(model, example_batch, loss_fn, rng_streams):
-        # A few long sequences the devices cannot split: the sequence over them is a candidate too.
-        split = priced_candidates(context_candidates(len(devices)), options.compile)
-        more = _price(split, options, model, optimizer, example_batch, loss_fn, mesh, devices, budget, splitting,
-                      rng, rng_streams, None, topology)
+    extra = more_candidates(found, model, example_batch, loss_fn, rng_streams, len(devices)) \
+        if strategy == AUTO and among is None else []  # a pipeline over its stack; the sequence over the devices
+    if extra:
+        more = _price(priced_candidates(extra, options.compile), options, model, optimizer, example_batch, loss_fn,
+                      mesh, devices, budget, splitting, rng, rng_streams, None, topology)  # all priced (no clock)
         for mine, theirs in zip((estimates, found, skipped, runnable), more):
             mine.update(theirs)
     changes: dict = {}
@@ -252,18 +243,6 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step)
     log.info("%s", resolved.describe())
     return resolved
-
-
-def _rows(batch: Any) -> int:
-    """The batch's rows (its leaves' leading dim; 0 for a batch without one)."""
-    shapes = [tuple(getattr(leaf, "shape", np.shape(leaf))) for leaf in jax.tree.leaves(batch)]
-    return next((int(shape[0]) for shape in shapes if shape), 0)
-
-
-def _stacks(found: dict) -> bool:
-    """Whether a priced candidate found a stack of blocks in the model (an FSDP part told which
-    param dims a ``scan`` steps over)."""
-    return any(getattr(part, "scanned", None) for strategy, *_ in found.values() for part in strategy.parts)
 
 
 def _largest(strategy: Strategy, mesh: Mesh | None, devices: Sequence[jax.Device] | None,

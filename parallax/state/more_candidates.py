@@ -1,0 +1,42 @@
+"""The candidates ``strategy="auto"`` adds for what a model shows once its meshes are priced.
+
+Beyond every DP × FSDP × TP mesh of the devices (:func:`parallax.sharding.auto.candidates`): a
+pipeline over the model's stack of blocks, where a priced candidate found one
+(:func:`~parallax.sharding.auto.pipeline_candidates`), and the sequence split over a context axis,
+for a model with attention whose batch the devices do not divide: a few long sequences
+(:func:`~parallax.sharding.auto.context_candidates`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from parallax.models.context_attention import model_has_attention
+from parallax.sharding.auto import context_candidates, pipeline_candidates
+from parallax.sharding.strategy import Strategy
+
+
+def more_candidates(found: dict, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
+                    device_count: int) -> list[Strategy]:
+    """The pipelines and context meshes to price besides the meshes already priced (``found``)."""
+    more = []
+    if stacks(found):
+        more += pipeline_candidates(device_count)
+    if rows(example_batch) % device_count and model_has_attention(model, example_batch, loss_fn, rng_streams):
+        more += context_candidates(device_count)
+    return more
+
+
+def rows(batch: Any) -> int:
+    """The batch's rows (its leaves' leading dim; 0 for a batch without one)."""
+    shapes = [tuple(getattr(leaf, "shape", np.shape(leaf))) for leaf in jax.tree.leaves(batch)]
+    return next((int(shape[0]) for shape in shapes if shape), 0)
+
+
+def stacks(found: dict) -> bool:
+    """Whether a priced candidate found a stack of blocks in the model (an FSDP part told which
+    param dims a ``scan`` steps over)."""
+    return any(getattr(part, "scanned", None) for strategy, *_ in found.values() for part in strategy.parts)
