@@ -126,7 +126,7 @@ MODELS = {
 
 @pytest.mark.parametrize("model, strategy, optimizer", [
     ("linen", "cp4", "sgd"), ("linen", "cp2-fsdp4", "adamw"), ("linen", "cp2-tp2-dp2", "sgd"),
-    ("linen-stack", "pp2-cp2-dp2", "adamw"),
+    ("linen-stack", "pp2-cp2-dp2", "adamw"), ("linen-stack", "cp2-fsdp4", "sgd"),
     ("nnx", "cp2-tp2-dp2", "adamw"), ("nnx", "cp4", "sgd"),
     ("dot_product_attention", "cp2-fsdp4", "sgd"), ("dot_product_attention", "cp4", "adamw"),
     ("gpt2", "cp2-fsdp4", "adamw"), ("gpt2", "cp2-tp2-dp2", "sgd"), ("llama", "cp4", "adamw"),

@@ -38,7 +38,8 @@ from parallax._compat import scan_counts
 from parallax.sharding.chains import REMAT, call_body
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach the attention inside them
-_OPAQUE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+_OPAQUE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")  # read, not opened
+_OPENED = (*_INLINED, *REMAT, "scan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,20 +96,25 @@ def _moved(eqn: Any, operand: int, dims: tuple[int, int]) -> list[tuple[int, int
     return [dims if tuple(getattr(v.aval, "shape", ())) == shape else None for v in eqn.outvars]
 
 
-def _track(jaxpr: Any, tracked: dict, outputs: bool = False, start: int = 0) -> Any:
-    """The (queries, keys) dims of every value computed from ``tracked`` in ``jaxpr`` from equation
-    ``start`` on (``outputs``: those of its outputs, in order)."""
+def _track(jaxpr: Any, tracked: dict, outputs: bool = False) -> Any:
+    """The (queries, keys) dims of every value computed from ``tracked`` in ``jaxpr``, through any
+    equation but a ``dot_general`` (``outputs``: those of its outputs, in order)."""
     tracked = dict(tracked)
-    for eqn in jaxpr.eqns[start:]:
-        for operand, v in enumerate(eqn.invars):
-            if isinstance(v, core.Literal) or v not in tracked or eqn.primitive.name == "dot_general":
-                continue
-            for out, dims in zip(eqn.outvars, _moved(eqn, operand, tracked[v])):
-                if dims is not None:
-                    tracked.setdefault(out, dims)
+    for eqn in jaxpr.eqns:
+        _follow(eqn, tracked)
     if outputs:
         return [None if isinstance(v, core.Literal) else tracked.get(v) for v in jaxpr.outvars]
     return tracked
+
+
+def _follow(eqn: Any, tracked: dict) -> None:
+    """Adds to ``tracked`` the (queries, keys) dims of ``eqn``'s results computed from tracked operands."""
+    for operand, v in enumerate(eqn.invars):
+        if isinstance(v, core.Literal) or v not in tracked or eqn.primitive.name == "dot_general":
+            continue
+        for out, dims in zip(eqn.outvars, _moved(eqn, operand, tracked[v])):
+            if dims is not None:
+                tracked.setdefault(out, dims)
 
 
 def find_attention(jaxpr: Any) -> list[Attention]:
@@ -166,20 +172,16 @@ def _weighted_values(eqns: Sequence[Any], index: int, out: tuple[int, int]) -> t
                 query_out = len(lb) + (free.index(dims[0]) if side == 0 else len(lhs_free) + free.index(dims[0]))
                 return later_index, {(later_index, side): dims, (later_index, 1 - side): (None, other_contract[0]),
                                      (later_index, "out"): (query_out, None)}
-        for operand, v in enumerate(later.invars):
-            if isinstance(v, core.Literal) or v not in tracked or later.primitive.name == "dot_general":
-                continue
-            for result, dims in zip(later.outvars, _moved(later, operand, tracked[v])):
-                if dims is not None:
-                    tracked.setdefault(result, dims)
+        _follow(later, tracked)
     return None
 
 
 def holds_attention(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` computes an attention, in itself or in a call, scan or checkpoint inside it."""
+    """Whether ``jaxpr`` computes an attention, in itself or in a call, scan or checkpoint inside it
+    (not inside a custom derivative's function, which :func:`context_parallel` does not open)."""
     if find_attention(jaxpr):
         return True
-    return any(_body(eqn) is not None and holds_attention(_body(eqn)[0]) for eqn in jaxpr.eqns)
+    return any(eqn.primitive.name in _OPENED and holds_attention(call_body(eqn)[0]) for eqn in jaxpr.eqns)
 
 
 def model_has_attention(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> bool:
@@ -267,7 +269,7 @@ def _check(jaxpr: Any, size: int, axis: str) -> int:
                     f"e.g. with the attention mask), or use a context size that divides {length}.")
         count += 1
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in (*_INLINED, *REMAT, "scan"):
+        if eqn.primitive.name in _OPENED:
             count += _check(call_body(eqn)[0], size, axis)
     return count
 
@@ -286,7 +288,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
             dims = pinned[index]
             ins = [pin(x, *dims[(index, side)]) if (index, side) in dims else x for side, x in enumerate(ins)]
             outs = [pin(_bind(eqn, ins)[0], *dims[(index, "out")])]
-        elif name in (*_INLINED, *REMAT, "scan") and holds_attention(call_body(eqn)[0]):
+        elif name in _OPENED and holds_attention(call_body(eqn)[0]):
             outs = _open(eqn, ins, pin)
         else:
             outs = _bind(eqn, ins)
