@@ -1,8 +1,8 @@
 """Per-device memory against sequence length under ContextParallel (``python -m benchmarks.context_memory``).
 
-A causal transformer LM (2 blocks of linen's ``nn.MultiHeadDotProductAttention``, width 64, 4
-heads) on a batch of 2 sequences, planned by ``px.plan`` (compiled, nothing allocated) for each
-sequence length under ``ContextParallel(c)`` on ``c`` devices (``c = 1``: one device, no context
+A causal transformer LM (``benchmarks/models.py``'s ``TransformerLM``: 2 blocks of linen's
+``nn.MultiHeadDotProductAttention``, width 64, 4 heads) on a batch of 2 sequences, planned by
+``px.plan`` (compiled, nothing allocated) for each sequence length under ``ContextParallel(c)`` on ``c`` devices (``c = 1``: one device, no context
 axis). It prints each compiled step's per-device peak (arguments + outputs - donated + temps,
 from ``memory_analysis()``: exact), the peak times ``c`` over one device's (1.0 where memory falls
 exactly as 1/CP), and the longest of the lengths whose step fits a per-device budget
@@ -17,39 +17,21 @@ SIZES = (1, 2, 4, 8)
 
 def main() -> None:
     args = side_runner_args(__doc__, models="lm", rounds=1, budget="40000000")
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import optax
 
     import parallax as px
     from benchmarks import report
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(4)(h, h, mask=nn.make_causal_mask(x[..., 0]))
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
-
-    class LM(nn.Module):
-        @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(256, 64)(tokens)
-            for _ in range(2):
-                x = Block()(x)
-            return nn.Dense(256)(nn.LayerNorm()(x))
-
-    def loss_fn(model, batch):
-        logits = model(batch["tokens"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+    from benchmarks.models import TransformerLM, lm_loss
 
     lengths = LENGTHS[:2] if args.smoke else LENGTHS
     results = []
     for length in lengths:
-        batch = {"tokens": jax.ShapeDtypeStruct((2, length + 1), jnp.int32)}
+        batch = {"x": jax.ShapeDtypeStruct((2, length + 1), jnp.int32)}
         for size in SIZES:
-            row = px.plan(LM(), optax.adamw(1e-3), batch, loss_fn=loss_fn, strategies=["dp" if size == 1 else f"cp{size}"],
+            lm = TransformerLM(vocab=256, features=64, layers=2, heads=4)
+            row = px.plan(lm, optax.adamw(1e-3), batch, loss_fn=lm_loss, strategies=["dp" if size == 1 else f"cp{size}"],
                           devices=[size]).rows[0]
             results.append({"length": length, "context": size, "peak": int(row["peak"])})
     budget = int(args.budget)

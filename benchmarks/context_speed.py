@@ -1,8 +1,9 @@
 """Tokens per second and per-device peak under ContextParallel against sequence length
 (``python -m benchmarks.context_speed``).
 
-The causal LM of ``benchmarks/context_memory.py`` (2 blocks of linen's
-``nn.MultiHeadDotProductAttention``, width 64) trains on a batch of 8 sequences on the 8 devices
+The causal LM of ``benchmarks/context_memory.py`` (``benchmarks/models.py``'s ``TransformerLM``: 2
+blocks of linen's ``nn.MultiHeadDotProductAttention``, width 64, 4 heads) trains on a batch of 8
+sequences on the 8 devices
 under ``DataParallel(8)`` (one sequence per device), ``ContextParallel(2) × DataParallel(4)``,
 ``ContextParallel(4) × DataParallel(2)`` and ``ContextParallel(8)`` (one sequence over all
 devices), at several sequence lengths. Step times are measured in interleaved rounds (each a mean
@@ -20,61 +21,38 @@ CONTEXT = (1, 2, 4, 8)
 
 def main() -> None:
     args = side_runner_args(__doc__, models="lm", rounds=5)
-    import time
-
-    import flax.linen as nn
     import jax
     import numpy as np
     import optax
 
     import parallax as px
-    from benchmarks import report, time_interleaved
+    from benchmarks import TimedSteps, report, time_interleaved
+    from benchmarks.models import TransformerLM, lm_loss
     from parallax import inspect
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(4)(h, h, mask=nn.make_causal_mask(x[..., 0]))
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
+    def lm():  # the causal LM of benchmarks/context_memory.py
+        return TransformerLM(vocab=256, features=64, layers=2, heads=4)
 
-    class LM(nn.Module):
-        @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(256, 64)(tokens)
-            for _ in range(2):
-                x = Block()(x)
-            return nn.Dense(256)(nn.LayerNorm()(x))
-
-    def loss_fn(model, batch):
-        logits = model(batch["tokens"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
-
-    class Runner:
+    class Runner(TimedSteps):
         def __init__(self, length: int, context: int):
             self.length, self.context, self.times = length, context, []
             rows = 8
-            batch = {"tokens": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
+            batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
             parts = [px.ContextParallel(context)] if context > 1 else []
             if context < 8:
                 parts.append(px.DataParallel(8 // context))
             strategy = parts[0] if len(parts) == 1 else px.combine(*parts)
             self.label = strategy.describe()
-            self.state = px.init_state(LM(), optax.adamw(1e-3), batch, strategy=strategy, loss_fn=loss_fn)
-            self.step = px.make_train_step(loss_fn, strategy, compile="jit")
+            self.state = px.init_state(lm(), optax.adamw(1e-3), batch, strategy=strategy, loss_fn=lm_loss)
+            self.step = px.make_train_step(lm_loss, strategy, compile="jit")
             compiled = self.step.lower(self.state, batch).compile()
             self.peak = inspect.peak_bytes(inspect.memory_bytes(compiled))
             self.moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
-            self.batch, self.tokens = batch, rows * length
+            mesh = strategy.make_mesh()  # the batch on the devices once, not copied from the host at every step
+            self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
+            self.tokens = rows * length
             self.state, metrics = self.step(self.state, self.batch)
             jax.block_until_ready(metrics)
-
-        def run(self) -> float:
-            start = time.perf_counter()
-            for _ in range(3):
-                self.state, metrics = self.step(self.state, self.batch)
-            jax.block_until_ready(metrics)
-            return (time.perf_counter() - start) / 3
 
     lengths = LENGTHS[:1] if args.smoke else LENGTHS
     runners = [Runner(length, context) for length in lengths for context in CONTEXT]

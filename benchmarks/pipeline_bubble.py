@@ -27,7 +27,7 @@ def main() -> None:
     import optax
 
     import parallax as px
-    from benchmarks import report, time_interleaved
+    from benchmarks import TimedSteps, report, time_interleaved
 
     lm = args.models == "lm"
     width, layers, rows = (64, 8, 64) if args.smoke else ((128, 8, 64) if lm else (512, 8, 512))
@@ -61,7 +61,7 @@ def main() -> None:
             logits = model(batch["tokens"][:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
 
-    class Runner:
+    class Runner(TimedSteps):
         def __init__(self, schedule: str, repeats: int, microbatches: int):
             self.label, self.times = f"{schedule} R={repeats} M={microbatches}", []
             self.factor = (repeats * microbatches + 3) / (repeats * microbatches)  # S = 4
@@ -74,15 +74,6 @@ def main() -> None:
             self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
             self.state, metrics = self.step(self.state, self.batch)
             jax.block_until_ready(metrics)
-
-        def run(self) -> float:
-            import time
-
-            start = time.perf_counter()
-            for _ in range(3):
-                self.state, metrics = self.step(self.state, self.batch)
-            jax.block_until_ready(metrics)
-            return (time.perf_counter() - start) / 3
 
     runners = [Runner(*config) for config in CONFIGS]
     time_interleaved(runners, args.rounds)

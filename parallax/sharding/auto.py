@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Callable
 
 from jax.sharding import Mesh
 
@@ -94,13 +95,7 @@ def pipeline_candidates(device_count: int, *, data: DataParallel = DataParallel(
         ['PipelineParallel(stage=2) × DataParallel(data=2)', 'PipelineParallel(stage=2) × FSDP(fsdp=2)',
          'PipelineParallel(stage=4)']
     """
-    found = []
-    for stages in (d for d in range(2, device_count + 1) if device_count % d == 0):
-        staged = dataclasses.replace(pipeline, stages=stages)
-        rest = device_count // stages
-        found += [staged] if rest == 1 else [combine(staged, dataclasses.replace(data, size=rest)),
-                                             combine(staged, dataclasses.replace(fsdp, size=rest))]
-    return found
+    return _each_size_with_the_rest(device_count, lambda stages: dataclasses.replace(pipeline, stages=stages), data, fsdp)
 
 
 def context_candidates(device_count: int, *, data: DataParallel = DataParallel(),
@@ -114,11 +109,18 @@ def context_candidates(device_count: int, *, data: DataParallel = DataParallel()
         ['ContextParallel(context=2) × DataParallel(data=2)', 'ContextParallel(context=2) × FSDP(fsdp=2)',
          'ContextParallel(context=4)']
     """
+    return _each_size_with_the_rest(device_count, ContextParallel, data, fsdp)
+
+
+def _each_size_with_the_rest(device_count: int, part: Callable[[int], Strategy], data: DataParallel,
+                             fsdp: FSDP) -> list[Strategy]:
+    """For each size ``S`` > 1 that divides the devices, ``part(S)`` alone (``S`` = all of them), or
+    with ``data`` or ``fsdp`` over the rest."""
     found = []
     for size in (d for d in range(2, device_count + 1) if device_count % d == 0):
-        context, rest = ContextParallel(size), device_count // size
-        found += [context] if rest == 1 else [combine(context, dataclasses.replace(data, size=rest)),
-                                              combine(context, dataclasses.replace(fsdp, size=rest))]
+        rest = device_count // size
+        found += [part(size)] if rest == 1 else [combine(part(size), dataclasses.replace(data, size=rest)),
+                                                 combine(part(size), dataclasses.replace(fsdp, size=rest))]
     return found
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from parallax.sharding.parts import check_axis
 from parallax.sharding.strategy import Strategy
 
 METHODS = ("all_gather",)
@@ -60,11 +61,7 @@ class ContextParallel(Strategy):
     link_rank = 35  # keys and values of every attention, each step: inside a host before data parallelism
 
     def __post_init__(self):
-        if not isinstance(self.axis, str) or not self.axis:
-            raise ValueError(f"ContextParallel(axis={self.axis!r}): the axis name must be a non-empty string.")
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or (self.size < 1 and self.size != -1):
-            raise ValueError(f"ContextParallel(size={self.size!r}): use a positive number of devices, or -1 for the "
-                             "devices left over.")
+        check_axis("ContextParallel", self.size, self.axis)
         if self.method not in METHODS:
             raise ValueError(f"ContextParallel(method={self.method!r}): use one of {METHODS} (each device gathers "
                              "the keys and values of the sequence whole, per attention).")

@@ -20,7 +20,7 @@ from parallax.sharding.strategy import Strategy
 __all__ = ["DataParallel", "FSDP", "TensorParallel"]
 
 
-def _check_axis(kind: str, size: Any, axis: Any) -> None:
+def check_axis(kind: str, size: Any, axis: Any) -> None:
     if not isinstance(axis, str) or not axis:
         raise ValueError(f"{kind}(axis={axis!r}): the axis name must be a non-empty string.")
     if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
@@ -49,7 +49,7 @@ class DataParallel(Strategy):
     link_rank = 30  # one all-reduce of the gradients per step: across hosts first
 
     def __post_init__(self):
-        _check_axis("DataParallel", self.size, self.axis)
+        check_axis("DataParallel", self.size, self.axis)
 
     def place(self, path, shape, dims, axis_sizes):
         return dims
@@ -101,7 +101,7 @@ class FSDP(Strategy):
     uses_computation = True  # to learn which param dims a scan steps over
 
     def __post_init__(self):
-        _check_axis("FSDP", self.size, self.axis)
+        check_axis("FSDP", self.size, self.axis)
         if isinstance(self.min_weight_size, bool) or not isinstance(self.min_weight_size, int) or self.min_weight_size < 0:
             raise ValueError(
                 f"FSDP(min_weight_size={self.min_weight_size!r}): use an integer >= 0 "
@@ -204,7 +204,7 @@ class TensorParallel(Strategy):
     link_rank = 10  # activations at every layer: inside a host first
 
     def __post_init__(self):
-        _check_axis("TensorParallel", self.size, self.axis)
+        check_axis("TensorParallel", self.size, self.axis)
         if self.rules is not None:
             object.__setattr__(self, "rules", tp_rules.validate_rules(self.rules))
         if not isinstance(self.derive, bool):
