@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,6 +34,8 @@ from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import scan_counts
+from parallax.models.ring_attention import Ring, reshaped_dim
+from parallax.models.ring_attention import region as ring_region
 from parallax.sharding.chains import REMAT, call_body
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach the attention inside them
@@ -70,15 +71,6 @@ def _dims(eqn: Any) -> tuple[tuple, tuple, list[int], list[int]]:
     return (lc, rc), (lb, rb), [d for d in range(lhs) if d not in (*lc, *lb)], [d for d in range(rhs) if d not in (*rc, *rb)]
 
 
-def _reshaped(old: Sequence[int], new: Sequence[int], dim: int) -> int | None:
-    """Where ``dim`` of shape ``old`` is in the reshape to ``new``, where it stays a dim of its own."""
-    before = math.prod(old[:dim])
-    for j in range(len(new)):
-        if math.prod(new[:j]) == before and new[j] == old[dim]:
-            return j
-    return None
-
-
 def _moved(eqn: Any, operand: int, dims: tuple[int, int]) -> list[tuple[int, int] | None]:
     """Where the (queries, keys) dims of ``eqn``'s operand at ``operand`` are in each of its results."""
     name, shape = eqn.primitive.name, tuple(eqn.invars[operand].aval.shape)
@@ -88,7 +80,7 @@ def _moved(eqn: Any, operand: int, dims: tuple[int, int]) -> list[tuple[int, int
     if name == "broadcast_in_dim":
         return [tuple(int(eqn.params["broadcast_dimensions"][d]) for d in dims)]
     if name == "reshape":
-        moved = tuple(_reshaped(shape, tuple(eqn.outvars[0].aval.shape), d) for d in dims)
+        moved = tuple(reshaped_dim(shape, tuple(eqn.outvars[0].aval.shape), d) for d in dims)
         return [None if None in moved else moved]
     inner = _body(eqn)
     if inner is not None and name != "scan":
@@ -211,6 +203,7 @@ def _body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
 class _Pin:
     mesh: Mesh
     axis: str
+    method: str = "all_gather"
 
     def __call__(self, x: Any, split: int | None = None, whole: int | None = None) -> Any:
         """``x`` with its dim ``split`` over the axis and its dim ``whole`` on no axis, the rest free."""
@@ -222,13 +215,15 @@ class _Pin:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*dims)))
 
 
-def context_parallel(fn: Callable, *, mesh: Mesh, axis: str) -> Callable:
+def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_gather") -> Callable:
     """``fn`` with every attention it computes split along its queries' sequence over ``mesh``'s ``axis``.
 
     Args:
         fn: the function (a model's forward pass, a loss).
         mesh: the mesh (the axis and any others the surrounding step uses).
         axis: the context axis.
+        method: ``"all_gather"`` (each device gathers the keys and values whole) or ``"ring"``
+            (:mod:`parallax.models.ring_attention`: passed round the axis a block at a time).
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
@@ -238,7 +233,7 @@ def context_parallel(fn: Callable, *, mesh: Mesh, axis: str) -> Callable:
             it), or a sequence length the axis does not divide (and what to pad it to).
     """
     size = int(mesh.shape[axis])
-    pin = _Pin(mesh, axis)
+    pin = _Pin(mesh, axis, method)
 
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -280,8 +275,19 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
     values: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     values.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
-    pinned = {i: a.dims for a in find_attention(jaxpr) for i in (a.scores, a.values)}
+    attentions = find_attention(jaxpr)
+    pinned = {i: a.dims for a in attentions for i in (a.scores, a.values)}
+    rings, skipped = {}, set()
+    if pin.method == "ring":
+        for a in attentions:
+            rings[a.values] = (a, ring_region(jaxpr, a))
+            skipped.update((a.scores, *rings[a.values][1]))
     for index, eqn in enumerate(jaxpr.eqns):
+        if index in skipped:
+            continue
+        if index in rings:
+            values[eqn.outvars[0]] = Ring(pin.mesh, pin.axis)(jaxpr.eqns, *rings[index], read)
+            continue
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         if index in pinned:

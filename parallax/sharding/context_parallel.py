@@ -15,7 +15,7 @@ import dataclasses
 from parallax.sharding.parts import check_axis
 from parallax.sharding.strategy import Strategy
 
-METHODS = ("all_gather",)
+METHODS = ("all_gather", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,9 @@ class ContextParallel(Strategy):
     def __post_init__(self):
         check_axis("ContextParallel", self.size, self.axis)
         if self.method not in METHODS:
-            raise ValueError(f"ContextParallel(method={self.method!r}): use one of {METHODS} (each device gathers "
-                             "the keys and values of the sequence whole, per attention).")
+            raise ValueError(f"ContextParallel(method={self.method!r}): use 'all_gather' (each device gathers the "
+                             "keys and values of the sequence whole, per attention) or 'ring' (they are passed round "
+                             "the axis a block at a time).")
 
     @property
     def run_change(self) -> ContextRun:

@@ -34,7 +34,7 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     # The attention split first: a pipeline then runs the layers with their attention split.
     for change in sorted(strategy.run_changes, key=lambda c: not isinstance(c, ContextRun)):
         if isinstance(change, ContextRun):
-            loss = context_parallel(loss, mesh=mesh, axis=change.axis)
+            loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method)
         elif isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
