@@ -27,6 +27,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core
 from jax.sharding import Mesh, PartitionSpec
 
@@ -35,11 +36,12 @@ from parallax.sharding.chains import call_body
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 _COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
+_IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
 _SHAPED = {"broadcast_in_dim": "shape", "reshape": "new_sizes"}  # the param holding the result's shape
 _MOVING = ("transpose", "squeeze", *_SHAPED, *_COMBINE, "reduce_precision", "copy", "copy_p")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Const:
     """A constant of an inlined call's body, where a variable would be."""
 
@@ -101,7 +103,8 @@ class _Weights:
     derived: set  # the variables computed from the scores
     roles: dict  # variable -> (queries' dim, keys' dim), each None where it has none
     reductions: list[int]  # the ops reducing over the keys, in order
-    sides: list  # the values computed without the scores that the weights' ops read
+    inside: set  # the ops not computed from the scores that run per block all the same
+    sides: list  # the values computed whole (without the scores) that those and the weights' ops read
 
 
 def _weights(ops: list[_Op], scores: Any, roles: tuple, weights: Any) -> _Weights:
@@ -137,16 +140,80 @@ def _weights(ops: list[_Op], scores: Any, roles: tuple, weights: Any) -> _Weight
             found[out] = _merged(found, [v for v in op.invars if _is_var(v) and v in derived])
         else:
             raise _unreachable(f"a {name}")
-    sides = []
-    for op in ops:  # side values read elementwise with the scores' values share their dims
-        if any(_is_var(v) and v in derived for v in op.invars):
-            for v in op.invars:
-                if _is_var(v) and v not in derived and v not in sides and _shape(v):
-                    sides.append(v)
-                    found[v] = found[op.outvars[0]] if op.primitive.name not in _MOVING else (None, None)
     if weights not in derived:
         raise _unreachable("weights not computed from the scores")
-    return _Weights(ops, derived, found, reductions, sides)
+    inside, sides = _side_values(ops, derived, found)
+    return _Weights(ops, derived, found, reductions, inside, sides)
+
+
+def _side_values(ops: list[_Op], derived: set, found: dict) -> tuple[set, list]:
+    """Which ops not computed from the scores run per block too (those that move or combine values
+    elementwise: a mask's broadcast, a comparison), with their values' dims followed back from
+    where the weights' ops read them; and the values they start from, computed whole (``found``
+    gets their dims)."""
+    needed, outside, inside = set(), set(), set()
+    computed = derived_ops(ops, derived)
+    for index in reversed(range(len(ops))):
+        op = ops[index]
+        operands = [v for v in op.invars if _is_var(v) and v not in derived and _shape(v)]
+        if index in computed:
+            for v in operands:
+                needed.add(v)
+                if _elementwise(op):
+                    found.setdefault(v, found[op.outvars[0]])
+            continue
+        if not any(v in needed for v in op.outvars) or any(v in outside for v in op.outvars) or not _movable(op):
+            outside.update(operands)
+            continue
+        inside.add(index)
+        out = op.outvars[0]
+        for v in operands:
+            needed.add(v)
+            found.setdefault(v, _back(op, v, found.get(out, (None, None))))
+    made = {v for index in inside for v in ops[index].outvars}
+    starts = [v for v in dict.fromkeys(v for op in ops for v in op.invars if _is_var(v) or isinstance(v, _Const))
+              if v in needed and v not in made and v not in derived]
+    return inside, starts
+
+
+def derived_ops(ops: list[_Op], derived: set) -> set[int]:
+    return {i for i, op in enumerate(ops) if any(_is_var(v) and v in derived for v in op.invars)}
+
+
+def _elementwise(op: _Op) -> bool:
+    """One result, computed elementwise from operands of its rank (or scalars)."""
+    if len(op.outvars) != 1 or op.primitive.name in _MOVING:
+        return False
+    rank = len(_shape(op.outvars[0]))
+    ranks = [len(_shape(v)) for v in op.invars]
+    return rank in ranks and all(r in (0, rank) for r in ranks)
+
+
+def _movable(op: _Op) -> bool:
+    """Computes the same values at a block's shapes from the block of its operands."""
+    return _elementwise(op) or op.primitive.name in ("broadcast_in_dim", "transpose", "reshape", "squeeze")
+
+
+def _back(op: _Op, operand: Any, roles: tuple) -> tuple:
+    """The (queries, keys) dims of ``operand`` of ``op`` (one of :func:`_movable`'s), from its result's."""
+    name, shape, out = op.primitive.name, _shape(operand), _shape(op.outvars[0])
+
+    def each(dim: int | None) -> int | None:
+        if dim is None:
+            return None
+        if name == "broadcast_in_dim":
+            found = [d for d, b in enumerate(op.params["broadcast_dimensions"]) if int(b) == dim]
+            return found[0] if found and shape[found[0]] == out[dim] else None
+        if name == "transpose":
+            return int(op.params["permutation"][dim])
+        if name == "reshape":
+            return reshaped_dim(out, shape, dim)
+        if name == "squeeze":
+            kept = [d for d in range(len(shape)) if d not in {int(g) for g in op.params["dimensions"]}]
+            return kept[dim]
+        return dim if len(shape) == len(out) else None
+
+    return each(roles[0]), each(roles[1])
 
 
 def _merged(found: dict, operands: list) -> tuple:
@@ -192,8 +259,9 @@ class Ring:
         info = _weights(ops, scores, dims[(attention.scores, "out")], weights)
         env: dict = {}
         val = lambda v: v.val if isinstance(v, core.Literal) else v.value if isinstance(v, _Const) else env[v] if v in env else read(v)  # noqa: E731
-        for op in ops:  # the model's side values (masks, dropout's bits), whole, as one device computes them
-            if not any(_is_var(v) and v in info.derived for v in op.invars):
+        per_block = derived_ops(ops, info.derived) | info.inside
+        for index, op in enumerate(ops):  # the side values the blocks start from (a mask, dropout's bits), whole
+            if index not in per_block:
                 outs = op.primitive.bind(*[val(v) for v in op.invars], **op.primitive.get_bind_params(op.params))
                 env.update(zip(op.outvars, outs if op.primitive.multiple_results else [outs]))
         q_in = read(scores_eqn.invars[query_side])
@@ -205,7 +273,7 @@ class Ring:
         q_dim = dims[(attention.scores, query_side)][0]
         k_dim = dims[(attention.scores, 1 - query_side)][1]
         v_dim = dims[(attention.values, 1 - weights_side)][1]
-        side_dims = [info.roles[v] for v in info.sides]
+        side_dims = [info.roles.get(v, (None, None)) for v in info.sides]
         side_specs = [spec(len(_shape(v)), q if q is not None and _shape(v)[q] == queries else None)
                       for v, (q, _) in zip(info.sides, side_dims)]
         out_dim = dims[(attention.values, "out")][0]
@@ -224,12 +292,13 @@ class Ring:
                 local[v] = x
             get = lambda v: local[v] if _is_var(v) and v in local else val(v)  # noqa: E731
             for index, op in enumerate(ops):
-                if not any(_is_var(v) and v in info.derived for v in op.invars):
+                if index not in per_block:
                     continue
                 if index in finals:
                     local[op.outvars[0]] = finals[index]
                     continue
-                params = dict(op.params)
+                # Shardings traced outside the ring name the mesh before its axis went manual: left to the body.
+                params = {name: None if name in ("sharding", "out_sharding") else value for name, value in op.params.items()}
                 if op.primitive.name in _SHAPED:
                     key = _SHAPED[op.primitive.name]
                     params[key] = blocked(params[key], info.roles.get(op.outvars[0], (None, None)))
@@ -243,23 +312,25 @@ class Ring:
             index = jax.lax.axis_index(self.axis)
             perm = [(i, (i + 1) % size) for i in range(size)]
             finals: dict = {}
-            for reduction in [*info.reductions, None]:
-                kb, vb, total = k, v, None
-                for step in range(size):
-                    source = (index - step) % size
-                    if reduction is None:
-                        part = jax.checkpoint(lambda q, kb, vb, source, finals, sides: _bind(
-                            values_eqn, _sides(one_block(q, kb, source, finals, sides, None), vb, weights_side))[0])(
-                                q, kb, vb, source, finals, sides)
-                    else:
-                        part = jax.checkpoint(lambda q, kb, source, finals, sides, r=reduction: one_block(
-                            q, kb, source, finals, sides, r))(q, kb, source, finals, sides)
-                    combine = jax.lax.add if reduction is None else _COMBINE[ops[reduction].primitive.name]
-                    total = part if total is None else combine(total, part)
-                    if step + 1 < size:
-                        kb = jax.lax.ppermute(kb, self.axis, perm)
-                        if reduction is None:
-                            vb = jax.lax.ppermute(vb, self.axis, perm)
+            for reduction in [*info.reductions, None]:  # a pass round the ring for each, then the values'
+                if reduction is None:
+                    part = jax.checkpoint(lambda kb, vb, source: _bind(values_eqn, _sides(
+                        one_block(q, kb, source, finals, sides, None), vb, weights_side))[0])
+                    combine = jax.lax.add
+                else:
+                    part = jax.checkpoint(lambda kb, vb, source, r=reduction: one_block(q, kb, source, finals, sides, r))
+                    combine = _COMBINE[ops[reduction].primitive.name]
+
+                def step(carry, turn, part=part, combine=combine, moves_values=reduction is None):
+                    kb, vb, total = carry
+                    total = combine(total, part(kb, vb, (index - turn) % size))
+                    kb = jax.lax.ppermute(kb, self.axis, perm)  # the block of the device before, in turn
+                    vb = jax.lax.ppermute(vb, self.axis, perm) if moves_values else vb
+                    return (kb, vb, total), None
+
+                shape = jax.eval_shape(part, k, v, index)
+                start = jnp.full(shape.shape, _IDENTITY[combine], shape.dtype)
+                total = jax.lax.scan(step, (k, v, start), jnp.arange(size))[0][2]
                 if reduction is None:
                     return total
                 finals = {**finals, reduction: total}
