@@ -105,11 +105,13 @@ def padded_batches(steps: int, vocab: int = 64) -> list[dict]:
     return out
 
 
-STRATEGIES = {
-    "cp4": lambda: px.ContextParallel(4),  # on 4 of the 8 devices
-    "cp2-fsdp4": lambda: px.combine(px.ContextParallel(2), px.FSDP(4, min_weight_size=64)),
-    "cp2-tp2-dp2": lambda: px.combine(px.ContextParallel(2), px.TensorParallel(2), px.DataParallel(2)),
-    "pp2-cp2-dp2": lambda: px.combine(px.PipelineParallel(2), px.ContextParallel(2), px.DataParallel(2)),
+STRATEGIES = {  # each with the method its context axis runs attention by
+    "cp4": lambda m="all_gather": px.ContextParallel(4, method=m),  # on 4 of the 8 devices
+    "cp2-fsdp4": lambda m="all_gather": px.combine(px.ContextParallel(2, method=m), px.FSDP(4, min_weight_size=64)),
+    "cp2-tp2-dp2": lambda m="all_gather": px.combine(px.ContextParallel(2, method=m), px.TensorParallel(2),
+                                                     px.DataParallel(2)),
+    "pp2-cp2-dp2": lambda m="all_gather": px.combine(px.PipelineParallel(2), px.ContextParallel(2, method=m),
+                                                     px.DataParallel(2)),
 }
 MODELS = {
     "linen": (lambda: TinyLM(), lm_loss, lambda: batches("lm", 2)),
@@ -124,16 +126,19 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model, strategy, optimizer", [
-    ("linen", "cp4", "sgd"), ("linen", "cp2-fsdp4", "adamw"), ("linen", "cp2-tp2-dp2", "sgd"),
-    ("linen-stack", "pp2-cp2-dp2", "adamw"), ("linen-stack", "cp2-fsdp4", "sgd"),
-    ("nnx", "cp2-tp2-dp2", "adamw"), ("nnx", "cp4", "sgd"),
-    ("dot_product_attention", "cp2-fsdp4", "sgd"), ("dot_product_attention", "cp4", "adamw"),
-    ("gpt2", "cp2-fsdp4", "adamw"), ("gpt2", "cp2-tp2-dp2", "sgd"), ("llama", "cp4", "adamw"),
+@pytest.mark.parametrize("model, strategy, optimizer, method", [
+    ("linen", "cp4", "sgd", "all_gather"), ("linen", "cp2-fsdp4", "adamw", "all_gather"),
+    ("linen", "cp2-tp2-dp2", "sgd", "ring"),
+    ("linen-stack", "pp2-cp2-dp2", "adamw", "all_gather"), ("linen-stack", "cp2-fsdp4", "sgd", "all_gather"),
+    ("linen-stack", "pp2-cp2-dp2", "sgd", "ring"),
+    ("nnx", "cp2-tp2-dp2", "adamw", "all_gather"), ("nnx", "cp4", "sgd", "ring"),
+    ("dot_product_attention", "cp2-fsdp4", "sgd", "all_gather"), ("dot_product_attention", "cp4", "adamw", "ring"),
+    ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"), ("gpt2", "cp2-fsdp4", "adamw", "ring"),
+    ("llama", "cp4", "adamw", "all_gather"),
 ])
-def test_context_parallel_trains_an_unmodified_model_like_one_device(model, strategy, optimizer):
+def test_context_parallel_trains_an_unmodified_model_like_one_device(model, strategy, optimizer, method):
     build, loss_fn, data = MODELS[model]
-    make = STRATEGIES[strategy]
+    make = lambda: STRATEGIES[strategy](method)  # noqa: E731
     mesh = make().make_mesh(jax.devices()[:4]) if strategy == "cp4" else None
     opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
     report = px.testing.assert_equivalent(build(), opt, loss_fn, data(), make(), mesh=mesh)
@@ -175,6 +180,31 @@ def test_each_device_computes_its_queries_rows_of_the_scores_and_no_device_all_o
         batched_dots(texts["cp"]), batched_dots(texts["dp"]))  # the scores, and their gradient
 
 
+def test_the_ring_computes_a_tile_of_queries_by_a_block_of_keys_and_passes_the_blocks_round():
+    """Under DP(2) x ContextParallel(4, method="ring") with 16 tokens every score tile a device computes
+    is (16/4 queries x 16/4 keys): no device computes its queries against all keys, as the all-gather
+    method does ((4 x 16) tiles, above), and the keys and values move as collective-permutes."""
+    batch = {"x": np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)}
+    strategy = px.combine(px.DataParallel(2), px.ContextParallel(4, method="ring"))
+    state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
+    text = px.make_train_step(lm_loss, strategy).lower(state, batch).compile().as_text()
+    tiles = score_tiles(text)
+    assert (4, 4) in tiles and not tiles & {(4, 16), (16, 16), (16, 4)}, tiles
+    assert "collective-permute" in text
+
+
+class ReturnsWeights(nn.Module):
+    """Attention whose weights the loss also reads (an attention-entropy term): no ring can hold them."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 16)(tokens)
+        q, k, v = (nn.Dense(16)(x)[:, :, None] for _ in range(3))
+        weights = nn.dot_product_attention_weights(q, k)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
+        return nn.Dense(64)(out), jnp.mean(weights * jnp.log(weights + 1e-9))
+
+
 def mlp_loss(model, batch):
     return jnp.mean((model(batch["x"][..., None].astype(jnp.float32)) - 1.0) ** 2)
 
@@ -184,6 +214,9 @@ def mlp_loss(model, batch):
      r"queries have length 6, which 4 does not divide: pad the sequence to 8"),
     (lambda: nn.Dense(4), mlp_loss, {"x": np.zeros((16, 8), np.int32)}, px.ContextParallel(),
      r"found no attention in the model .* jax.nn.dot_product_attention"),
+    (ReturnsWeights, lambda m, b: sum(jnp.mean(x) for x in m(b["x"])), {"x": np.zeros((16, 8), np.int32)},
+     px.ContextParallel(method="ring"), r"method='ring'\) cannot run this attention in blocks of keys: the model also "
+     r"reads its scores or weights elsewhere .* Use method='all_gather'"),
 ])
 def test_what_context_parallelism_cannot_split_is_named_before_compiling(build, loss_fn, batch, strategy, message):
     with pytest.raises(ValueError, match=message):
@@ -191,8 +224,8 @@ def test_what_context_parallelism_cannot_split_is_named_before_compiling(build, 
 
 
 def test_context_parallel_arguments_and_paths_are_checked():
-    with pytest.raises(ValueError, match=r"ContextParallel\(method='ring'\): use one of \('all_gather',\)"):
-        px.ContextParallel(2, method="ring")
+    with pytest.raises(ValueError, match=r"ContextParallel\(method='rings'\): use 'all_gather' .* or 'ring'"):
+        px.ContextParallel(2, method="rings")
     with pytest.raises(ValueError, match=r"ContextParallel\(size=0\)"):
         px.ContextParallel(0)
     assert px.Trainer(TinyLM(), optax.sgd(0.1), lm_loss, strategy="cp2+fsdp").strategy == px.combine(

@@ -132,16 +132,17 @@ def _weights(ops: list[_Op], scores: Any, roles: tuple, weights: Any) -> _Weight
         elif name in _COMBINE:
             axes = sorted(int(a) for a in op.params["axes"])
             if q in axes or (k in axes and axes != [k]):
-                raise _unreachable(f"a {name} over the queries' dim or over the keys' and other dims together")
+                raise _unreachable(f"its weights are computed with a {name} over the queries' dim, or over the keys' "
+                                   "and other dims together")
             if k in axes:
                 reductions.append(index)
             found[out] = tuple(None if d is None or d in axes else d - sum(a < d for a in axes) for d in (q, k))
         elif len(op.outvars) == 1 and all(len(_shape(v)) in (0, len(_shape(out))) for v in op.invars):
             found[out] = _merged(found, [v for v in op.invars if _is_var(v) and v in derived])
         else:
-            raise _unreachable(f"a {name}")
+            raise _unreachable(f"its weights are computed with a {name}, which mixes positions")
     if weights not in derived:
-        raise _unreachable("weights not computed from the scores")
+        raise _unreachable("what it multiplies the values by is not computed from its scores")
     inside, sides = _side_values(ops, derived, found)
     return _Weights(ops, derived, found, reductions, inside, sides)
 
@@ -223,8 +224,8 @@ def _merged(found: dict, operands: list) -> tuple:
 
 def _unreachable(what: str) -> ValueError:
     return ValueError(
-        f"ContextParallel(method='ring') cannot run this attention in blocks of keys: its weights are computed "
-        f"with {what}. Use method='all_gather' (which runs any attention context parallelism finds).")
+        f"ContextParallel(method='ring') cannot run this attention in blocks of keys: {what}. Use "
+        "method='all_gather' (which runs any attention context parallelism finds).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +355,8 @@ def region(jaxpr: Any, attention: Any) -> list[int]:
     inside = {attention.scores, *found, attention.values}
     read_outside = [v for i, e in enumerate(eqns) if i not in inside for v in e.invars if _is_var(v) and v in derived]
     if read_outside or any(_is_var(v) and v in derived for v in jaxpr.outvars):
-        raise _unreachable("scores or weights that the model also uses elsewhere (returned or stored)")
+        raise _unreachable("the model also reads its scores or weights elsewhere (returns or stores them), "
+                          "and a ring never holds them whole")
     return found
 
 
