@@ -6,7 +6,8 @@ blocks of linen's ``nn.MultiHeadDotProductAttention``, width 64, 4 heads) trains
 sequences on the 8 devices
 under ``DataParallel(8)`` (one sequence per device), ``ContextParallel(2) × DataParallel(4)``,
 ``ContextParallel(4) × DataParallel(2)`` and ``ContextParallel(8)`` (one sequence over all
-devices), at several sequence lengths. Step times are measured in interleaved rounds (each a mean
+devices), each context axis by both methods (``all_gather``: keys and values gathered whole;
+``ring``: passed round the axis a block at a time), at several sequence lengths. Step times are measured in interleaved rounds (each a mean
 of 3 steps); the table gives tokens/s (median over rounds, with min and max), the per-device peak
 of the compiled step (``memory_analysis()``) and the bytes its collectives move per device (from
 its HLO). On 8 simulated devices sharing 2 CPU cores the times say what the extra work and data
@@ -17,6 +18,7 @@ from benchmarks import side_runner_args
 
 LENGTHS = (256, 512, 1024)
 CONTEXT = (1, 2, 4, 8)
+METHODS = ("all_gather", "ring")
 
 
 def main() -> None:
@@ -34,11 +36,11 @@ def main() -> None:
         return TransformerLM(vocab=256, features=64, layers=2, heads=4)
 
     class Runner(TimedSteps):
-        def __init__(self, length: int, context: int):
-            self.length, self.context, self.times = length, context, []
+        def __init__(self, length: int, context: int, method: str):
+            self.length, self.context, self.method, self.times = length, context, method, []
             rows = 8
             batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
-            parts = [px.ContextParallel(context)] if context > 1 else []
+            parts = [px.ContextParallel(context, method=method)] if context > 1 else []
             if context < 8:
                 parts.append(px.DataParallel(8 // context))
             strategy = parts[0] if len(parts) == 1 else px.combine(*parts)
@@ -55,21 +57,24 @@ def main() -> None:
             jax.block_until_ready(metrics)
 
     lengths = LENGTHS[:1] if args.smoke else LENGTHS
-    runners = [Runner(length, context) for length in lengths for context in CONTEXT]
+    runners = [Runner(length, context, method) for length in lengths for context in CONTEXT
+               for method in (METHODS if context > 1 else METHODS[:1])]
     time_interleaved(runners, args.rounds)
     results = []
     for runner in runners:
         rates = sorted(runner.tokens / t for t in runner.times)
-        results.append({"length": runner.length, "context": runner.context, "strategy": runner.label,
+        results.append({"length": runner.length, "context": runner.context, "method": runner.method,
+                        "strategy": runner.label,
                         "tokens_per_s": [rates[0], float(np.median(rates)), rates[-1]], "peak": runner.peak,
                         "moved": runner.moved})
 
     def markdown(rows, meta):
-        lines = ["| tokens | strategy | tokens/s (min / median / max) | peak per device | collectives per device |",
-                 "| ---: | --- | ---: | ---: | ---: |"]
+        lines = ["| tokens | strategy | method | tokens/s (min / median / max) | peak per device | collectives per device |",
+                 "| ---: | --- | --- | ---: | ---: | ---: |"]
         for r in rows:
             low, mid, high = r["tokens_per_s"]
-            lines.append(f"| {r['length']} | {r['strategy']} | {low:,.0f} / {mid:,.0f} / {high:,.0f} | "
+            method = r["method"] if r["context"] > 1 else ""
+            lines.append(f"| {r['length']} | {r['strategy']} | {method} | {low:,.0f} / {mid:,.0f} / {high:,.0f} | "
                          f"{r['peak'] / 2**20:.1f} MiB | {r['moved'] / 2**20:.2f} MiB |")
         return "\n".join(lines)
 
