@@ -34,8 +34,9 @@ from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import scan_counts
-from parallax.models.ring_attention import Ring, reshaped_dim
-from parallax.models.ring_attention import region as ring_region
+from parallax.models.attention_weights import region as ring_region
+from parallax.models.attention_weights import reshaped_dim
+from parallax.models.ring_attention import Ring
 from parallax.sharding.chains import REMAT, call_body
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach the attention inside them

@@ -6,8 +6,8 @@ tried in order of what they cost in speed, each by compiling the real train step
 blocks (:func:`parallax.models.blocks.repeated_blocks`) rematerialised keeping their matmul outputs, then keeping
 nothing; the params in host memory too; that with the blocks rematerialised; then 2x and 4x
 the devices, each also with the sequence split over the added devices
-(:class:`parallax.ContextParallel`, for a model with attention): more devices hold a batch of few
-long sequences only by splitting them. The first that fits ends the search; every one tried is
+(:class:`parallax.ContextParallel`, for a model with attention, its keys and values gathered, then
+passed round a ring): more devices hold a batch of few long sequences only by splitting them. The first that fits ends the search; every one tried is
 reported with its numbers.
 """
 
@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from parallax.sharding.context_parallel import ContextParallel
+from parallax.sharding.context_parallel import METHODS, ContextParallel
 from parallax.sharding.strategy import Strategy, combine
 from parallax.step.options import StepOptions
 
@@ -70,11 +70,11 @@ def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
     return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
 
 
-def with_context(strategy: Strategy, size: int) -> Strategy | None:
+def with_context(strategy: Strategy, size: int, method: str = "all_gather") -> Strategy | None:
     """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already)."""
     if any(isinstance(part, ContextParallel) for part in strategy.parts):
         return None
-    return combine(ContextParallel(size), *strategy.parts)
+    return combine(ContextParallel(size, method=method), *strategy.parts)
 
 
 def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, budget: int,
@@ -101,9 +101,11 @@ def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, 
     attempts = [(change, opts, devices, None) for change, opts in options_to_try(options, blocks)]
     for factor in more_devices:
         attempts.append((f"devices={devices * factor}", options, devices * factor, None))
-        split = with_context(strategy, factor) if strategy is not None and attention else None
-        if split is not None:
-            attempts.append((f"devices={devices * factor}, strategy={split.describe()}", options, devices * factor, split))
+        for method in METHODS if strategy is not None and attention else ():  # gathered, then a block at a time
+            split = with_context(strategy, factor, method)
+            if split is not None:
+                attempts.append((f"devices={devices * factor}, strategy={split.describe()}", options, devices * factor,
+                                 split))
     for change, opts, count, other in attempts:
         row = evaluate(opts, count) if other is None else evaluate(opts, count, other)
         fits = row.get("error") is None and row["peak"] <= budget

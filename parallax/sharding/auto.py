@@ -102,14 +102,19 @@ def context_candidates(device_count: int, *, data: DataParallel = DataParallel()
                        fsdp: FSDP = FSDP(split="largest")) -> list[Strategy]:
     """The meshes with a context axis ``strategy="auto"`` adds for a model with attention whose batch
     the devices cannot split (a few long sequences): for each context size ``C`` that divides the
-    devices, the sequence over all of them, or DP or FSDP over the rest.
+    devices, the sequence over all of them, or DP or FSDP over the rest; and, for models whose
+    attention that does not fit, the ``ring`` method (a device holds one block of keys at a time)
+    alone or with FSDP over the rest.
 
     Example:
         >>> [s.describe() for s in context_candidates(4)]  # doctest: +NORMALIZE_WHITESPACE
         ['ContextParallel(context=2) × DataParallel(data=2)', 'ContextParallel(context=2) × FSDP(fsdp=2)',
-         'ContextParallel(context=4)']
+         'ContextParallel(context=4)', "ContextParallel(context=2, method='ring') × FSDP(fsdp=2)",
+         "ContextParallel(context=4, method='ring')"]
     """
-    return _each_size_with_the_rest(device_count, ContextParallel, data, fsdp)
+    ring = _each_size_with_the_rest(device_count, lambda size: ContextParallel(size, method="ring"), data, fsdp)
+    return [*_each_size_with_the_rest(device_count, ContextParallel, data, fsdp),
+            *(s for s in ring if not any(isinstance(part, DataParallel) for part in s.parts))]
 
 
 def _each_size_with_the_rest(device_count: int, part: Callable[[int], Strategy], data: DataParallel,

@@ -4,8 +4,9 @@ A part that changes how the model runs, not only where its arrays live: it place
 (params are replicated over its axis, or split by the parts it is combined with), and declares a
 :class:`ContextRun` (:attr:`Strategy.run_change`), which the step carries out on the traced loss
 (:mod:`parallax.models.context_attention`): each attention the model computes is split along its
-queries' sequence over the axis, the keys and values gathered whole, and everything position-wise
-around it follows (the compiler places it).
+queries' sequence over the axis, the keys and values gathered whole or passed round the axis a block
+at a time (:mod:`parallax.models.ring_attention`), and everything position-wise around it follows
+(the compiler places it).
 """
 
 from __future__ import annotations
@@ -33,22 +34,28 @@ class ContextParallel(Strategy):
     Every attention in the traced loss (flax's ``nn.MultiHeadDotProductAttention`` and
     ``nnx.MultiHeadAttention``, ``jax.nn.dot_product_attention``, an einsum of ``q`` and ``k``, a
     softmax and an einsum with ``v``, as Hugging Face's Flax models write it) runs with its queries
-    split along the sequence over the axis and the keys and values gathered (``method="all_gather"``):
-    each device computes its queries' rows of the scores, so no device holds the whole sequence's
-    scores, and the activations around attention are split along the sequence too. The model runs on
-    the global sequence: positions, masks and losses mean what they mean on one device. Combines
-    with the other parts: ``px.combine(px.ContextParallel(2), px.FSDP(4))``.
+    split along the sequence over the axis, so the activations around attention are split along the
+    sequence too. The model runs on the global sequence: positions, masks and losses mean what they
+    mean on one device. Combines with the other parts: ``px.combine(px.ContextParallel(2), px.FSDP(4))``.
 
     Args:
         size: devices on the axis; ``-1`` takes the devices left over. It must divide the
             sequence length of every attention.
-        method: how keys and values reach every query: ``"all_gather"`` (each device gathers them
-            whole, per attention).
+        method: how keys and values reach every query. ``"all_gather"``: each device gathers them
+            whole, per attention, and computes its queries' rows of the scores against every key
+            (the fewest bytes moved). ``"ring"``: they are passed round the axis a block at a time
+            (``ppermute``), each device computing one (its queries × one block of keys) tile of the
+            scores at a time, so a device holds ``1/size`` of what ``all_gather`` holds (about half
+            the peak at 2,048 tokens, ``benchmarks/context_memory.py``) and moves about twice the
+            bytes; for an attention whose weights the model also reads elsewhere it raises, naming
+            ``all_gather``. ``strategy="auto"`` and ``px.plan``'s advice price both.
         axis: the mesh axis name.
 
     Example:
         >>> px.ContextParallel(4).describe(), px.ContextParallel(4).model_axes
         ('ContextParallel(context=4)', ('context',))
+        >>> px.ContextParallel(4, method="ring").describe()
+        "ContextParallel(context=4, method='ring')"
     """
 
     size: int = -1
@@ -66,6 +73,10 @@ class ContextParallel(Strategy):
             raise ValueError(f"ContextParallel(method={self.method!r}): use 'all_gather' (each device gathers the "
                              "keys and values of the sequence whole, per attention) or 'ring' (they are passed round "
                              "the axis a block at a time).")
+
+    @property
+    def described_options(self) -> str:
+        return "" if self.method == "all_gather" else f", method={self.method!r}"
 
     @property
     def run_change(self) -> ContextRun:

@@ -291,11 +291,13 @@ class Strategy:
         reports = [report for part in self.parts if (report := part.layout_report()) is not None]
         return "\n".join(reports) if reports else f"{self.describe()}: no part derives a layout (no tensor-parallel axis)."
 
+    described_options = ""  # what a part's one-line summary adds after its axis's size (", method='ring'")
+
     def describe(self, mesh: Mesh | None = None) -> str:
         """A one-line summary, e.g. ``"DataParallel(data=2) × FSDP(fsdp=-1)"``; with a mesh, the
         sizes it gives each axis (``"DataParallel(data=2) × FSDP(fsdp=4)"``)."""
         sizes = self.axis_sizes(mesh) if mesh is not None else {p.axis: p.size for p in self.parts}
-        return " × ".join(f"{type(p).__name__}({p.axis}={sizes[p.axis]})" for p in self.parts)
+        return " × ".join(f"{type(p).__name__}({p.axis}={sizes[p.axis]}{p.described_options})" for p in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
