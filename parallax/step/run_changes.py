@@ -31,6 +31,11 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
     pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs."""
     policy = remat_parts(remat)[1]
+    rings = [c for c in strategy.run_changes if isinstance(c, ContextRun) and c.method == "ring"]
+    if rings and any(isinstance(c, PipelineRun) for c in strategy.run_changes):
+        raise ValueError(f"{strategy.describe()}: the ring method does not run inside a pipeline's stages (its "
+                         "shard_map would nest in the pipeline's): use ContextParallel(method='all_gather') with "
+                         "PipelineParallel, or the ring without it.")
     # The attention split first: a pipeline then runs the layers with their attention split.
     for change in sorted(strategy.run_changes, key=lambda c: not isinstance(c, ContextRun)):
         if isinstance(change, ContextRun):
