@@ -13,7 +13,7 @@ exactly as 1/CP), and the longest of the lengths whose step fits a per-device bu
 
 from benchmarks import side_runner_args
 
-LENGTHS = (256, 512, 1024, 2048)
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 SIZES = (1, 2, 4, 8)
 METHODS = ("all_gather", "ring")
 
