@@ -9,8 +9,9 @@ under ``DataParallel(8)`` (one sequence per device), ``ContextParallel(2) × Dat
 devices), each context axis by both methods (``all_gather``: keys and values gathered whole;
 ``ring``: passed round the axis a block at a time), at several sequence lengths. Step times are measured in interleaved rounds (each a mean
 of 3 steps); the table gives tokens/s (median over rounds, with min and max), the per-device peak
-of the compiled step (``memory_analysis()``) and the bytes its collectives move per device (from
-its HLO). On 8 simulated devices sharing 2 CPU cores the times say what the extra work and data
+of the compiled step (``memory_analysis()``), the bytes its collectives move per device (from
+its HLO) and the FLOPs each device runs (``cost_analysis()`` with each loop's turns after its first
+added: the step is one program that every device runs, so every device of the axis runs these). On 8 simulated devices sharing 2 CPU cores the times say what the extra work and data
 movement of context parallelism cost, not what a GPU would gain.
 """
 
@@ -50,6 +51,9 @@ def main() -> None:
             compiled = self.step.lower(self.state, batch).compile()
             self.peak = inspect.peak_bytes(inspect.memory_bytes(compiled))
             self.moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
+            cost = compiled.cost_analysis()  # per device, each loop's body counted once: its other turns added
+            cost = cost[0] if isinstance(cost, list) else cost
+            self.flops = float(cost["flops"]) + inspect.loop_dot_flops(compiled.as_text())
             mesh = strategy.make_mesh()  # the batch on the devices once, not copied from the host at every step
             self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
             self.tokens = rows * length
@@ -66,16 +70,16 @@ def main() -> None:
         results.append({"length": runner.length, "context": runner.context, "method": runner.method,
                         "strategy": runner.label,
                         "tokens_per_s": [rates[0], float(np.median(rates)), rates[-1]], "peak": runner.peak,
-                        "moved": runner.moved})
+                        "moved": runner.moved, "flops": runner.flops})
 
     def markdown(rows, meta):
-        lines = ["| tokens | strategy | method | tokens/s (min / median / max) | peak per device | collectives per device |",
-                 "| ---: | --- | --- | ---: | ---: | ---: |"]
+        lines = ["| tokens | strategy | method | tokens/s (min / median / max) | peak per device | collectives per device "
+                 "| GFLOP per device |", "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in rows:
             low, mid, high = r["tokens_per_s"]
             method = r["method"] if r["context"] > 1 else ""
             lines.append(f"| {r['length']} | {r['strategy']} | {method} | {low:,.0f} / {mid:,.0f} / {high:,.0f} | "
-                         f"{r['peak'] / 2**20:.1f} MiB | {r['moved'] / 2**20:.2f} MiB |")
+                         f"{r['peak'] / 2**20:.1f} MiB | {r['moved'] / 2**20:.2f} MiB | {r.get('flops', 0) / 1e9:.2f} |")
         return "\n".join(lines)
 
     report(args, "context_speed", results, markdown, batch=8)
