@@ -24,6 +24,7 @@ try:
     from parallax.models.linen import wrap_for_shard_map
     from parallax.sharding import specs
     from parallax.sharding.context_parallel import ContextParallel
+    from parallax.sharding.expert_parallel import ExpertParallel
     from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
     from parallax.sharding.pipeline import PipelineParallel
     from parallax.sharding.rules import DEFAULT_RULES
@@ -56,7 +57,7 @@ except ImportError as err:  # a file of this package overwritten by another proj
     raise
 
 __all__ = [
-    "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "ContextParallel", "DataParallel", "EarlyStopping", "FitResult",
+    "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "ContextParallel", "DataParallel", "EarlyStopping", "ExpertParallel", "FitResult",
     "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "PipelineParallel", "ProgressBar", "ReplicatedParamError", "StatePlan",
     "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "Topology", "TrainState", "Trainer", "TrainerConfig",
     "callbacks", "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",

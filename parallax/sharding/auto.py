@@ -13,6 +13,7 @@ from typing import Callable
 from jax.sharding import Mesh
 
 from parallax.sharding.context_parallel import ContextParallel
+from parallax.sharding.expert_parallel import ExpertParallel
 from parallax.sharding.named import parse_strategy
 from parallax.sharding.parts import FSDP, FSDP_SPLITS, DataParallel, TensorParallel
 from parallax.sharding.pipeline import PipelineParallel
@@ -154,8 +155,9 @@ def fsdp_split(strategy: Strategy) -> str | None:
 
 def from_mesh(mesh: Mesh) -> Strategy:
     """The strategy a mesh built by ``strategy="auto"`` stands for (axes ``data``, ``fsdp``, ``tensor``,
-    ``context``)."""
-    kinds = {"data": DataParallel, "fsdp": FSDP, "tensor": TensorParallel, "context": ContextParallel}
+    ``context``, ``expert``)."""
+    kinds = {"data": DataParallel, "fsdp": FSDP, "tensor": TensorParallel, "context": ContextParallel,
+             "expert": ExpertParallel}
     unknown = [name for name in mesh.axis_names if name not in kinds]
     if unknown:
         raise ValueError(f"strategy='auto' reads the strategy from the state's mesh, but its axes {list(mesh.axis_names)} "

@@ -13,7 +13,7 @@ import functools
 from typing import Any, Mapping
 
 from parallax.sharding.chains import chained_params
-from parallax.sharding.tp_layout import TensorLayout, derive_layout, scanned_dims
+from parallax.sharding.tp_layout import TensorLayout, derive_layout, expert_dims, scanned_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,11 @@ class Computation:
     def scanned_dims(self) -> dict[str, tuple[int, ...]]:
         """The param dims a ``scan`` steps over (``nn.scan``'s stacked layer dim), by path."""
         return self._scanned
+
+    def expert_dims(self) -> dict[str, int]:
+        """The experts dim of each param stacking a mixture of experts' weights, by path
+        (:func:`parallax.sharding.tp_layout.expert_dims`)."""
+        return expert_dims(self.jaxpr, self.param_paths)
 
     def chained_params(self) -> dict[str, tuple[int, int]]:
         """The params of a list of identical blocks called in turn (each block rematerialised when

@@ -20,9 +20,11 @@ from jax.sharding import Mesh
 from parallax.models import ModelRun
 from parallax.models.blocks import repeated_blocks
 from parallax.models.context_attention import context_parallel
+from parallax.models.expert_dispatch import expert_parallel
 from parallax.models.pipeline_stack import pipelined
 from parallax.models.remat_policy import remat_parts
 from parallax.sharding.context_parallel import ContextRun
+from parallax.sharding.expert_parallel import ExpertRun
 from parallax.sharding.pipeline import PipelineRun
 from parallax.sharding.strategy import Strategy
 
@@ -40,6 +42,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     for change in sorted(strategy.run_changes, key=lambda c: not isinstance(c, ContextRun)):
         if isinstance(change, ContextRun):
             loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method)
+        elif isinstance(change, ExpertRun):
+            loss = expert_parallel(loss, mesh=mesh, axis=change.axis, rules=change.rules)
         elif isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
@@ -74,12 +78,16 @@ def listed_blocks_hint(model: object, example_batch: object, loss_fn: object) ->
             f"PipelineParallel(blocks={found[0]!r}) pipelines them.")
 
 
+_WHAT = {ContextRun: "splits the model's attention over the sequence",
+         ExpertRun: "sends the model's tokens to the devices holding their experts"}
+
+
 def run_change_paths(strategy: Strategy, compile_option: str) -> tuple[tuple[str, ...], str] | None:
     """The compile paths a strategy that changes how the model runs allows (``None``: any)."""
     if not strategy.run_changes:
         return None
-    what = " and ".join(dict.fromkeys("splits the model's attention over the sequence" if isinstance(c, ContextRun)
-                                      else "runs the model's stack as a pipeline" for c in strategy.run_changes))
+    what = " and ".join(dict.fromkeys(_WHAT.get(type(c), "runs the model's stack as a pipeline")
+                                      for c in strategy.run_changes))
     if compile_option == "shard_map":
         raise ValueError(f"{strategy.describe()} {what}, which the jit path compiles: "
                          "pass compile='jit' or 'auto' (compile='shard_map' cannot take it).")

@@ -31,6 +31,6 @@ so the result is the same as on one device.
 """
 
 from parallax.sharding.tp_layout.layout import ParamLayout, TensorLayout, derive_layout
-from parallax.sharding.tp_layout.walk import scanned_dims
+from parallax.sharding.tp_layout.walk import expert_dims, scanned_dims
 
-__all__ = ["ParamLayout", "TensorLayout", "derive_layout", "scanned_dims"]
+__all__ = ["ParamLayout", "TensorLayout", "derive_layout", "expert_dims", "scanned_dims"]

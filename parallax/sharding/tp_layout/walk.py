@@ -119,6 +119,9 @@ def _visit(graph: _Graph, eqn: Any, env: dict, weight: int) -> None:
         for k, (dl, dr) in enumerate(zip(lb, rb)):
             graph.tie(lhs, dl, out, k)
             graph.tie(rhs, dr, out, k)
+            for var, dim, other in ((lhs, dl, rhs), (rhs, dr, lhs)):
+                if _is_var(other) and id(other) not in graph.origin:  # a param batched with activations: experts
+                    graph.note_role(var, dim, "expert")
         for k, d in enumerate(lhs_free):
             graph.tie(lhs, d, out, len(lb) + k)
             graph.note_role(lhs, d, "column")
@@ -301,4 +304,24 @@ def scanned_dims(closed_jaxpr: Any, param_paths: Sequence[str]) -> dict[str, tup
         dims = tuple(d for d in range(len(_shape(var))) if graph.find((id(var), d)) in scanned_roots)
         if dims:
             found[path] = dims
+    return found
+
+
+def expert_dims(closed_jaxpr: Any, param_paths: Sequence[str]) -> dict[str, int]:
+    """The experts dim of each param that stacks a mixture of experts' weights, by path.
+
+    A param dim that a matmul batches over together with activations (the per-expert weights of
+    ``einsum("ecd,edh->ech", dispatched, w_in)``), and the same dim of every other stacked (rank 3
+    or more) param the computation ties to it (``w_in[e]`` whose outputs meet ``w_out[e]``'s); a
+    router's kernel, whose output dim is the experts' logits, stays whole.
+    """
+    graph, params, _ = _build(closed_jaxpr, len(param_paths))
+    experts = [(index, dim) for (index, dim), roles in graph.roles.items() if "expert" in roles]
+    roots = {graph.find((id(params[index]), dim)) for index, dim in experts}
+    found = {}
+    for index, (path, var) in enumerate(zip(param_paths, params)):
+        for dim in range(len(_shape(var))):
+            if (index, dim) in experts or (len(_shape(var)) >= 3 and graph.find((id(var), dim)) in roots):
+                found[path] = dim
+                break
     return found

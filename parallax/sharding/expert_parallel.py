@@ -1,0 +1,104 @@
+"""Expert parallelism: a mixture of experts' stacked weights split over a mesh axis by expert.
+
+A part that places the experts dim of every param that stacks a mixture of experts' weights
+(``[experts, d_model, d_ff]``) over its axis, found from the traced loss
+(:func:`parallax.sharding.tp_layout.expert_dims`: a param dim that a matmul batches over together
+with activations, and the same dim of the stacked params tied to it) or named by rules, and
+splits the batch over the same axis for the layers outside the experts, as data parallelism does.
+Each device then holds ``1/size`` of the experts, and computes only its experts' tokens: the part
+declares an :class:`ExpertRun` (:attr:`Strategy.run_change`), which the step carries out on the
+traced loss (:mod:`parallax.models.expert_dispatch`), pinning each matmul over the experts' weights
+along the experts dim so that the tokens move to the experts rather than the experts to the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+from parallax.sharding.parts import check_axis
+from parallax.sharding.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRun:
+    """How the model's experts run: each matmul over their stacked weights (found in the traced
+    loss, or named by ``rules``) split along the experts dim over ``axis``."""
+
+    axis: str
+    rules: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel(Strategy):
+    """A mixture of experts' stacked weights split over ``size`` devices by expert; the batch too.
+
+    Args:
+        size: devices on the axis; ``-1`` takes the devices left over. It must divide the number
+            of experts.
+        axis: the mesh axis name.
+        rules: ``(regex, dim)`` pairs naming the experts dim of params whose path matches (first
+            match wins), for stacked experts the traced loss does not show (none is needed for
+            weights a matmul batches over with the dispatched tokens).
+        experts: the experts dim of each stacked param, by path (set when the state is planned;
+            not part of the strategy's identity).
+
+    Example:
+        >>> px.ExpertParallel(8).describe(), tuple(px.ExpertParallel(8).batch_spec())
+        ('ExpertParallel(expert=8)', (('expert',),))
+    """
+
+    size: int = -1
+    axis: str = "expert"
+    rules: Sequence[tuple[str, int]] = ()
+    experts: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    splits_batch = True  # the layers outside the experts run data-parallel over the axis
+    gathers_params = False
+    placement_priority = 5  # the experts dim first: the other parts split the dims left
+    link_rank = 15  # tokens to their experts and back at every MoE layer: inside a host, after TP
+    uses_computation = True
+
+    def __post_init__(self):
+        check_axis("ExpertParallel", self.size, self.axis)
+        for rule in self.rules:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and isinstance(rule[1], int)):
+                raise ValueError(f"ExpertParallel(rules=...): {rule!r} is not a (regex, dim) pair, e.g. "
+                                 "(r'moe/w_(in|out)', 0).")
+
+    def fit_to_computation(self, computation: Any) -> "ExpertParallel":
+        """This part with the stacked experts found in the traced loss (and named by its rules)."""
+        found = computation.expert_dims()
+        for path in computation.param_paths:
+            dim = next((dim for regex, dim in self.rules if re.search(regex, path)), None)
+            if dim is not None:
+                found[path] = dim
+        if not found:
+            named = [path for path in computation.param_paths if re.search(r"(?i)expert", path)]
+            listed = f" Params named like experts: {', '.join(named[:6])}." if named else ""
+            raise ValueError(
+                "ExpertParallel found no stacked experts in the model: no param has a dim that a matmul batches over "
+                "together with the tokens (einsum('ecd,edh->ech', dispatched, w_in) with w_in of shape [experts, d, h])."
+                f"{listed} Stack the experts' weights in one param per weight, experts first (a list of expert "
+                "modules: nn.vmap / nnx.vmap over them, or one [experts, ...] param), or name the experts dim: "
+                "ExpertParallel(rules=((r'w_in|w_out', 0),)).")
+        return dataclasses.replace(self, experts=found)
+
+    @property
+    def run_change(self) -> ExpertRun:
+        return ExpertRun(self.axis, tuple(self.rules))
+
+    def place(self, path, shape, dims, axis_sizes):
+        dim, size = (self.experts or {}).get(path), axis_sizes[self.axis]
+        if dim is None or size == 1 or dims[dim] is not None:
+            return dims
+        if shape[dim] % size:
+            raise ValueError(f"ExpertParallel({self.axis}={size}): {path} stacks {shape[dim]} experts (dim {dim} of "
+                             f"{tuple(shape)}), which {size} devices do not divide: use a size that divides "
+                             f"{shape[dim]}.")
+        return [*dims[:dim], self.axis, *dims[dim + 1:]]
+
+    def why_whole(self, path, shape, axis_sizes) -> str:
+        """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
+        return f"ExpertParallel({self.axis}) splits only the stacked experts' params"

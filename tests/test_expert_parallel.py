@@ -1,0 +1,169 @@
+"""ExpertParallel: a mixture of experts' stacked weights split over an axis by expert, the tokens sent
+to them, against a plain one-device optax loop (the zoo's dense-dispatch MoE, linen and NNX, and a
+Switch/GShard-style MoE: top-1 and top-2 routing, a capacity with tokens dropped, a load-balancing loss)."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import parallax as px
+from benchmarks.zoo_models import MoE, NNXMoE
+from tests.models import lm_loss
+
+EXPERTS = 8
+
+
+def route(probs, top_k: int, capacity: int):
+    """Switch/GShard routing of each group (a row of tokens): the top ``top_k`` experts of each token,
+    each expert taking at most ``capacity`` tokens of a group, the rest dropped. Returns the combine
+    weights ``(groups, tokens, experts, capacity)`` and how many (token, expert) choices were kept
+    and made."""
+    groups, length, experts = probs.shape
+    combine = jnp.zeros((groups, length, experts, capacity))
+    taken, left, kept_count, chosen_count = jnp.zeros((groups, 1, experts)), probs, 0, 0
+    for _ in range(top_k):
+        chosen = jax.nn.one_hot(jnp.argmax(left, -1), experts)
+        slot = (jnp.cumsum(chosen, axis=1) - 1 + taken) * chosen
+        kept = chosen * (slot < capacity)
+        combine += (probs * chosen).sum(-1)[..., None, None] * kept[..., None] * jax.nn.one_hot(slot, capacity)
+        taken, left = taken + chosen.sum(1, keepdims=True), left * (1 - chosen)
+        kept_count, chosen_count = kept_count + kept.sum(), chosen_count + chosen.sum()
+    return combine, kept_count, chosen_count
+
+
+class CapacityMoE(nn.Module):
+    """A Switch/GShard-style mixture of experts (:func:`route`): tokens dispatched to ``[experts, ...]``
+    weights with a one-hot mask, a load-balancing loss over the global batch."""
+
+    top_k: int = 1
+    capacity_factor: float = 1.0
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        h = nn.LayerNorm()(x)
+        probs = jax.nn.softmax(nn.Dense(EXPERTS, use_bias=False, name="router")(h))
+        capacity = max(1, int(self.capacity_factor * self.top_k * h.shape[1] / EXPERTS))
+        combine = route(probs, self.top_k, capacity)[0]
+        first = jax.nn.one_hot(jnp.argmax(probs, -1), EXPERTS)
+        balance = EXPERTS * jnp.sum(first.mean((0, 1)) * probs.mean((0, 1)))
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        w_in = self.param("w_in", init, (EXPERTS, h.shape[-1], 64))
+        w_out = self.param("w_out", init, (EXPERTS, 64, h.shape[-1]))
+        dispatched = jnp.einsum("gtec,gtd->egcd", (combine > 0).astype(h.dtype), h)
+        out = jnp.einsum("egch,ehd->egcd", nn.gelu(jnp.einsum("egcd,edh->egch", dispatched, w_in)), w_out)
+        x = x + jnp.einsum("egcd,gtec->gtd", out, combine)
+        return nn.Dense(64, name="head")(nn.LayerNorm()(x)), balance
+
+
+def moe_loss(model, batch):
+    """Next-token loss plus 0.01 x the load-balancing loss."""
+    logits, balance = model(batch["x"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["x"][:, 1:]).mean() + 0.01 * balance
+
+
+def dense_loss(model, batch):
+    return lm_loss(lambda x, train=True: model(x), batch)
+
+
+def tokens(steps: int = 2) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"x": rng.integers(0, 64, (16, 17)).astype(np.int32)} for _ in range(steps)]
+
+
+MODELS = {
+    "zoo": (lambda: MoE(64, 32, 64, EXPERTS), dense_loss),
+    "zoo-nnx": (lambda: NNXMoE(64, 32, 64, EXPERTS, nnx.Rngs(0)), dense_loss),
+    "top1": (lambda: CapacityMoE(top_k=1, capacity_factor=1.0), moe_loss),
+    "top2-dropping": (lambda: CapacityMoE(top_k=2, capacity_factor=0.5), moe_loss),
+}
+STRATEGIES = {
+    "ep8": lambda: px.ExpertParallel(8),
+    "ep4-fsdp2": lambda: px.combine(px.ExpertParallel(4), px.FSDP(2, min_weight_size=0)),
+    "ep2-tp2-dp2": lambda: px.combine(px.ExpertParallel(2), px.TensorParallel(2), px.DataParallel(2)),
+}
+
+
+def test_the_capacity_moe_drops_tokens_and_routes_to_two_experts():
+    """What the exactness cases below exercise: at a capacity factor of 0.5 some choices find their
+    expert full (fewer kept than made), and top-2 makes two choices per token."""
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (16, 16, EXPERTS)))
+    combine, kept, chosen = route(probs, top_k=2, capacity=2)
+    assert int(chosen) == 2 * 16 * 16 and 0 < int(kept) < int(chosen)
+    assert int((combine > 0).sum()) == int(kept)
+
+
+@pytest.mark.parametrize("model, strategy, optimizer", [
+    ("zoo", "ep8", "sgd"), ("zoo", "ep4-fsdp2", "adamw"), ("zoo", "ep2-tp2-dp2", "sgd"),
+    ("zoo-nnx", "ep8", "adamw"), ("zoo-nnx", "ep2-tp2-dp2", "sgd"),
+    ("top1", "ep8", "adamw"), ("top1", "ep4-fsdp2", "sgd"), ("top1", "ep2-tp2-dp2", "adamw"),
+    ("top2-dropping", "ep8", "sgd"), ("top2-dropping", "ep4-fsdp2", "adamw"),
+])
+def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, strategy, optimizer):
+    build, loss_fn = MODELS[model]
+    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
+    report = px.testing.assert_equivalent(build(), opt, loss_fn, tokens(), STRATEGIES[strategy]())
+    assert report.mode == "jit", report
+
+
+def collective_shapes(text: str, kind: str) -> list[str]:
+    """The dims of every array a collective of ``kind`` returns (a combined one returns a tuple)."""
+    found = []
+    for line in text.splitlines():
+        match = re.search(r"= (.*?) " + kind + r"(?:-start)?\(", line)
+        if match:
+            found += re.findall(r"\w+\[([\d,]*)\]", match.group(1))
+    return found
+
+
+def test_each_device_holds_its_experts_and_the_tokens_move_to_them():
+    """Under ExpertParallel(8) each device holds one expert's weights (1/8 of the bytes); the compiled
+    step never gathers the experts' weights (no all-gather of an (8, 32, 64) or (8, 64, 32) array, or
+    of one expert's): the Switch-style MoE moves its dispatched tokens with all-to-alls, the zoo's
+    dense MoE (every expert sees every token) gathers the tokens. Without the expert pins the
+    compiler gathers the zoo MoE's weights instead."""
+    batch = tokens(1)[0]
+    strategy = px.ExpertParallel(8)
+    for build, loss_fn in (MODELS["top1"], MODELS["zoo"]):
+        state = px.init_state(build(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=loss_fn)
+        for name in ("w_in", "w_out"):
+            weights = state.params[name]
+            assert weights.sharding.shard_shape(weights.shape)[0] == 1, weights.sharding
+            assert weights.addressable_shards[0].data.nbytes * 8 == weights.nbytes
+        text = px.make_train_step(loss_fn, strategy).lower(state, batch).compile().as_text()
+        gathered = set(collective_shapes(text, "all-gather"))
+        assert not gathered & {"8,32,64", "8,64,32", "32,64", "64,32", "1,32,64", "1,64,32"}, gathered
+        if loss_fn is moe_loss:
+            assert collective_shapes(text, "all-to-all"), "no all-to-all"
+        else:
+            assert "16,16,32" in gathered, gathered  # every token, to every device's expert
+
+
+class TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Dense(64)(nn.Embed(64, 32)(tokens))
+
+
+def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
+    batch = tokens(1)[0]
+    with pytest.raises(ValueError, match=r"ExpertParallel found no stacked experts in the model: .* Stack the "
+                                         r"experts' weights in one param per weight"):
+        px.init_state(TwoDense(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=dense_loss)
+    strategy = px.ExpertParallel(3)
+    with pytest.raises(ValueError, match=r"w_in stacks 8 experts \(dim 0 of \(8, 32, 64\)\), which 3 devices do "
+                                         r"not divide"):
+        px.init_state(CapacityMoE(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=moe_loss,
+                      mesh=strategy.make_mesh(jax.devices()[:3]))
+    with pytest.raises(ValueError, match=r"ExpertParallel\(rules=...\): 'w_in' is not a \(regex, dim\) pair"):
+        px.ExpertParallel(rules=("w_in",))
+    assert px.Trainer(CapacityMoE(), optax.sgd(0.1), moe_loss, strategy="ep4+fsdp").strategy == px.combine(
+        px.ExpertParallel(4), px.FSDP())
