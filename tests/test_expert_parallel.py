@@ -16,6 +16,7 @@ from flax import nnx
 
 import parallax as px
 from benchmarks.zoo_models import MoE, NNXMoE
+from tests import third_party
 from tests.models import lm_loss
 
 EXPERTS = 8
@@ -158,6 +159,11 @@ def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
     with pytest.raises(ValueError, match=r"ExpertParallel found no stacked experts in the model: .* Stack the "
                                          r"experts' weights in one param per weight"):
         px.init_state(TwoDense(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=dense_loss)
+    nano, nano_loss = third_party.nano_moe(), lambda m, b: moe_loss(lambda x: m(x), b)
+    with pytest.raises(ValueError, match=r"It has 4 modules named like experts, each with its own params "
+                                         r"\(block_0/MoELayer_0/expert_0, block_0/MoELayer_0/expert_1, .*\): a list "
+                                         r"of experts.* nn.vmap / nnx.vmap over them"):
+        px.init_state(nano, optax.sgd(0.1), {"x": batch["x"][:, :9]}, strategy=px.ExpertParallel(), loss_fn=nano_loss)
     strategy = px.ExpertParallel(3)
     with pytest.raises(ValueError, match=r"w_in stacks 8 experts \(dim 0 of \(8, 32, 64\)\), which 3 devices do "
                                          r"not divide"):

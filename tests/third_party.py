@@ -117,3 +117,13 @@ MODELS = {
     "vit": (vit, image_loss, "image"),
     "resnet": (resnet, image_loss, "image"),
 }
+
+
+def nano_moe(layers: int = 1, experts: int = 4):
+    """nano-moe-jax's language model: each block's experts a list of separate ``ExpertFFN`` modules."""
+    from nano_moe.config import NanoMoEConfig
+    from nano_moe.model import NanoMoE
+
+    config = NanoMoEConfig(vocab_size=VOCAB, n_layers=layers, n_heads=2, d_model=16, d_ff=32, n_experts=experts,
+                           top_k=2, block_size=SEQ, dropout_rate=0.0)
+    return NanoMoE(config)

@@ -46,7 +46,7 @@ class ExpertParallel(Strategy):
 
     Example:
         >>> px.ExpertParallel(8).describe(), tuple(px.ExpertParallel(8).batch_spec())
-        ('ExpertParallel(expert=8)', (('expert',),))
+        ('ExpertParallel(expert=8)', ('expert',))
     """
 
     size: int = -1
@@ -75,8 +75,11 @@ class ExpertParallel(Strategy):
             if dim is not None:
                 found[path] = dim
         if not found:
-            named = [path for path in computation.param_paths if re.search(r"(?i)expert", path)]
-            listed = f" Params named like experts: {', '.join(named[:6])}." if named else ""
+            named = list(dict.fromkeys(match.group(0) for path in computation.param_paths
+                                       if (match := re.match(r"(?i).*?expert[^/]*", path))))
+            listed = (f" It has {len(named)} modules named like experts, each with its own params "
+                      f"({', '.join(named[:4])}{', ...' if len(named) > 4 else ''}): a list of experts, which no "
+                      "axis can split by expert.") if named else ""
             raise ValueError(
                 "ExpertParallel found no stacked experts in the model: no param has a dim that a matmul batches over "
                 "together with the tokens (einsum('ecd,edh->ech', dispatched, w_in) with w_in of shape [experts, d, h])."
