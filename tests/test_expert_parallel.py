@@ -15,6 +15,8 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from parallax.models.expert_dispatch import stacked_experts
+from parallax.state.search import resolve
 from benchmarks.zoo_models import MoE, NNXMoE
 from tests import third_party
 from tests.models import lm_loss
@@ -173,3 +175,14 @@ def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
         px.ExpertParallel(rules=("w_in",))
     assert px.Trainer(CapacityMoE(), optax.sgd(0.1), moe_loss, strategy="ep4+fsdp").strategy == px.combine(
         px.ExpertParallel(4), px.FSDP())
+
+
+def test_auto_prices_the_expert_axis_for_a_model_that_stacks_experts():
+    """On 2 devices "auto" prices ExpertParallel(2) beside DP, FSDP and TP for the Switch-style MoE
+    (8 stacked experts), and no expert axis for a model without experts."""
+    found = resolve(CapacityMoE(), optax.adamw(1e-3), tokens(1)[0], "auto", loss_fn=moe_loss,
+                    devices=jax.devices()[:2])
+    priced = {label.split(",")[0] for label in found.choice.estimates}
+    assert {"ExpertParallel(expert=2)", "DataParallel(data=2)", "TensorParallel(tensor=2)"} <= priced, priced
+    assert stacked_experts(CapacityMoE(), tokens(1)[0], moe_loss) == 8
+    assert stacked_experts(TwoDense(), tokens(1)[0], dense_loss) == 0

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -69,6 +70,27 @@ def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tupl
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
+
+
+def stacked_experts(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> int:
+    """How many experts ``model`` stacks in the params of its mixture of experts (0: none; the
+    greatest common divisor where several mixtures differ), read from its trace (the model
+    initialised and run from shapes: nothing is allocated)."""
+    from parallax.models import ModelRun, adapter_for
+
+    adapter = adapter_for(model)
+    key = jax.random.PRNGKey(0)
+    rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+    params, state = jax.eval_shape(lambda: adapter.init(rngs, example_batch, loss_fn, ()))
+    params = adapter.unbox(params)
+    paths = [path_str(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def loss(params: Any, state: Any, batch: Any) -> Any:
+        return adapter.apply(params, state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
+
+    shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
+    found = expert_dims(jax.make_jaxpr(loss)(params, state, example_batch), paths)
+    return math.gcd(*(int(shapes[paths.index(path)][dim]) for path, dim in found.items()))
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict, pin: Callable) -> list[Any]:

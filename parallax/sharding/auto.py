@@ -118,6 +118,21 @@ def context_candidates(device_count: int, *, data: DataParallel = DataParallel()
             *(s for s in ring if not any(isinstance(part, DataParallel) for part in s.parts))]
 
 
+def expert_candidates(device_count: int, experts: int, *, data: DataParallel = DataParallel(),
+                      fsdp: FSDP = FSDP(split="largest")) -> list[Strategy]:
+    """The meshes with an expert axis ``strategy="auto"`` adds for a model that stacks ``experts``
+    experts: for each size that divides both the devices and the experts, the experts over all the
+    devices, or DP or FSDP over the rest.
+
+    Example:
+        >>> [s.describe() for s in expert_candidates(8, experts=4)]  # doctest: +NORMALIZE_WHITESPACE
+        ['ExpertParallel(expert=2) × DataParallel(data=4)', 'ExpertParallel(expert=2) × FSDP(fsdp=4)',
+         'ExpertParallel(expert=4) × DataParallel(data=2)', 'ExpertParallel(expert=4) × FSDP(fsdp=2)']
+    """
+    return [s for s in _each_size_with_the_rest(device_count, ExpertParallel, data, fsdp)
+            if experts % next(p.size for p in s.parts if isinstance(p, ExpertParallel)) == 0]
+
+
 def _each_size_with_the_rest(device_count: int, part: Callable[[int], Strategy], data: DataParallel,
                              fsdp: FSDP) -> list[Strategy]:
     """For each size ``S`` > 1 that divides the devices, ``part(S)`` alone (``S`` = all of them), or

@@ -4,19 +4,24 @@ Beyond every DP × FSDP × TP mesh of the devices (:func:`parallax.sharding.auto
 pipeline over the model's stack of blocks, where a priced candidate found one
 (:func:`~parallax.sharding.auto.pipeline_candidates`), and the sequence split over a context axis,
 for a model with attention whose batch the devices do not divide: a few long sequences
-(:func:`~parallax.sharding.auto.context_candidates`).
+(:func:`~parallax.sharding.auto.context_candidates`); and an expert axis for a model that stacks a
+mixture of experts' weights (:func:`~parallax.sharding.auto.expert_candidates`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from parallax.models.context_attention import model_has_attention
-from parallax.sharding.auto import context_candidates, pipeline_candidates
+from parallax.models.expert_dispatch import stacked_experts
+from parallax.sharding.auto import context_candidates, expert_candidates, pipeline_candidates
 from parallax.sharding.strategy import Strategy
+
+log = logging.getLogger("parallax")
 
 
 def more_candidates(found: dict, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
@@ -27,6 +32,14 @@ def more_candidates(found: dict, model: Any, example_batch: Any, loss_fn: Any, r
         more += pipeline_candidates(device_count)
     if rows(example_batch) % device_count and model_has_attention(model, example_batch, loss_fn, rng_streams):
         more += context_candidates(device_count)
+    try:
+        experts = stacked_experts(model, example_batch, loss_fn, rng_streams)
+    except Exception as err:  # noqa: BLE001 (what auto adds: the meshes already priced stand without it)
+        log.info("Could not read whether the model stacks experts (%s); ExpertParallel is not among the candidates.",
+                 str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        experts = 0
+    if experts:
+        more += expert_candidates(device_count, experts)
     return more
 
 
