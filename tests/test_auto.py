@@ -417,7 +417,7 @@ def test_auto_needs_a_loss_and_its_own_mesh():
     with pytest.raises(ValueError, match="picks the mesh shape itself"):
         px.init_state(MLP(), optax.adam(1e-3), data[0], strategy="auto", loss_fn=MARKED,
                       mesh=px.FSDP().make_mesh())
-    with pytest.raises(ValueError, match="strategy 'fastest': 'fastest' is not dp, fsdp, tp, pp or cp.*'auto'"):
+    with pytest.raises(ValueError, match="strategy 'fastest': 'fastest' is not dp, fsdp, tp, pp, cp or ep.*'auto'"):
         px.make_train_step(MARKED, "fastest")
     with pytest.raises(ValueError, match="FSDP\\(split='middle'\\).*'auto'"):
         px.FSDP(split="middle")

@@ -38,8 +38,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         raise ValueError(f"{strategy.describe()}: the ring method does not run inside a pipeline's stages (its "
                          "shard_map would nest in the pipeline's): use ContextParallel(method='all_gather') with "
                          "PipelineParallel, or the ring without it.")
-    # The attention split first: a pipeline then runs the layers with their attention split.
-    for change in sorted(strategy.run_changes, key=lambda c: not isinstance(c, ContextRun)):
+    # The attention split and the experts' pins first: a pipeline then runs the layers with them.
+    for change in sorted(strategy.run_changes, key=lambda c: isinstance(c, PipelineRun)):
         if isinstance(change, ContextRun):
             loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method)
         elif isinstance(change, ExpertRun):
