@@ -42,7 +42,7 @@ def fsdp_state():
          r"batch_stats='local' needs compile='shard_map'"),
         (lambda: px.Trainer(None, optax.sgd(0.1), classifier_loss, max_steps=0), r"max_steps=0"),
         (lambda: px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy="zero3"),
-         r"strategy 'zero3': 'zero3' is not dp, fsdp, tp, pp or cp.*e.g. 'fsdp', 'dp2\+fsdp'"),
+         r"strategy 'zero3': 'zero3' is not dp, fsdp, tp, pp, cp or ep.*e.g. 'fsdp', 'dp2\+fsdp'"),
         (lambda: px.make_train_step(classifier_loss, 8), r"a short name \(e.g. 'fsdp', 'dp2\+fsdp'\) or 'auto', got 8"),
         (lambda: px.Trainer(None, optax.sgd(0.1), classifier_loss, checkpoint_every=5),
          r"checkpoint_every is set but checkpoint_dir is not"),

@@ -175,7 +175,7 @@ def test_the_cli_says_what_is_wrong_with_a_reference():
 
 def test_bad_arguments_are_clear_errors_before_anything_compiles():
     batch = batches("mlp", 1, 16)[0]
-    with pytest.raises(ValueError, match=r"'fsdp\+xp2': 'xp2' is not dp, fsdp, tp, pp or cp"):
+    with pytest.raises(ValueError, match=r"'fsdp\+xp2': 'xp2' is not dp, fsdp, tp, pp, cp or ep"):
         px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, strategies=["fsdp+xp2"])
     with pytest.raises(ValueError, match=r"memory_budget='16 gigs'.*'16GB' or '80GiB'"):
         px.plan(MLP(), optax.adamw(1e-3), batch, loss_fn=classifier_loss, memory_budget="16 gigs")
