@@ -16,6 +16,7 @@ from flax import nnx
 
 import parallax as px
 from parallax.models.context_attention import model_has_attention
+from parallax.sharding.auto import from_mesh
 from parallax.state.search import resolve
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
@@ -232,6 +233,9 @@ def test_context_parallel_arguments_and_paths_are_checked():
         px.ContextParallel(0)
     assert px.Trainer(TinyLM(), optax.sgd(0.1), lm_loss, strategy="cp2+fsdp").strategy == px.combine(
         px.ContextParallel(2), px.FSDP())
+    # A state the search built on a ring: its mesh says so, and the step it reads from the mesh runs the ring.
+    ring_mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context_ring",))
+    assert from_mesh(ring_mesh) == px.ContextParallel(4, method="ring", axis="context_ring")
     strategy, batch = px.combine(px.DataParallel(2), px.ContextParallel(4)), batches("lm", 1)[0]
     state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
     with pytest.raises(ValueError, match="splits the model's attention over the sequence, which the jit path compiles"):

@@ -109,20 +109,8 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: d
             if out_dim is not None:
                 tracked[eqn.outvars[0]] = out_dim
         elif name in _OPENED:
-            inner, inner_consts = call_body(eqn)
-            inner_tracked = {v: d for v, d in zip(inner.invars, dims) if d is not None}
-
-            def opened(*a: Any, inner=inner, inner_consts=inner_consts, inner_tracked=inner_tracked) -> list[Any]:
-                found = dict(inner_tracked)
-                outs = _evaluate(inner, inner_consts, a, found, pin)
-                opened.dims = [None if isinstance(v, core.Literal) else found.get(v) for v in inner.outvars]
-                return outs
-
-            call = opened
-            if name in REMAT:
-                call = jax.checkpoint(opened, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-            outs = list(call(*ins))
-            tracked.update({v: d for v, d in zip(eqn.outvars, opened.dims) if d is not None})
+            outs, out_dims = _open(eqn, ins, dims, pin)
+            tracked.update({v: d for v, d in zip(eqn.outvars, out_dims) if d is not None})
         else:
             outs = _bind(eqn, ins)
             for out in eqn.outvars:
@@ -131,6 +119,24 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: d
                     tracked[out] = moved
         values.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _open(eqn: Any, ins: list, dims: list, pin: Callable) -> tuple[list, list]:
+    """A call or checkpoint reading a tracked value, run with its matmuls pinned (a checkpoint kept,
+    with its policy); its results and where their experts dims are."""
+    inner, inner_consts = call_body(eqn)
+    out_dims: list = []
+
+    def opened(*args: Any) -> list[Any]:
+        found = {v: d for v, d in zip(inner.invars, dims) if d is not None}
+        outs = _evaluate(inner, inner_consts, args, found, pin)
+        out_dims[:] = [None if isinstance(v, core.Literal) else found.get(v) for v in inner.outvars]
+        return outs
+
+    call = opened
+    if eqn.primitive.name in REMAT:
+        call = jax.checkpoint(opened, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    return list(call(*ins)), out_dims
 
 
 def _matmul(eqn: Any, ins: list, dims: list, pin: Callable) -> tuple[list, int | None]:

@@ -99,23 +99,31 @@ def pipeline_candidates(device_count: int, *, data: DataParallel = DataParallel(
     return _each_size_with_the_rest(device_count, lambda stages: dataclasses.replace(pipeline, stages=stages), data, fsdp)
 
 
+RING_AXIS = "context_ring"  # the axis of a ring-method context part the search adds
+
+
 def context_candidates(device_count: int, *, data: DataParallel = DataParallel(),
                        fsdp: FSDP = FSDP(split="largest")) -> list[Strategy]:
     """The meshes with a context axis ``strategy="auto"`` adds for a model with attention whose batch
     the devices cannot split (a few long sequences): for each context size ``C`` that divides the
     devices, the sequence over all of them, or DP or FSDP over the rest; and, for models whose
     attention that does not fit, the ``ring`` method (a device holds one block of keys at a time)
-    alone or with FSDP over the rest.
+    alone or with FSDP over the rest (on an axis named ``context_ring``: the mesh of a state the
+    search built says which method its steps run, :func:`from_mesh`).
 
     Example:
         >>> [s.describe() for s in context_candidates(4)]  # doctest: +NORMALIZE_WHITESPACE
         ['ContextParallel(context=2) × DataParallel(data=2)', 'ContextParallel(context=2) × FSDP(fsdp=2)',
-         'ContextParallel(context=4)', "ContextParallel(context=2, method='ring') × FSDP(fsdp=2)",
-         "ContextParallel(context=4, method='ring')"]
+         'ContextParallel(context=4)', "ContextParallel(context_ring=2, method='ring') × FSDP(fsdp=2)",
+         "ContextParallel(context_ring=4, method='ring')"]
     """
-    ring = _each_size_with_the_rest(device_count, lambda size: ContextParallel(size, method="ring"), data, fsdp)
+    ring = _each_size_with_the_rest(device_count, _ring, data, fsdp)
     return [*_each_size_with_the_rest(device_count, ContextParallel, data, fsdp),
             *(s for s in ring if not any(isinstance(part, DataParallel) for part in s.parts))]
+
+
+def _ring(size: int) -> ContextParallel:
+    return ContextParallel(size, method="ring", axis=RING_AXIS)
 
 
 def expert_candidates(device_count: int, experts: int, *, data: DataParallel = DataParallel(),
@@ -170,9 +178,9 @@ def fsdp_split(strategy: Strategy) -> str | None:
 
 def from_mesh(mesh: Mesh) -> Strategy:
     """The strategy a mesh built by ``strategy="auto"`` stands for (axes ``data``, ``fsdp``, ``tensor``,
-    ``context``, ``expert``)."""
+    ``context``, ``context_ring``, ``expert``)."""
     kinds = {"data": DataParallel, "fsdp": FSDP, "tensor": TensorParallel, "context": ContextParallel,
-             "expert": ExpertParallel}
+             RING_AXIS: _ring, "expert": ExpertParallel}
     unknown = [name for name in mesh.axis_names if name not in kinds]
     if unknown:
         raise ValueError(f"strategy='auto' reads the strategy from the state's mesh, but its axes {list(mesh.axis_names)} "
