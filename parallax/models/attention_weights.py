@@ -13,11 +13,11 @@ weights elsewhere (:func:`region`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 from jax.extend import core
 
+from parallax.models.rebind import reshaped_dim
 from parallax.sharding.chains import REMAT, call_body
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -67,15 +67,6 @@ def flatten(eqns: Sequence[Any], alias: dict) -> list[Op]:
         for outer, out in zip(eqn.outvars, body.outvars):
             alias[outer] = out if isinstance(out, core.Literal) else inner.get(out, out)
     return ops
-
-
-def reshaped_dim(old: Sequence[int], new: Sequence[int], dim: int) -> int | None:
-    """Where ``dim`` of shape ``old`` is in the reshape to ``new``, where it stays a dim of its own."""
-    before = math.prod(old[:dim])
-    for j in range(len(new)):
-        if math.prod(new[:j]) == before and new[j] == old[dim]:
-            return j
-    return None
 
 
 def is_var(v: Any) -> bool:

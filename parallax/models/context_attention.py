@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import scan_counts
 from parallax.models.attention_weights import region as ring_region
-from parallax.models.attention_weights import reshaped_dim
+from parallax.models.rebind import bind_eqn, reshaped_dim
 from parallax.models.ring_attention import Ring
 from parallax.sharding.chains import REMAT, call_body
 
@@ -294,18 +294,13 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
         if index in pinned:
             dims = pinned[index]
             ins = [pin(x, *dims[(index, side)]) if (index, side) in dims else x for side, x in enumerate(ins)]
-            outs = [pin(_bind(eqn, ins)[0], *dims[(index, "out")])]
+            outs = [pin(bind_eqn(eqn, ins)[0], *dims[(index, "out")])]
         elif name in _OPENED and holds_attention(call_body(eqn)[0]):
             outs = _open(eqn, ins, pin)
         else:
-            outs = _bind(eqn, ins)
+            outs = bind_eqn(eqn, ins)
         values.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _open(eqn: Any, ins: Sequence[Any], pin: _Pin) -> list[Any]:

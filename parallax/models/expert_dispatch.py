@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -33,8 +32,9 @@ from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._tree import path_str
-from parallax.models.attention_weights import reshaped_dim
+from parallax.models.rebind import bind_eqn, reshaped_dim
 from parallax.sharding.chains import REMAT, call_body
+from parallax.sharding.expert_parallel import ruled_dims
 from parallax.sharding.tp_layout import expert_dims
 
 _OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
@@ -62,9 +62,7 @@ def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tupl
     def run(params: Any, *rest: Any) -> Any:
         paths = [path_str(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(params, *rest)
-        experts = expert_dims(closed, paths)
-        experts.update({path: next(d for r, d in rules if re.search(r, path)) for path in paths
-                        if any(re.search(r, path) for r, _ in rules)})
+        experts = {**expert_dims(closed, paths), **ruled_dims(paths, rules)}
         tracked = {closed.jaxpr.invars[index]: experts[path] for index, path in enumerate(paths) if path in experts}
         outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((params, *rest)), tracked, pin)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
@@ -103,7 +101,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: d
         dims = [None if isinstance(v, core.Literal) else tracked.get(v) for v in eqn.invars]
         name = eqn.primitive.name
         if all(d is None for d in dims):
-            outs = _bind(eqn, ins)
+            outs = bind_eqn(eqn, ins)
         elif name == "dot_general":
             outs, out_dim = _matmul(eqn, ins, dims, pin)
             if out_dim is not None:
@@ -112,7 +110,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: d
             outs, out_dims = _open(eqn, ins, dims, pin)
             tracked.update({v: d for v, d in zip(eqn.outvars, out_dims) if d is not None})
         else:
-            outs = _bind(eqn, ins)
+            outs = bind_eqn(eqn, ins)
             for out in eqn.outvars:
                 moved = _moved(eqn, dims, out)
                 if moved is not None:
@@ -153,11 +151,11 @@ def _matmul(eqn: Any, ins: list, dims: list, pin: Callable) -> tuple[list, int |
             other = 1 - side
             ins = list(ins)
             ins[other] = pin(ins[other], (lb, rb)[other][k])
-            return [pin(_bind(eqn, ins)[0], k)], k
+            return [pin(bind_eqn(eqn, ins)[0], k)], k
         if dim in free[side]:  # every expert's outputs (a dense dispatch): split by expert
             at = len(lb) + (free[0].index(dim) if side == 0 else len(free[0]) + free[1].index(dim))
-            return [pin(_bind(eqn, ins)[0], at)], at
-    return _bind(eqn, ins), None  # contracted over the experts: combined, the compiler reduces it
+            return [pin(bind_eqn(eqn, ins)[0], at)], at
+    return bind_eqn(eqn, ins), None  # contracted over the experts: combined, the compiler reduces it
 
 
 def _moved(eqn: Any, dims: list, out: Any) -> int | None:
@@ -177,8 +175,3 @@ def _moved(eqn: Any, dims: list, out: Any) -> int | None:
     if out_shape == shape or (len(out_shape) == len(shape) and out_shape[dim] == shape[dim]):
         return dim  # elementwise
     return None
-
-
-def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]

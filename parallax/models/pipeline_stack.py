@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws
+from parallax.models.rebind import bind_eqn
 from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants
 
 PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
@@ -190,8 +191,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         else:
             # Bound in the context it runs in (not the one recorded at tracing: inside the pipeline's
             # shard_map the stage axis is manual, where the layer was traced with it automatic).
-            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = bind_eqn(eqn, ins)
             out_kinds = [frozenset().union(*in_kinds)] * len(outs)
         for var, value, k in zip(eqn.outvars, outs, out_kinds):
             values[var], kind_of[var] = value, k

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax._compat import shard_map
 from parallax.models.attention_weights import SHAPED, Const, derived_ops, flatten, is_var, shape_of, weights_ops
+from parallax.models.rebind import bind, bind_eqn
 
 _COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
 _IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
@@ -79,8 +80,7 @@ class Ring:
         per_block = derived_ops(ops, info.derived) | info.inside
         for index, op in enumerate(ops):  # the side values the blocks start from (a mask, dropout's bits), whole
             if index not in per_block:
-                outs = op.primitive.bind(*[val(v) for v in op.invars], **op.primitive.get_bind_params(op.params))
-                env.update(zip(op.outvars, outs if op.primitive.multiple_results else [outs]))
+                env.update(zip(op.outvars, bind(op.primitive, op.params, [val(v) for v in op.invars])))
         q_in = read(scores_eqn.invars[query_side])
         k_in = read(scores_eqn.invars[1 - query_side])
         v_in = read(values_eqn.invars[1 - weights_side])
@@ -102,7 +102,7 @@ class Ring:
                          for d, n in enumerate(shape))
 
         def one_block(q, kb, source, finals, sides, until):
-            local: dict = {scores: _bind(scores_eqn, [q, kb] if query_side == 0 else [kb, q])[0]}
+            local: dict = {scores: bind_eqn(scores_eqn, [q, kb] if query_side == 0 else [kb, q])[0]}
             for v, (qd, kd), x in zip(info.sides, side_dims, sides):
                 if kd is not None and x.shape[kd] == keys:
                     x = jax.lax.dynamic_slice_in_dim(x, source * block, block, axis=kd)
@@ -120,8 +120,7 @@ class Ring:
                 if op.primitive.name in SHAPED:
                     key = SHAPED[op.primitive.name]
                     params[key] = blocked(params[key], info.roles.get(op.outvars[0], (None, None)))
-                outs = op.primitive.bind(*[get(v) for v in op.invars], **op.primitive.get_bind_params(params))
-                local.update(zip(op.outvars, outs if op.primitive.multiple_results else [outs]))
+                local.update(zip(op.outvars, bind(op.primitive, params, [get(v) for v in op.invars])))
                 if index == until:
                     return local[op.outvars[0]]
             return local[weights]
@@ -132,7 +131,7 @@ class Ring:
             finals: dict = {}
             for reduction in [*info.reductions, None]:  # a pass round the ring for each, then the values'
                 if reduction is None:
-                    part = jax.checkpoint(lambda kb, vb, source: _bind(values_eqn, _sides(
+                    part = jax.checkpoint(lambda kb, vb, source: bind_eqn(values_eqn, _sides(
                         one_block(q, kb, source, finals, sides, None), vb, weights_side))[0])
                     combine = jax.lax.add
                 else:
@@ -162,8 +161,3 @@ class Ring:
 
 def _sides(weights: Any, values: Any, weights_side: int) -> list:
     return [weights, values] if weights_side == 0 else [values, weights]
-
-
-def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]

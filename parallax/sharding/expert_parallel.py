@@ -21,6 +21,21 @@ from parallax.sharding.parts import check_axis
 from parallax.sharding.strategy import Strategy
 
 
+def ruled_dims(paths: Sequence[str], rules: Sequence[tuple[str, int]]) -> dict[str, int]:
+    """The experts dim ``rules`` name for each of ``paths`` that one matches (the first match wins).
+
+    Example:
+        >>> ruled_dims(["moe/w_in", "head/kernel"], [(r"w_in|w_out", 0)])
+        {'moe/w_in': 0}
+    """
+    found = {}
+    for path in paths:
+        dim = next((dim for regex, dim in rules if re.search(regex, path)), None)
+        if dim is not None:
+            found[path] = dim
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertRun:
     """How the model's experts run: each matmul over their stacked weights (found in the traced
@@ -69,11 +84,7 @@ class ExpertParallel(Strategy):
 
     def fit_to_computation(self, computation: Any) -> "ExpertParallel":
         """This part with the stacked experts found in the traced loss (and named by its rules)."""
-        found = computation.expert_dims()
-        for path in computation.param_paths:
-            dim = next((dim for regex, dim in self.rules if re.search(regex, path)), None)
-            if dim is not None:
-                found[path] = dim
+        found = {**computation.expert_dims(), **ruled_dims(computation.param_paths, self.rules)}
         if not found:
             named = list(dict.fromkeys(match.group(0) for path in computation.param_paths
                                        if (match := re.match(r"(?i).*?expert[^/]*", path))))
