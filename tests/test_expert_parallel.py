@@ -95,6 +95,19 @@ STRATEGIES = {
 }
 
 
+def nano_loss(model, batch):
+    """nano-moe-jax's model returns (logits, its blocks' load-balancing loss), as CapacityMoE does."""
+    return moe_loss(lambda x: model(x), {"x": batch["x"][:, :9]})
+
+
+LISTED = {
+    "ep8": lambda: px.ExpertParallel(8, modules="ExpertFFN"),
+    "ep4-fsdp2": lambda: px.combine(px.ExpertParallel(4, modules="ExpertFFN"), px.FSDP(2, min_weight_size=0)),
+    "ep2-tp2-dp2": lambda: px.combine(px.ExpertParallel(2, modules="ExpertFFN"), px.TensorParallel(2),
+                                      px.DataParallel(2)),
+}
+
+
 def test_the_capacity_moe_drops_tokens_and_routes_to_two_experts():
     """What the exactness cases below exercise: at a capacity factor of 0.5 some choices find their
     expert full (fewer kept than made), and top-2 makes two choices per token."""
@@ -114,6 +127,17 @@ def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, stra
     build, loss_fn = MODELS[model]
     opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
     report = px.testing.assert_equivalent(build(), opt, loss_fn, tokens(), STRATEGIES[strategy]())
+    assert report.mode == "jit", report
+
+
+@pytest.mark.parametrize("strategy, optimizer", [("ep8", "adamw"), ("ep4-fsdp2", "sgd"), ("ep2-tp2-dp2", "adamw")])
+def test_expert_parallel_trains_an_unmodified_third_party_moe_whose_experts_are_a_list(strategy, optimizer):
+    """nano-moe-jax from PyPI, unmodified: 8 experts kept as a list of ``ExpertFFN`` modules, top-2
+    routing, every expert on every token, a load-balancing loss; ``modules="ExpertFFN"`` runs them as
+    one batch split by expert."""
+    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
+    report = px.testing.assert_equivalent(third_party.nano_moe(experts=EXPERTS), opt, nano_loss, tokens(),
+                                          LISTED[strategy]())
     assert report.mode == "jit", report
 
 
@@ -150,6 +174,25 @@ def test_each_device_holds_its_experts_and_the_tokens_move_to_them():
             assert "16,16,32" in gathered, gathered  # every token, to every device's expert
 
 
+def test_each_device_computes_its_listed_experts_and_holds_an_eighth_of_them():
+    """nano-moe-jax's 8 listed experts under ExpertParallel(8, modules="ExpertFFN"): each expert's params
+    split 8 ways (1/8 of the experts' bytes per device); the step stacks them by expert with
+    all-to-alls and never all-gathers an expert's weights (its (16, 32) or (32, 16) kernels, or a
+    stack of them); the tokens, which every expert reads, are gathered."""
+    batch, strategy = tokens(1)[0], LISTED["ep8"]()
+    state = px.init_state(third_party.nano_moe(experts=EXPERTS), optax.sgd(0.1), batch, strategy=strategy,
+                          loss_fn=nano_loss)
+    experts = [leaf for key, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]
+               if "expert_" in jax.tree_util.keystr(key)]
+    assert len(experts) == 4 * EXPERTS
+    assert all(leaf.addressable_shards[0].data.nbytes * 8 == leaf.nbytes for leaf in experts)
+    text = px.make_train_step(nano_loss, strategy).lower(state, batch).compile().as_text()
+    gathered = set(collective_shapes(text, "all-gather"))
+    assert not {s for s in gathered if re.fullmatch(r"(\d+,)?(16,32|32,16|32|16)", s)}, gathered
+    assert {"1,1,4,16", "1,1,16,4"} <= set(collective_shapes(text, "all-to-all"))  # a kernel's 1/8 to its expert
+    assert "16,8,16" in gathered  # every token, to every device's expert
+
+
 class TwoDense(nn.Module):
     @nn.compact
     def __call__(self, tokens):
@@ -158,14 +201,20 @@ class TwoDense(nn.Module):
 
 def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
     batch = tokens(1)[0]
-    with pytest.raises(ValueError, match=r"ExpertParallel found no stacked experts in the model: .* Stack the "
+    with pytest.raises(ValueError, match=r"ExpertParallel found no stacked experts in the model: .* [Ss]tack the "
                                          r"experts' weights in one param per weight"):
         px.init_state(TwoDense(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=dense_loss)
-    nano, nano_loss = third_party.nano_moe(), lambda m, b: moe_loss(lambda x: m(x), b)
     with pytest.raises(ValueError, match=r"It has 4 modules named like experts, each with its own params "
                                          r"\(block_0/MoELayer_0/expert_0, block_0/MoELayer_0/expert_1, .*\): a list "
-                                         r"of experts.* nn.vmap / nnx.vmap over them"):
-        px.init_state(nano, optax.sgd(0.1), {"x": batch["x"][:, :9]}, strategy=px.ExpertParallel(), loss_fn=nano_loss)
+                                         r"of experts.* Name the class of the listed experts "
+                                         r"\(ExpertParallel\(modules='ExpertFFN'\)\)"):
+        px.init_state(third_party.nano_moe(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=nano_loss)
+    with pytest.raises(ValueError, match=r"ExpertParallel\(modules='Router'\) found no experts of that class called "
+                                         r"side by side in the model.*nano-moe-jax: 'ExpertFFN'"):
+        px.init_state(third_party.nano_moe(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(modules="Router"),
+                      loss_fn=nano_loss)
+    with pytest.raises(ValueError, match=r"ExpertParallel\(modules=3\): name the experts' module class"):
+        px.ExpertParallel(modules=3)
     strategy = px.ExpertParallel(3)
     with pytest.raises(ValueError, match=r"w_in stacks 8 experts \(dim 0 of \(8, 32, 64\)\), which 3 devices do "
                                          r"not divide"):

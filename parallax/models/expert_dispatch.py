@@ -32,15 +32,18 @@ from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._tree import path_str
+from parallax.models.listed_experts import holds_modules, params_within, run_siblings, schedule
 from parallax.models.rebind import bind_eqn, reshaped_dim
 from parallax.sharding.chains import REMAT, call_body
 from parallax.sharding.expert_parallel import ruled_dims
+from parallax.sharding.siblings import Siblings, find_siblings
 from parallax.sharding.tp_layout import expert_dims
 
 _OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
 
 
-def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tuple[str, int]] = ()) -> Callable:
+def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tuple[str, int]] = (),
+                    listed: bool = False) -> Callable:
     """``fn(params, *rest)`` with every matmul over the experts' weights split along the experts dim.
 
     Args:
@@ -49,6 +52,9 @@ def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tupl
         axis: the expert axis.
         rules: ``(regex, dim)`` pairs naming the experts dim of params by path (``"moe/w_in"``),
             besides those the trace shows (:func:`parallax.sharding.tp_layout.expert_dims`).
+        listed: also run each list of experts (calls of one rematerialised module on their own
+            params, :mod:`parallax.sharding.siblings`) as one batch split by expert
+            (:mod:`parallax.models.listed_experts`).
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
@@ -64,7 +70,8 @@ def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tupl
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(params, *rest)
         experts = {**expert_dims(closed, paths), **ruled_dims(paths, rules)}
         tracked = {closed.jaxpr.invars[index]: experts[path] for index, path in enumerate(paths) if path in experts}
-        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((params, *rest)), tracked, pin)
+        flags = [i < len(paths) for i in range(len(closed.jaxpr.invars))] if listed else None
+        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((params, *rest)), tracked, pin, flags)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
@@ -91,16 +98,33 @@ def stacked_experts(model: Any, example_batch: Any, loss_fn: Any, rng_streams: S
     return math.gcd(*(int(shapes[paths.index(path)][dim]) for path, dim in found.items()))
 
 
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict, pin: Callable) -> list[Any]:
-    """Evaluates ``jaxpr``, following the experts dim of ``tracked`` values and pinning the matmuls over it."""
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict, pin: Callable,
+              param_flags: Sequence[bool] | None = None) -> list[Any]:
+    """Evaluates ``jaxpr``, following the experts dim of ``tracked`` values and pinning the matmuls
+    over it; with ``param_flags`` (which invars are params), each list of experts run as one batch."""
     values: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     values.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
-    for eqn in jaxpr.eqns:
+    order: list = list(range(len(jaxpr.eqns)))
+    params: set = set()
+    if param_flags is not None:
+        params = params_within(jaxpr, param_flags)
+        groups = find_siblings(jaxpr, lambda v: v in params, consts)
+        order = schedule(jaxpr.eqns, groups) if groups else order
+    for item in order:
+        if isinstance(item, Siblings):
+            for call, outs in zip(item.calls, run_siblings(item, jaxpr.eqns, read, pin)):
+                values.update(zip(jaxpr.eqns[call].outvars, outs))
+            continue
+        eqn = jaxpr.eqns[item]
         ins = [read(v) for v in eqn.invars]
         dims = [None if isinstance(v, core.Literal) else tracked.get(v) for v in eqn.invars]
         name = eqn.primitive.name
-        if all(d is None for d in dims):
+        if param_flags is not None and holds_modules(eqn):  # a call holding a list of experts: opened
+            flags = [not isinstance(v, core.Literal) and v in params for v in eqn.invars]
+            outs, out_dims = _open(eqn, ins, dims, pin, flags)
+            tracked.update({v: d for v, d in zip(eqn.outvars, out_dims) if d is not None})
+        elif all(d is None for d in dims):
             outs = bind_eqn(eqn, ins)
         elif name == "dot_general":
             outs, out_dim = _matmul(eqn, ins, dims, pin)
@@ -119,15 +143,16 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: d
     return [read(v) for v in jaxpr.outvars]
 
 
-def _open(eqn: Any, ins: list, dims: list, pin: Callable) -> tuple[list, list]:
-    """A call or checkpoint reading a tracked value, run with its matmuls pinned (a checkpoint kept,
-    with its policy); its results and where their experts dims are."""
+def _open(eqn: Any, ins: list, dims: list, pin: Callable, param_flags: Sequence[bool] | None = None
+          ) -> tuple[list, list]:
+    """A call or checkpoint reading a tracked value (or holding a list of experts), run with its
+    matmuls pinned (a checkpoint kept, with its policy); its results and where their experts dims are."""
     inner, inner_consts = call_body(eqn)
     out_dims: list = []
 
     def opened(*args: Any) -> list[Any]:
         found = {v: d for v, d in zip(inner.invars, dims) if d is not None}
-        outs = _evaluate(inner, inner_consts, args, found, pin)
+        outs = _evaluate(inner, inner_consts, args, found, pin, param_flags)
         out_dims[:] = [None if isinstance(v, core.Literal) else found.get(v) for v in inner.outvars]
         return outs
 

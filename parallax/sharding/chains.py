@@ -54,8 +54,8 @@ def find_chains(jaxpr: Any, is_param: Callable[[Any], bool], consts: Sequence[An
     """
     eqns = jaxpr.eqns
     calls = [i for i, eqn in enumerate(eqns) if eqn.primitive.name in REMAT]
-    same = _Recomputed(jaxpr, consts)
-    text = {i: _text(eqns[i].params["jaxpr"]) for i in calls}
+    same = Recomputed(jaxpr, consts)
+    text = {i: body_text(eqns[i].params["jaxpr"]) for i in calls}
     chains, taken = [], set()
     for start in calls:
         if start in taken:
@@ -87,7 +87,7 @@ def folded_constants(body: Any) -> dict[int, int]:
             if eqn.primitive.name == "random_fold_in" and isinstance(eqn.invars[1], core.Literal)}
 
 
-def _text(body: Any) -> str:
+def body_text(body: Any) -> str:
     """``body`` printed with its folded key constants left out: what two calls of one block share."""
     body = getattr(body, "jaxpr", body)
     folded = folded_constants(body)
@@ -96,7 +96,7 @@ def _text(body: Any) -> str:
     return str(body.replace(eqns=eqns))
 
 
-def _link(before: Any, after: Any, is_param: Callable[[Any], bool], same: "_Recomputed") -> tuple | None:
+def _link(before: Any, after: Any, is_param: Callable[[Any], bool], same: "Recomputed") -> tuple | None:
     """How ``after`` continues ``before`` (carry, carry_out, weights, varying positions), or ``None``."""
     outs = {v: i for i, v in enumerate(before.outvars)}
     carry = tuple(p for p, v in enumerate(after.invars) if not isinstance(v, core.Literal) and v in outs)
@@ -115,7 +115,7 @@ def _link(before: Any, after: Any, is_param: Callable[[Any], bool], same: "_Reco
     return carry, tuple(outs[after.invars[p]] for p in carry), tuple(weights), tuple(varying)
 
 
-class _Recomputed:
+class Recomputed:
     """Whether two values are the same: one value, or the same operations on the same values (a
     block's caller may compute what every block reads anew for each, e.g. Llama's rotary table
     gathered at the positions)."""

@@ -13,6 +13,7 @@ import functools
 from typing import Any, Mapping
 
 from parallax.sharding.chains import chained_params
+from parallax.sharding.siblings import sibling_params
 from parallax.sharding.tp_layout import TensorLayout, derive_layout, expert_dims, scanned_dims
 
 
@@ -55,6 +56,12 @@ class Computation:
         """The params of a list of identical blocks called in turn (each block rematerialised when
         traced, :mod:`parallax.sharding.chains`), by path: ``(chain, layer)``."""
         found = chained_params(self.jaxpr.jaxpr, len(self.param_paths), self.jaxpr.consts)
+        return {self.param_paths[index]: where for index, where in found.items()}
+
+    def sibling_params(self) -> dict[str, tuple[int, int]]:
+        """The params of a list of identical modules called side by side (each rematerialised when
+        traced, :mod:`parallax.sharding.siblings`: a list of experts), by path: ``(group, member)``."""
+        found = sibling_params(self.jaxpr.jaxpr, len(self.param_paths), self.jaxpr.consts)
         return {self.param_paths[index]: where for index, where in found.items()}
 
     def derive_layout(self, axis: str, fixed: Mapping[str, tuple[int | None, str]]) -> TensorLayout:

@@ -43,6 +43,7 @@ class ExpertRun:
 
     axis: str
     rules: tuple = ()
+    modules: str | type | None = None  # the class of experts kept in a list, each call run as one of a batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,15 @@ class ExpertParallel(Strategy):
         rules: ``(regex, dim)`` pairs naming the experts dim of params whose path matches (first
             match wins), for stacked experts the traced loss does not show (none is needed for
             weights a matmul batches over with the dispatched tokens).
+        modules: the class (or class name) of a model's experts kept as a list of separate
+            modules, e.g. ``"ExpertFFN"``; ``None``: the model stacks its experts. Each listed
+            expert's params are split along their largest dim the axis divides (``1/size`` of the
+            experts' bytes per device, as with stacked experts); the step stacks them by expert
+            (an all-to-all per weight), runs the experts as one batch split by expert over the
+            axis, and hands each call its own result.
         experts: the experts dim of each stacked param, by path (set when the state is planned;
             not part of the strategy's identity).
+        listed: the listed experts' params, by path (set when the state is planned).
 
     Example:
         >>> px.ExpertParallel(8).describe(), tuple(px.ExpertParallel(8).batch_spec())
@@ -67,7 +75,9 @@ class ExpertParallel(Strategy):
     size: int = -1
     axis: str = "expert"
     rules: Sequence[tuple[str, int]] = ()
+    modules: str | type | None = None
     experts: Any = dataclasses.field(default=None, compare=False, repr=False)
+    listed: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True  # the layers outside the experts run data-parallel over the axis
     gathers_params = False
@@ -81,10 +91,24 @@ class ExpertParallel(Strategy):
             if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and isinstance(rule[1], int)):
                 raise ValueError(f"ExpertParallel(rules=...): {rule!r} is not a (regex, dim) pair, e.g. "
                                  "(r'moe/w_(in|out)', 0).")
+        if self.modules is not None and not ((isinstance(self.modules, str) and self.modules)
+                                             or isinstance(self.modules, type)):
+            raise ValueError(f"ExpertParallel(modules={self.modules!r}): name the experts' module class, or give the "
+                             "class itself (e.g. modules='ExpertFFN').")
 
     def fit_to_computation(self, computation: Any) -> "ExpertParallel":
         """This part with the stacked experts found in the traced loss (and named by its rules)."""
         found = {**computation.expert_dims(), **ruled_dims(computation.param_paths, self.rules)}
+        if self.modules is not None:
+            listed = {path: None for path in computation.sibling_params() if path not in found}
+            if not listed:
+                name = getattr(self.modules, "__name__", self.modules)
+                raise ValueError(
+                    f"ExpertParallel(modules={name!r}) found no experts of that class called side by side in the "
+                    f"model: no two calls of {name} that compute the same thing on their own params, neither reading the "
+                    "other's result. Name the class of one expert of the list (nano-moe-jax: 'ExpertFFN'), or leave "
+                    "modules=None for a model that stacks its experts.")
+            return dataclasses.replace(self, experts=found, listed=listed)
         if not found:
             named = list(dict.fromkeys(match.group(0) for path in computation.param_paths
                                        if (match := re.match(r"(?i).*?expert[^/]*", path))))
@@ -94,17 +118,28 @@ class ExpertParallel(Strategy):
             raise ValueError(
                 "ExpertParallel found no stacked experts in the model: no param has a dim that a matmul batches over "
                 "together with the tokens (einsum('ecd,edh->ech', dispatched, w_in) with w_in of shape [experts, d, h])."
-                f"{listed} Stack the experts' weights in one param per weight, experts first (a list of expert "
-                "modules: nn.vmap / nnx.vmap over them, or one [experts, ...] param), or name the experts dim: "
+                f"{listed} Name the class of the listed experts (ExpertParallel(modules='ExpertFFN')), stack the "
+                "experts' weights in one param per weight, experts first (nn.vmap / nnx.vmap over the expert "
+                "modules, or one [experts, ...] param), or name the experts dim: "
                 "ExpertParallel(rules=((r'w_in|w_out', 0),)).")
         return dataclasses.replace(self, experts=found)
 
     @property
+    def described_options(self) -> str:
+        return "" if self.modules is None else f", modules={getattr(self.modules, '__name__', self.modules)!r}"
+
+    @property
     def run_change(self) -> ExpertRun:
-        return ExpertRun(self.axis, tuple(self.rules))
+        return ExpertRun(self.axis, tuple(self.rules), self.modules)
 
     def place(self, path, shape, dims, axis_sizes):
         dim, size = (self.experts or {}).get(path), axis_sizes[self.axis]
+        if path in (self.listed or {}) and size > 1:  # a listed expert's param: its largest dim the axis divides
+            free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % size == 0]
+            if not free:
+                return dims
+            dim = max(free, key=lambda d: (shape[d], -d))
+            return [*dims[:dim], self.axis, *dims[dim + 1:]]
         if dim is None or size == 1 or dims[dim] is not None:
             return dims
         if shape[dim] % size:
@@ -115,4 +150,7 @@ class ExpertParallel(Strategy):
 
     def why_whole(self, path, shape, axis_sizes) -> str:
         """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
-        return f"ExpertParallel({self.axis}) splits only the stacked experts' params"
+        if path in (self.listed or {}):
+            return (f"ExpertParallel({self.axis}) splits a listed expert's param along a dim that "
+                    f"{axis_sizes[self.axis]} divides (it has none)")
+        return f"ExpertParallel({self.axis}) splits only the experts' params"

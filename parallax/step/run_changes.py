@@ -43,7 +43,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         if isinstance(change, ContextRun):
             loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method)
         elif isinstance(change, ExpertRun):
-            loss = expert_parallel(loss, mesh=mesh, axis=change.axis, rules=change.rules)
+            loss = expert_parallel(loss, mesh=mesh, axis=change.axis, rules=change.rules,
+                                   listed=change.modules is not None)
         elif isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
@@ -55,11 +56,15 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
 
 
 def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
-    """``run`` with the block classes a pipeline runs rematerialised: each block call is then one
-    call in the traced loss, which :mod:`parallax.sharding.chains` finds (a list of blocks leaves
-    no ``scan`` to find). The pipeline runs each block's body itself, rematerialised per iteration."""
-    marks = tuple(change.blocks for change in strategy.run_changes
-                  if isinstance(change, PipelineRun) and change.blocks is not None)
+    """``run`` with the block classes a pipeline runs, and the expert classes expert parallelism
+    runs, rematerialised: each call is then one call in the traced loss, which
+    :mod:`parallax.sharding.chains` (blocks called in turn) and :mod:`parallax.sharding.siblings`
+    (experts called side by side) find: a list leaves no ``scan`` or stacked param to find. The
+    pipeline runs each block's body itself, rematerialised per iteration; the experts run as one
+    batch, rematerialised."""
+    classes = [change.blocks if isinstance(change, PipelineRun) else getattr(change, "modules", None)
+               for change in strategy.run_changes]
+    marks = tuple(dict.fromkeys(mark for mark in classes if mark is not None))
     if not marks:
         return run
     return dataclasses.replace(run, remat=(*marks, *(entry for entry in run.remat if entry not in marks)))

@@ -1,0 +1,106 @@
+"""A list of experts run as one batch split by expert, in a traced computation.
+
+A mixture of experts kept as a list of separate modules calls each expert on its own params
+(:mod:`parallax.sharding.siblings` finds the calls). No axis can split a list, so
+:func:`run_siblings` stacks the calls' params and their differing operands by expert, pins the
+stack along the experts dim over the expert axis, and runs the module's body once, vectorised
+over the experts (``jax.vmap``, rematerialised as the call was): each device computes its experts
+on the operands they read, and each call gets its own slice of the result back. The values are
+the ones each call computes alone. :func:`schedule` orders a computation's equations so that each
+group runs once all its calls' operands are known.
+
+Example:
+    >>> import parallax.sharding.siblings as siblings
+    >>> def two(w0, w1, x):
+    ...     expert = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))
+    ...     return expert(w0, x) + expert(w1, x)
+    >>> jaxpr = jax.make_jaxpr(two)(jnp.ones((3, 3)), jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr
+    >>> group, = siblings.find_siblings(jaxpr, lambda v: v in jaxpr.invars[:2])
+    >>> group.calls, group.weights, schedule(jaxpr.eqns, [group])
+    ((0, 1), (0,), [Siblings(calls=(0, 1), weights=(0,), varying=()), 2])
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core
+
+from parallax.models.rebind import bind_eqn
+from parallax.sharding.chains import REMAT, call_body
+from parallax.sharding.siblings import Siblings
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+
+def schedule(eqns: Sequence[Any], groups: Sequence[Siblings]) -> list:
+    """The equations' indices in an order that computes every value before it is read, each
+    group's calls replaced by the group (at the earliest place all their operands are known),
+    every other equation as early as the original order allows."""
+    member_of = {call: group for group in groups for call in group.calls}
+    node = (lambda i: member_of[i].calls[0] if i in member_of else i)  # noqa: E731
+    producer = {v: node(i) for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    waits: dict[int, set] = {}
+    users: dict[int, set] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            made = None if isinstance(v, core.Literal) else producer.get(v)
+            if made is not None and made != node(i):
+                waits.setdefault(node(i), set()).add(made)
+                users.setdefault(made, set()).add(node(i))
+    nodes = sorted({node(i) for i in range(len(eqns))})
+    ready = [n for n in nodes if not waits.get(n)]
+    heapq.heapify(ready)
+    order: list = []
+    while ready:
+        n = heapq.heappop(ready)
+        order.append(member_of.get(n, n))
+        for user in users.get(n, ()):
+            waits[user].discard(n)
+            if not waits[user]:
+                heapq.heappush(ready, user)
+    if len(order) != len(nodes):  # find_siblings groups only calls that do not read one another
+        raise AssertionError("the grouped calls read one another's results")
+    return order
+
+
+def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Callable) -> list[list[Any]]:
+    """Each call's results, computed as one batch over the group's calls split by expert."""
+    first = eqns[group.calls[0]]
+    body, consts = call_body(first)
+    stacked = set(group.weights) | set(group.varying)
+    operands = [pin(jnp.stack([read(eqns[call].invars[p]) for call in group.calls]), 0) if p in stacked
+                else read(v) for p, v in enumerate(first.invars)]
+
+    def one(*args: Any) -> list[Any]:
+        values = {**dict(zip(body.constvars, consts)), **dict(zip(body.invars, args))}
+        read_here = (lambda v: v.val if isinstance(v, core.Literal) else values[v])  # noqa: E731
+        for eqn in body.eqns:
+            values.update(zip(eqn.outvars, bind_eqn(eqn, [read_here(v) for v in eqn.invars])))
+        return [read_here(v) for v in body.outvars]
+
+    call = jax.checkpoint(one, prevent_cse=first.params["prevent_cse"], policy=first.params["policy"])
+    in_axes = tuple(0 if p in stacked else None for p in range(len(operands)))
+    outs = [pin(out, 0) for out in jax.vmap(call, in_axes=in_axes)(*operands)]
+    return [[out[member] for out in outs] for member in range(len(group.calls))]
+
+
+def params_within(jaxpr: Any, flags: Sequence[bool]) -> set:
+    """The values of ``jaxpr`` computed from its invars flagged in ``flags`` alone."""
+    found = {v for v, flag in zip(jaxpr.invars, flags) if flag}
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
+        if ins and all(v in found for v in ins):
+            found.update(eqn.outvars)
+    return found
+
+
+def holds_modules(eqn: Any) -> bool:
+    """Whether a call equation's body (or a call inside it) calls a rematerialised module."""
+    if eqn.primitive.name not in _CALLS:
+        return False
+    body = call_body(eqn)[0]
+    return any(inner.primitive.name in REMAT or holds_modules(inner) for inner in body.eqns)
