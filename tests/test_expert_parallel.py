@@ -207,7 +207,7 @@ def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
     with pytest.raises(ValueError, match=r"It has 4 modules named like experts, each with its own params "
                                          r"\(block_0/MoELayer_0/expert_0, block_0/MoELayer_0/expert_1, .*\): a list "
                                          r"of experts.* Name the class of the listed experts "
-                                         r"\(ExpertParallel\(modules='ExpertFFN'\)\)"):
+                                         r"\(e.g. ExpertParallel\(modules='ExpertFFN'\)\)"):
         px.init_state(third_party.nano_moe(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=nano_loss)
     with pytest.raises(ValueError, match=r"ExpertParallel\(modules='Router'\) found no experts of that class called "
                                          r"side by side in the model.*nano-moe-jax: 'ExpertFFN'"):

@@ -118,7 +118,7 @@ class ExpertParallel(Strategy):
             raise ValueError(
                 "ExpertParallel found no stacked experts in the model: no param has a dim that a matmul batches over "
                 "together with the tokens (einsum('ecd,edh->ech', dispatched, w_in) with w_in of shape [experts, d, h])."
-                f"{listed} Name the class of the listed experts (ExpertParallel(modules='ExpertFFN')), stack the "
+                f"{listed} Name the class of the listed experts (e.g. ExpertParallel(modules='ExpertFFN')), stack the "
                 "experts' weights in one param per weight, experts first (nn.vmap / nnx.vmap over the expert "
                 "modules, or one [experts, ...] param), or name the experts dim: "
                 "ExpertParallel(rules=((r'w_in|w_out', 0),)).")
