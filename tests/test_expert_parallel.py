@@ -1,6 +1,7 @@
 """ExpertParallel: a mixture of experts' stacked weights split over an axis by expert, the tokens sent
 to them, against a plain one-device optax loop (the zoo's dense-dispatch MoE, linen and NNX, and a
-Switch/GShard-style MoE: top-1 and top-2 routing, a capacity with tokens dropped, a load-balancing loss)."""
+Switch/GShard-style MoE: top-1 and top-2 routing, a capacity with tokens dropped, a load-balancing loss;
+MoE blocks in a stack a pipeline splits; nano-moe-jax from PyPI, whose experts are a list of modules)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,29 @@ class CapacityMoE(nn.Module):
         return nn.Dense(64, name="head")(nn.LayerNorm()(x)), balance
 
 
+class ScannedMoEBlock(nn.Module):
+    """A block whose MLP is a dense mixture of 4 stacked experts, for a stack ``nn.scan`` runs."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.LayerNorm()(x)
+        gates = jax.nn.softmax(nn.Dense(4, use_bias=False, name="router")(h))
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        w_in, w_out = self.param("w_in", init, (4, 32, 64)), self.param("w_out", init, (4, 64, 32))
+        out = jnp.einsum("bteh,ehd->bted", nn.gelu(jnp.einsum("btd,edh->bteh", h, w_in)), w_out)
+        return x + jnp.einsum("bted,bte->btd", out, gates), None
+
+
+class MoEStack(nn.Module):
+    """Four MoE blocks stacked by ``nn.scan`` (what a pipeline splits into stages)."""
+
+    @nn.compact
+    def __call__(self, tokens, train=True):
+        x = nn.Embed(64, 32)(tokens)
+        x = nn.scan(ScannedMoEBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)[0]
+        return nn.Dense(64)(nn.LayerNorm()(x))
+
+
 def moe_loss(model, batch):
     """Next-token loss plus 0.01 x the load-balancing loss."""
     logits, balance = model(batch["x"][:, :-1])
@@ -87,11 +111,14 @@ MODELS = {
     "zoo-nnx": (lambda: NNXMoE(64, 32, 64, EXPERTS, nnx.Rngs(0)), dense_loss),
     "top1": (lambda: CapacityMoE(top_k=1, capacity_factor=1.0), moe_loss),
     "top2-dropping": (lambda: CapacityMoE(top_k=2, capacity_factor=0.5), moe_loss),
+    "stack": (MoEStack, dense_loss),
 }
 STRATEGIES = {
     "ep8": lambda: px.ExpertParallel(8),
     "ep4-fsdp2": lambda: px.combine(px.ExpertParallel(4), px.FSDP(2, min_weight_size=0)),
     "ep2-tp2-dp2": lambda: px.combine(px.ExpertParallel(2), px.TensorParallel(2), px.DataParallel(2)),
+    "pp2-ep4": lambda: px.combine(px.PipelineParallel(2), px.ExpertParallel(4)),
+    "pp2-ep2-dp2": lambda: px.combine(px.PipelineParallel(2), px.ExpertParallel(2), px.DataParallel(2)),
 }
 
 
@@ -122,6 +149,7 @@ def test_the_capacity_moe_drops_tokens_and_routes_to_two_experts():
     ("zoo-nnx", "ep8", "adamw"), ("zoo-nnx", "ep2-tp2-dp2", "sgd"),
     ("top1", "ep8", "adamw"), ("top1", "ep4-fsdp2", "sgd"), ("top1", "ep2-tp2-dp2", "adamw"),
     ("top2-dropping", "ep8", "sgd"), ("top2-dropping", "ep4-fsdp2", "adamw"),
+    ("stack", "pp2-ep4", "adamw"), ("stack", "pp2-ep2-dp2", "sgd"),
 ])
 def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, strategy, optimizer):
     build, loss_fn = MODELS[model]
