@@ -127,11 +127,36 @@ def nano_loss(model, batch):
     return moe_loss(lambda x: model(x), {"x": batch["x"][:, :9]})
 
 
+class ExpertMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, h):
+        return self.down(nnx.gelu(self.up(h)))
+
+
+class ListedNNXMoE(nnx.Module):
+    """An NNX mixture whose 8 experts are a list of ``ExpertMLP`` modules, every expert on every token."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed, self.norm = nnx.Embed(64, 32, rngs=rngs), nnx.LayerNorm(32, rngs=rngs)
+        self.router, self.head = nnx.Linear(32, EXPERTS, rngs=rngs), nnx.Linear(32, 64, rngs=rngs)
+        self.experts = nnx.List([ExpertMLP(rngs) for _ in range(EXPERTS)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        h = self.norm(x)
+        outs = jnp.stack([expert(h) for expert in self.experts], axis=-1)
+        return self.head(x + jnp.einsum("btde,bte->btd", outs, jax.nn.softmax(self.router(h))))
+
+
+LISTED_MODELS = {"nano-moe-jax": (lambda: third_party.nano_moe(experts=EXPERTS), nano_loss, "ExpertFFN"),
+                 "nnx": (lambda: ListedNNXMoE(nnx.Rngs(0)), dense_loss, "ExpertMLP")}
 LISTED = {
-    "ep8": lambda: px.ExpertParallel(8, modules="ExpertFFN"),
-    "ep4-fsdp2": lambda: px.combine(px.ExpertParallel(4, modules="ExpertFFN"), px.FSDP(2, min_weight_size=0)),
-    "ep2-tp2-dp2": lambda: px.combine(px.ExpertParallel(2, modules="ExpertFFN"), px.TensorParallel(2),
-                                      px.DataParallel(2)),
+    "ep8": lambda modules: px.ExpertParallel(8, modules=modules),
+    "ep4-fsdp2": lambda modules: px.combine(px.ExpertParallel(4, modules=modules), px.FSDP(2, min_weight_size=0)),
+    "ep2-tp2-dp2": lambda modules: px.combine(px.ExpertParallel(2, modules=modules), px.TensorParallel(2),
+                                              px.DataParallel(2)),
 }
 
 
@@ -146,9 +171,9 @@ def test_the_capacity_moe_drops_tokens_and_routes_to_two_experts():
 
 @pytest.mark.parametrize("model, strategy, optimizer", [
     ("zoo", "ep8", "sgd"), ("zoo", "ep4-fsdp2", "adamw"), ("zoo", "ep2-tp2-dp2", "sgd"),
-    ("zoo-nnx", "ep8", "adamw"), ("zoo-nnx", "ep2-tp2-dp2", "sgd"),
+    ("zoo-nnx", "ep8", "adamw"), ("zoo-nnx", "ep4-fsdp2", "sgd"), ("zoo-nnx", "ep2-tp2-dp2", "sgd"),
     ("top1", "ep8", "adamw"), ("top1", "ep4-fsdp2", "sgd"), ("top1", "ep2-tp2-dp2", "adamw"),
-    ("top2-dropping", "ep8", "sgd"), ("top2-dropping", "ep4-fsdp2", "adamw"),
+    ("top2-dropping", "ep8", "sgd"), ("top2-dropping", "ep4-fsdp2", "adamw"), ("top2-dropping", "ep2-tp2-dp2", "sgd"),
     ("stack", "pp2-ep4", "adamw"), ("stack", "pp2-ep2-dp2", "sgd"),
 ])
 def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, strategy, optimizer):
@@ -158,14 +183,17 @@ def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, stra
     assert report.mode == "jit", report
 
 
-@pytest.mark.parametrize("strategy, optimizer", [("ep8", "adamw"), ("ep4-fsdp2", "sgd"), ("ep2-tp2-dp2", "adamw")])
-def test_expert_parallel_trains_an_unmodified_third_party_moe_whose_experts_are_a_list(strategy, optimizer):
-    """nano-moe-jax from PyPI, unmodified: 8 experts kept as a list of ``ExpertFFN`` modules, top-2
-    routing, every expert on every token, a load-balancing loss; ``modules="ExpertFFN"`` runs them as
-    one batch split by expert."""
+@pytest.mark.parametrize("model, strategy, optimizer", [
+    ("nano-moe-jax", "ep8", "adamw"), ("nano-moe-jax", "ep4-fsdp2", "sgd"), ("nano-moe-jax", "ep2-tp2-dp2", "adamw"),
+    ("nnx", "ep4-fsdp2", "adamw"),
+])
+def test_expert_parallel_trains_a_moe_whose_experts_are_a_list_like_one_device(model, strategy, optimizer):
+    """nano-moe-jax from PyPI, unmodified (8 experts kept as a list of ``ExpertFFN`` modules, top-2
+    routing, every expert on every token, a load-balancing loss), and an NNX list of experts:
+    ``modules=`` runs them as one batch split by expert."""
+    build, loss_fn, modules = LISTED_MODELS[model]
     opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
-    report = px.testing.assert_equivalent(third_party.nano_moe(experts=EXPERTS), opt, nano_loss, tokens(),
-                                          LISTED[strategy]())
+    report = px.testing.assert_equivalent(build(), opt, loss_fn, tokens(), LISTED[strategy](modules))
     assert report.mode == "jit", report
 
 
@@ -207,7 +235,7 @@ def test_each_device_computes_its_listed_experts_and_holds_an_eighth_of_them():
     split 8 ways (1/8 of the experts' bytes per device); the step stacks them by expert with
     all-to-alls and never all-gathers an expert's weights (its (16, 32) or (32, 16) kernels, or a
     stack of them); the tokens, which every expert reads, are gathered."""
-    batch, strategy = tokens(1)[0], LISTED["ep8"]()
+    batch, strategy = tokens(1)[0], LISTED["ep8"]("ExpertFFN")
     state = px.init_state(third_party.nano_moe(experts=EXPERTS), optax.sgd(0.1), batch, strategy=strategy,
                           loss_fn=nano_loss)
     experts = [leaf for key, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]
