@@ -269,6 +269,12 @@ def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
                                          r"side by side in the model.*nano-moe-jax: 'ExpertFFN'"):
         px.init_state(third_party.nano_moe(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(modules="Router"),
                       loss_fn=nano_loss)
+    strategy = px.ExpertParallel(4, modules="ExpertFFN")
+    with pytest.raises(ValueError, match=r"ExpertParallel\(expert=4, modules='ExpertFFN'\): the model calls 6 experts "
+                                         r"side by side \(block_0/MoELayer_0/expert_0/.*\), which 4 devices do not "
+                                         r"divide: use a size that divides 6"):
+        px.init_state(third_party.nano_moe(experts=6), optax.sgd(0.1), batch, strategy=strategy, loss_fn=nano_loss,
+                      mesh=strategy.make_mesh(jax.devices()[:4]))
     with pytest.raises(ValueError, match=r"ExpertParallel\(modules=3\): name the experts' module class"):
         px.ExpertParallel(modules=3)
     strategy = px.ExpertParallel(3)

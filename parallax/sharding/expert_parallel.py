@@ -100,7 +100,18 @@ class ExpertParallel(Strategy):
         """This part with the stacked experts found in the traced loss (and named by its rules)."""
         found = {**computation.expert_dims(), **ruled_dims(computation.param_paths, self.rules)}
         if self.modules is not None:
-            listed = {path: None for path in computation.sibling_params() if path not in found}
+            siblings = computation.sibling_params()
+            listed = {path: None for path in siblings if path not in found}
+            size = computation.axis_sizes.get(self.axis, 1)
+            counts = {group: 1 + max(m for g, m in siblings.values() if g == group) for group, _ in siblings.values()}
+            uneven = {group: count for group, count in counts.items() if count % size}
+            if uneven:
+                group, count = next(iter(uneven.items()))
+                example = next(path for path, (g, _) in siblings.items() if g == group)
+                name = getattr(self.modules, "__name__", self.modules)
+                raise ValueError(f"ExpertParallel({self.axis}={size}, modules={name!r}): the "
+                                 f"model calls {count} experts side by side ({example}, ...), which {size} devices do "
+                                 f"not divide: use a size that divides {count}.")
             if not listed:
                 name = getattr(self.modules, "__name__", self.modules)
                 raise ValueError(
