@@ -112,7 +112,7 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
     levels = jax.tree.map(lambda g, *d: jnp.stack([jnp.broadcast_to(jnp.asarray(x, g.dtype), g.shape[1:])
                                                    for x in d]), stacked, *rounding)
 
-    def final(grads_seq):
+    def final(params, opt_state, grads_seq):
         def update(carry, grad):
             current, state = carry
             updates, state = optimizer.update(grad, state, current)
@@ -120,8 +120,10 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
 
         return jax.lax.scan(update, (params, opt_state), grads_seq)[0][0]
 
-    def sensitivity():
-        base = final(stacked)
+    # The values are arguments, not constants folded into the program: it compiles as fast for any
+    # params, and once per model and optimizer in a process that checks several strategies.
+    def sensitivity(params, opt_state, stacked, levels):
+        base = final(params, opt_state, stacked)
 
         def pushed(step, sign):
             def push(g, d):
@@ -129,7 +131,7 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
                 return jnp.where(at, g + sign * d, g)
 
             return jax.tree.map(lambda a, b: jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)),
-                                final(jax.tree.map(push, stacked, levels)), base)
+                                final(params, opt_state, jax.tree.map(push, stacked, levels)), base)
 
         def add(step, total):
             up, down = pushed(step, 1), pushed(step, -1)
@@ -138,7 +140,7 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
         start = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), base)
         return jax.lax.fori_loop(0, steps, add, start)
 
-    return jax.device_get(jax.jit(sensitivity)())
+    return jax.device_get(jax.jit(sensitivity)(params, opt_state, stacked, levels))
 
 
 def rounding_allowance(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
