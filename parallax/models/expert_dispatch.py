@@ -32,9 +32,9 @@ from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._tree import path_str
-from parallax.models.listed_experts import holds_modules, params_within, run_siblings, schedule
+from parallax.models.listed_experts import holds_modules, run_siblings, schedule
 from parallax.models.rebind import bind_eqn, reshaped_dim
-from parallax.sharding.chains import REMAT, call_body
+from parallax.sharding.chains import REMAT, call_body, params_within
 from parallax.sharding.expert_parallel import ruled_dims
 from parallax.sharding.siblings import Siblings, find_siblings
 from parallax.sharding.tp_layout import expert_dims

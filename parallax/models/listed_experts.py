@@ -88,16 +88,6 @@ def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Call
     return [[out[member] for out in outs] for member in range(len(group.calls))]
 
 
-def params_within(jaxpr: Any, flags: Sequence[bool]) -> set:
-    """The values of ``jaxpr`` computed from its invars flagged in ``flags`` alone."""
-    found = {v for v, flag in zip(jaxpr.invars, flags) if flag}
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
-        if ins and all(v in found for v in ins):
-            found.update(eqn.outvars)
-    return found
-
-
 def holds_modules(eqn: Any) -> bool:
     """Whether a call equation's body (or a call inside it) calls a rematerialised module."""
     if eqn.primitive.name not in _CALLS:

@@ -158,7 +158,12 @@ def param_sources(jaxpr: Any, param_count: int) -> dict[Any, int]:
 
 def params_only(jaxpr: Any, param_count: int) -> set:
     """The values of ``jaxpr`` computed from its first ``param_count`` invars alone."""
-    found = set(jaxpr.invars[:param_count])
+    return params_within(jaxpr, [i < param_count for i in range(len(jaxpr.invars))])
+
+
+def params_within(jaxpr: Any, flags: Sequence[bool]) -> set:
+    """The values of ``jaxpr`` computed from its invars flagged in ``flags`` alone."""
+    found = {v for v, flag in zip(jaxpr.invars, flags) if flag}
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
         if ins and all(v in found for v in ins):
