@@ -317,22 +317,29 @@ def main() -> None:
         args.config = args.measure or args.plan
         print(json.dumps(measure_peak(args) if args.measure else plan_peak(args), default=str), flush=True)
         return
+    parts = (("speed", speed), ("memory", memory))  # speed first, on a quiet device
+    run_parts([(name, run) for name, run in parts if args.only in (None, name)], args, "gpu", markdown)
+
+
+def run_parts(parts, args, name: str, markdown) -> None:
+    """Runs each ``(part, run)`` of ``parts`` on ``args`` in turn, keeping what the others measured
+    when one fails; writes ``out/name.json`` after each and ``out/name.md`` (``markdown(result)``,
+    also printed) at the end."""
     result = {}
-    for name, run in (("speed", speed), ("memory", memory)):  # speed first, on a quiet device
-        if args.only in (None, name):
-            try:
-                result[name] = run(args)
-            except Exception as err:  # keep what the other part measured
-                result[name] = {"failed": repr(err)}
-                print(f"{name} failed: {err!r}", flush=True)
-            if args.out:
-                os.makedirs(args.out, exist_ok=True)
-                with open(os.path.join(args.out, "gpu.json"), "w") as f:
-                    json.dump(result, f, indent=1, default=str)
+    for part, run in parts:
+        try:
+            result[part] = run(args)
+        except Exception as err:  # keep what the other part measured
+            result[part] = {"failed": repr(err)}
+            print(f"{part} failed: {err!r}", flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
     text = markdown(result)
     print(text)
     if args.out:
-        with open(os.path.join(args.out, "gpu.md"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(text)
 
 

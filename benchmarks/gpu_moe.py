@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.gpu import PEAK_FLOPS, fit_against_loop, flops_of, plain_step
+from benchmarks.gpu import PEAK_FLOPS, fit_against_loop, flops_of, plain_step, run_parts
 
 EXPERTS = 8
 
@@ -260,22 +260,7 @@ def main() -> None:
     if args.measure or args.plan:
         print(json.dumps(measure_peak(args) if args.measure else plan_peak(args), default=str), flush=True)
         return
-    result = {}
-    for name, run in (("speed", speed), ("memory", memory)):
-        try:
-            result[name] = run(args)
-        except Exception as err:  # keep what the other part measured
-            result[name] = {"failed": repr(err)}
-            print(f"{name} failed: {err!r}", flush=True)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "gpu_moe.json"), "w") as f:
-                json.dump(result, f, indent=1, default=str)
-    text = markdown(result)
-    print(text)
-    if args.out:
-        with open(os.path.join(args.out, "gpu_moe.md"), "w") as f:
-            f.write(text)
+    run_parts((("speed", speed), ("memory", memory)), args, "gpu_moe", markdown)
 
 
 if __name__ == "__main__":

@@ -173,15 +173,22 @@ def params_within(jaxpr: Any, flags: Sequence[bool]) -> set:
 
 def chained_params(jaxpr: Any, param_count: int, consts: Sequence[Any] = ()) -> dict[int, tuple[int, int]]:
     """Each param a chain's call reads as its own: its index → (chain, layer)."""
+    return owned_params(jaxpr, param_count, find_chains, consts)
+
+
+def owned_params(jaxpr: Any, param_count: int, find: Callable,
+                 consts: Sequence[Any] = ()) -> dict[int, tuple[int, int]]:
+    """Each param a call of a group ``find(jaxpr, is_param, consts)`` returns reads as its own (at
+    the group's ``weights`` positions): its index → (group, the call's place in the group)."""
     only = params_only(jaxpr, param_count)
     sources = param_sources(jaxpr, param_count)
     found: dict[int, tuple[int, int]] = {}
-    for number, chain in enumerate(find_chains(jaxpr, lambda v: v in only, consts)):
-        for layer, index in enumerate(chain.calls):
-            for position in chain.weights:
+    for number, group in enumerate(find(jaxpr, lambda v: v in only, consts)):
+        for member, index in enumerate(group.calls):
+            for position in group.weights:
                 source = sources.get(jaxpr.eqns[index].invars[position])
                 if source is not None:
-                    found[source] = (number, layer)
+                    found[source] = (number, member)
     return found
 
 

@@ -102,18 +102,18 @@ class ExpertParallel(Strategy):
         if self.modules is not None:
             siblings = computation.sibling_params()
             listed = {path: None for path in siblings if path not in found}
-            size = computation.axis_sizes.get(self.axis, 1)
-            counts = {group: 1 + max(m for g, m in siblings.values() if g == group) for group, _ in siblings.values()}
-            uneven = {group: count for group, count in counts.items() if count % size}
+            size, name = computation.axis_sizes.get(self.axis, 1), getattr(self.modules, "__name__", self.modules)
+            counts: dict[int, int] = {}  # experts per group: its last member's place + 1
+            for group, member in siblings.values():
+                counts[group] = max(counts.get(group, 0), member + 1)
+            uneven = next(((group, count) for group, count in counts.items() if count % size), None)
             if uneven:
-                group, count = next(iter(uneven.items()))
+                group, count = uneven
                 example = next(path for path, (g, _) in siblings.items() if g == group)
-                name = getattr(self.modules, "__name__", self.modules)
                 raise ValueError(f"ExpertParallel({self.axis}={size}, modules={name!r}): the "
                                  f"model calls {count} experts side by side ({example}, ...), which {size} devices do "
                                  f"not divide: use a size that divides {count}.")
             if not listed:
-                name = getattr(self.modules, "__name__", self.modules)
                 raise ValueError(
                     f"ExpertParallel(modules={name!r}) found no experts of that class called side by side in the "
                     f"model: no two calls of {name} that compute the same thing on their own params, neither reading the "

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from jax.extend import core
 
-from parallax.sharding.chains import REMAT, Recomputed, body_text, folded_constants, param_sources, params_only
+from parallax.sharding.chains import REMAT, Recomputed, body_text, folded_constants, owned_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +70,7 @@ def find_siblings(jaxpr: Any, is_param: Callable[[Any], bool], consts: Sequence[
 
 def sibling_params(jaxpr: Any, param_count: int, consts: Sequence[Any] = ()) -> dict[int, tuple[int, int]]:
     """Each param a group's call reads as its own: its index → (group, member)."""
-    only = params_only(jaxpr, param_count)
-    sources = param_sources(jaxpr, param_count)
-    found: dict[int, tuple[int, int]] = {}
-    for number, group in enumerate(find_siblings(jaxpr, lambda v: v in only, consts)):
-        for member, index in enumerate(group.calls):
-            for position in group.weights:
-                source = sources.get(jaxpr.eqns[index].invars[position])
-                if source is not None:
-                    found[source] = (number, member)
-    return found
+    return owned_params(jaxpr, param_count, find_siblings, consts)
 
 
 def _own_params(eqns: Sequence[Any], group: Sequence[int], call: int, is_param: Callable, same: Callable) -> bool:
