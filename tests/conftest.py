@@ -69,19 +69,19 @@ def pytest_terminal_summary(terminalreporter):
                     terminalreporter.write_line(f"faults survived {value}")
 
 
-# Each file's cold seconds, summed over its tests (two workers, jax 0.10.2; tests/README.md), so
+# Each file's cold seconds, summed over its tests (two workers, jax 0.10.2, at c30b7d5; tests/README.md), so
 # that xdist starts the long files first (``--no-loadscope-reorder`` in the Makefile keeps this
 # order): its own order, the files with the most tests first, left the one-test files that start
 # processes (faults, docs pages, benchmarks) to run last, alone. Files not listed go last.
 FILE_SECONDS = {
-    "test_multiprocess.py": 204, "test_offload.py": 145, "test_docs_pages.py": 142, "test_equivalence.py": 139,
-    "test_nnx.py": 104, "test_zoo.py": 101, "test_auto.py": 95, "test_your_mesh.py": 92, "test_plan.py": 90,
-    "test_examples.py": 87, "test_pipeline.py": 85, "test_third_party.py": 81, "test_faults.py": 81,
-    "test_trainer.py": 79,
-    "test_step.py": 66, "test_grain.py": 58, "test_testing.py": 46, "test_losses.py": 45, "test_benchmarks.py": 45,
-    "test_resharding.py": 38, "test_fsdp.py": 37, "test_docs.py": 35, "test_per_example_proof.py": 31,
-    "test_topology.py": 45, "test_elastic.py": 22, "test_tp_layout.py": 20, "test_model_habits.py": 15,
-    "test_distribution.py": 9,
+    "test_multiprocess.py": 340, "test_docs_pages.py": 311, "test_pipeline.py": 293, "test_context_parallel.py": 188,
+    "test_equivalence.py": 174, "test_offload.py": 152, "test_expert_parallel.py": 147, "test_plan.py": 138,
+    "test_auto.py": 133, "test_nnx.py": 123, "test_third_party.py": 121, "test_zoo.py": 117, "test_examples.py": 105,
+    "test_faults.py": 97, "test_your_mesh.py": 95, "test_step.py": 92, "test_trainer.py": 87, "test_grain.py": 71,
+    "test_testing.py": 68, "test_benchmarks.py": 62, "test_losses.py": 54, "test_resharding.py": 48,
+    "test_fsdp.py": 44, "test_per_example_proof.py": 42, "test_topology.py": 39, "test_docs.py": 36,
+    "test_elastic.py": 28, "test_tp_layout.py": 27, "test_model_habits.py": 15, "test_distribution.py": 15,
+    "test_figures.py": 7,
 }
 
 
