@@ -56,8 +56,12 @@ def cli_batch():
 def reports():
     out = {}
     for name, (cls, loss, kind, strategies) in CASES.items():
+        # 64KB, which the MLP's FSDP alone fits, only where a test reads it: for the LM nothing fits it, and
+        # the search for what would (each option compiled, 16 and 32 devices planned in subprocesses) took 50 s
+        # of CPU that nothing read (tests/test_context_parallel.py and test_offload.py check those searches).
+        budgets = ["1MB", "64KB"] if name == "mlp" else ["1MB"]
         out[name] = px.plan(cls(), optax.adamw(1e-3), batches(kind, 1, 16)[0], loss_fn=loss,
-                            strategies=[small(s) for s in strategies], devices=8, memory_budget=["1MB", "64KB"])
+                            strategies=[small(s) for s in strategies], devices=8, memory_budget=budgets)
     return out
 
 

@@ -6,11 +6,11 @@ adapter here.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from parallax.models.adapter import LossFn, ModelAdapter, ModelRun, ParamGather
 from parallax.models.linen import LinenModel, is_linen_class, is_linen_model
-from parallax.models.nnx import NNXModel, is_nnx_class, is_nnx_model
 
 __all__ = ["LossFn", "ModelAdapter", "ModelRun", "ParamGather", "adapter_for", "check_model", "unwrap_pretrained"]
 
@@ -34,6 +34,25 @@ def unwrap_pretrained(model: Any, params: Any = None) -> tuple[Any, Any]:
             raise ValueError(f"{type(model).__name__} was loaded without its params (_do_init=False); pass them: "
                              "params=the params from_pretrained returned with it.")
     return model.module, params
+
+
+def _nnx_module_types() -> tuple[type, ...]:
+    """``(nnx.Module, nnx.graph.GraphDef)`` where the program has imported ``flax.nnx``, else ``()``:
+    an NNX module exists only once ``flax.nnx`` is imported, so a linen user's ``import parallax``
+    does not pay for importing it (a tenth of it)."""
+    nnx = sys.modules.get("flax.nnx")
+    return () if nnx is None else (nnx.Module, nnx.graph.GraphDef)
+
+
+def is_nnx_model(model: Any) -> bool:
+    """Whether ``model`` is an NNX module instance, or its graph definition."""
+    return isinstance(model, _nnx_module_types())
+
+
+def is_nnx_class(model: Any) -> bool:
+    """Whether ``model`` is an NNX module class (not an instance)."""
+    types = _nnx_module_types()
+    return bool(types) and isinstance(model, type) and issubclass(model, types[0])
 
 
 def check_model(model: Any) -> None:
@@ -65,4 +84,6 @@ def adapter_for(model: Any) -> ModelAdapter:
     check_model(model)
     if is_linen_model(model):
         return LinenModel(model)
+    from parallax.models.nnx import NNXModel  # imports flax.nnx: an NNX model, or a function that builds one
+
     return NNXModel.of(model)

@@ -38,17 +38,7 @@ from parallax.models.precision import Float32Outputs, cast_floating
 from parallax.models.nnx_remat import rematerialise
 from parallax.sharding.gather import all_gather_mean_grad, gather_dim
 
-__all__ = ["NNXModel", "is_nnx_model"]
-
-
-def is_nnx_model(model: Any) -> bool:
-    """Whether ``model`` is an NNX module instance, or its graph definition."""
-    return isinstance(model, (nnx.Module, nnx.graph.GraphDef))
-
-
-def is_nnx_class(model: Any) -> bool:
-    """Whether ``model`` is an NNX module class (not an instance)."""
-    return isinstance(model, type) and issubclass(model, nnx.Module)
+__all__ = ["NNXModel"]
 
 
 def _split(module: nnx.Module) -> tuple[Any, dict, dict]:

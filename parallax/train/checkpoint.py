@@ -16,10 +16,12 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import orbax.checkpoint as ocp
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 from parallax import _multihost
 from parallax.train.state_record import describe_optimizer_change, differences, signature, state_arrays, structure
@@ -74,10 +76,15 @@ class _OrbaxSyncLine(logging.Filter):
         return "Reached preemption sync point" not in str(record.msg)
 
 
-def _quiet_orbax_sync_line() -> None:
+def _orbax():
+    """``orbax.checkpoint`` with its sync line quieted, imported by the first :class:`Checkpointer`:
+    a tenth of ``import parallax`` (0.3 s of CPU), which a run that writes no checkpoint need not pay."""
+    import orbax.checkpoint
+
     absl = logging.getLogger("absl")  # orbax logs through absl
     if not any(isinstance(f, _OrbaxSyncLine) for f in absl.filters):
         absl.addFilter(_OrbaxSyncLine())
+    return orbax.checkpoint
 
 
 class Checkpointer:
@@ -105,7 +112,7 @@ class Checkpointer:
             raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
-        _quiet_orbax_sync_line()
+        ocp = _orbax()
         # The checksums go into the step's temporary folder just before orbax renames it into
         # place, so a committed checkpoint is verifiable however the process ends afterwards.
         commit = ocp.AsyncOptions(post_finalization_callback=self._record_before_commit) if async_save else None
@@ -118,7 +125,7 @@ class Checkpointer:
     def manager(self) -> ocp.CheckpointManager:
         """The orbax manager, made (and the directory created) only when first needed."""
         if self._manager is None:
-            self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+            self._manager = _orbax().CheckpointManager(self.directory, options=self._options)
         return self._manager
 
     def check_writable(self, nbytes: int) -> None:
@@ -130,10 +137,8 @@ class Checkpointer:
         """
         path = self.directory
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(
-                f"checkpoint_dir {path} is an existing file, not a directory; pass a directory path "
-                "(it is created when the first checkpoint is due)."
-            )
+            raise ValueError(f"checkpoint_dir {path} is an existing file, not a directory; pass a directory path "
+                             "(it is created when the first checkpoint is due).")
         existing = path
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
@@ -144,10 +149,8 @@ class Checkpointer:
             os.close(handle)
             os.remove(probe)
         except OSError as err:
-            raise ValueError(
-                f"checkpoint_dir {path} is not writable ({existing}: {err.strerror}); choose a directory "
-                "this process can write to."
-            ) from None
+            raise ValueError(f"checkpoint_dir {path} is not writable ({existing}: {err.strerror}); choose a "
+                             "directory this process can write to.") from None
         free = shutil.disk_usage(existing).free
         if free < nbytes:
             raise ValueError(
@@ -179,8 +182,8 @@ class Checkpointer:
         arrays = state_arrays(state)
         record = {**metadata, "step": step, "signature": signature(arrays), "structure": structure(arrays)}
         self._unrecorded.append(step)
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
-                                                        meta=ocp.args.JsonSave(record)))
+        args = _orbax().args
+        self.manager.save(step, args=args.Composite(state=args.StandardSave(arrays), meta=args.JsonSave(record)))
         if not self._options.enable_async_checkpointing:
             self._record_checksums()  # a synchronous save is committed when it returns
 
@@ -262,7 +265,7 @@ class Checkpointer:
     def read_metadata(self, step: int) -> dict:
         """The JSON record of checkpoint ``step``."""
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            restored = self.manager.restore(step, args=_orbax().args.Composite(meta=_orbax().args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "unreadable"
             raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} cannot be read ({type(err).__name__}: {err}). "
@@ -314,9 +317,8 @@ class Checkpointer:
                 + "\nNothing was deleted; point checkpoint_dir elsewhere or build the same model."
             )
         try:
-            restored = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target_arrays))
-            )
+            args = _orbax().args
+            restored = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(target_arrays)))
         except Exception as err:
             raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} cannot be restored ({type(err).__name__}: {err}). "
