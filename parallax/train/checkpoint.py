@@ -78,7 +78,7 @@ class _OrbaxSyncLine(logging.Filter):
 
 def _orbax():
     """``orbax.checkpoint`` with its sync line quieted, imported by the first :class:`Checkpointer`:
-    a tenth of ``import parallax`` (0.3 s of CPU), which a run that writes no checkpoint need not pay."""
+    0.3 s of the 3 s ``import parallax`` took, which a run that writes no checkpoint need not pay."""
     import orbax.checkpoint
 
     absl = logging.getLogger("absl")  # orbax logs through absl
@@ -265,7 +265,8 @@ class Checkpointer:
     def read_metadata(self, step: int) -> dict:
         """The JSON record of checkpoint ``step``."""
         try:
-            restored = self.manager.restore(step, args=_orbax().args.Composite(meta=_orbax().args.JsonRestore()))
+            args = _orbax().args
+            restored = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "unreadable"
             raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} cannot be read ({type(err).__name__}: {err}). "
