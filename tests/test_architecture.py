@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.environment import child_env
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "parallax"
 # Lower layers first; a module may import its own layer and the ones before it.
 LAYERS = ("sharding", "models", "pricing", "step", "state", "train")
@@ -104,7 +106,7 @@ def test_import_parallax_leaves_orbax_and_nnx_until_a_run_needs_them(tmp_path):
         "try:\n    check_model(nnx.Linear)\nexcept ValueError as err:\n    print(err)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+                          env=child_env(JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[:3] == ["[]", "True", "NNXModel"], proc.stdout
     assert "model is the NNX class Linear; pass an instance" in proc.stdout, proc.stdout

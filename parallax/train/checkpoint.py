@@ -112,7 +112,7 @@ class Checkpointer:
             raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
-        ocp = _orbax()
+        self._ocp = ocp = _orbax()  # the module, for the saves and restores below
         # The checksums go into the step's temporary folder just before orbax renames it into
         # place, so a committed checkpoint is verifiable however the process ends afterwards.
         commit = ocp.AsyncOptions(post_finalization_callback=self._record_before_commit) if async_save else None
@@ -125,7 +125,7 @@ class Checkpointer:
     def manager(self) -> ocp.CheckpointManager:
         """The orbax manager, made (and the directory created) only when first needed."""
         if self._manager is None:
-            self._manager = _orbax().CheckpointManager(self.directory, options=self._options)
+            self._manager = self._ocp.CheckpointManager(self.directory, options=self._options)
         return self._manager
 
     def check_writable(self, nbytes: int) -> None:
@@ -182,7 +182,7 @@ class Checkpointer:
         arrays = state_arrays(state)
         record = {**metadata, "step": step, "signature": signature(arrays), "structure": structure(arrays)}
         self._unrecorded.append(step)
-        args = _orbax().args
+        args = self._ocp.args
         self.manager.save(step, args=args.Composite(state=args.StandardSave(arrays), meta=args.JsonSave(record)))
         if not self._options.enable_async_checkpointing:
             self._record_checksums()  # a synchronous save is committed when it returns
@@ -265,7 +265,7 @@ class Checkpointer:
     def read_metadata(self, step: int) -> dict:
         """The JSON record of checkpoint ``step``."""
         try:
-            args = _orbax().args
+            args = self._ocp.args
             restored = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "unreadable"
             raise CheckpointError(
@@ -318,7 +318,7 @@ class Checkpointer:
                 + "\nNothing was deleted; point checkpoint_dir elsewhere or build the same model."
             )
         try:
-            args = _orbax().args
+            args = self._ocp.args
             restored = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(target_arrays)))
         except Exception as err:
             raise CheckpointError(
