@@ -1,6 +1,11 @@
-# Two tested stacks:
-#   make test          Python $(PYTHON) (3.11 here: jax 0.10.2, flax 0.12.8) in .venv
-#   make test-latest   Python >= 3.12 with the newest jax/flax/optax/orbax pip resolves, in .venv-latest
+# Two tiers of tests (tests/README.md), on two stacks:
+#   make test          the core tier (every capability against one device once), Python $(PYTHON)
+#                      (3.11 here: jax 0.10.2, flax 0.12.8) in .venv: at most 12 minutes cold on two cores
+#   make test-all      the core and the wide tier (the second optimizer over the grids, the launches of
+#                      several processes, the fault runs, the docs' code, the examples, the benchmarks'
+#                      smoke runs), same stack: at most 30 minutes
+#   make test-latest   the core tier and the launches of several processes, Python >= 3.12 with the
+#                      newest jax/flax/optax/orbax pip resolves, in .venv-latest
 # Point either at another interpreter with e.g. `make test-latest PYTHON_LATEST=/opt/py3.13/bin/python3`;
 # by default .ci/python-latest finds one (python3.12 on PATH, or pyenv's 3.12/3.13).
 PYTHON ?= python3
@@ -16,7 +21,7 @@ PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 STAMP := $(VENV)/.installed
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: setup setup-latest test test-latest test-fast demo docs bench bench-peers clean
+.PHONY: setup setup-latest test test-all test-latest demo docs bench bench-peers clean
 
 # `parallax` was this distribution's name before 0.2 (now `parallax-flax`): a stale install of it, or
 # the parallax.egg-info its setuptools build left here, would be a second provider of `parallax`.
@@ -42,13 +47,13 @@ setup: $(STAMP)
 setup-latest: $(STAMP_LATEST)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --tier core $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest --tier all $(PYTEST_ARGS)
 
 test-latest: $(STAMP_LATEST)
-	$(PY_LATEST) -m pytest $(PYTEST_ARGS)
-
-test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY_LATEST) -m pytest --tier core,launch $(PYTEST_ARGS)
 
 # The documentation site into docs/_build/html; any warning fails the build.
 docs: $(STAMP)

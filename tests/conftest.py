@@ -69,25 +69,33 @@ def pytest_terminal_summary(terminalreporter):
                     terminalreporter.write_line(f"faults survived {value}")
 
 
-# Each file's cold seconds, summed over its tests (two workers, jax 0.10.2, at c30b7d5; tests/README.md), so
-# that xdist starts the long files first (``--no-loadscope-reorder`` in the Makefile keeps this
-# order): its own order, the files with the most tests first, left the one-test files that start
-# processes (faults, docs pages, benchmarks) to run last, alone. Files not listed go last.
+# Each file's cold seconds in each tier's run, summed over its tests (two workers, jax 0.10.2; tests/README.md),
+# so that xdist starts the long files first (``--no-loadscope-reorder`` in the Makefile keeps this order): its
+# own order, the files with the most tests first, left the one-test files that start processes (faults, docs
+# pages, benchmarks) to run last, alone. Files not listed go last.
 FILE_SECONDS = {
-    "test_multiprocess.py": 340, "test_docs_pages.py": 311, "test_pipeline.py": 293, "test_context_parallel.py": 188,
-    "test_equivalence.py": 174, "test_offload.py": 152, "test_expert_parallel.py": 147, "test_plan.py": 138,
-    "test_auto.py": 133, "test_nnx.py": 123, "test_third_party.py": 121, "test_zoo.py": 117, "test_examples.py": 105,
-    "test_faults.py": 97, "test_your_mesh.py": 95, "test_step.py": 92, "test_trainer.py": 87, "test_grain.py": 71,
-    "test_testing.py": 68, "test_benchmarks.py": 62, "test_losses.py": 54, "test_resharding.py": 48,
-    "test_fsdp.py": 44, "test_per_example_proof.py": 42, "test_topology.py": 39, "test_docs.py": 36,
-    "test_elastic.py": 28, "test_tp_layout.py": 27, "test_model_habits.py": 15, "test_distribution.py": 15,
-    "test_figures.py": 7,
+    "all": {
+        "test_docs_pages.py": 487, "test_multiprocess.py": 409, "test_pipeline.py": 328, "test_equivalence.py": 192,
+        "test_context_parallel.py": 175, "test_offload.py": 134, "test_expert_parallel.py": 134, "test_auto.py": 128,
+        "test_third_party.py": 128, "test_nnx.py": 121, "test_examples.py": 116, "test_faults.py": 109,
+        "test_zoo.py": 103, "test_your_mesh.py": 100, "test_plan.py": 95, "test_step.py": 83, "test_trainer.py": 79,
+        "test_benchmarks.py": 66, "test_resharding.py": 66, "test_testing.py": 64, "test_losses.py": 61,
+        "test_grain.py": 54, "test_fsdp.py": 50, "test_docs.py": 43, "test_per_example_proof.py": 42,
+        "test_topology.py": 40, "test_elastic.py": 28, "test_tp_layout.py": 27, "test_model_habits.py": 17,
+        "test_distribution.py": 11, "test_figures.py": 7, "test_architecture.py": 6, "test_api.py": 5,
+        "test_errors.py": 3, "test_specs.py": 1, "test_compat.py": 1,
+    },
+    "core": {
+        "test_pipeline.py": 117, "test_context_parallel.py": 95, "test_expert_parallel.py": 74, "test_step.py": 65,
+        "test_testing.py": 64, "test_plan.py": 62, "test_nnx.py": 55, "test_your_mesh.py": 49, "test_trainer.py": 45,
+        "test_equivalence.py": 37, "test_third_party.py": 37, "test_offload.py": 35, "test_per_example_proof.py": 35,
+        "test_docs.py": 31, "test_auto.py": 28, "test_losses.py": 23, "test_model_habits.py": 17,
+        "test_tp_layout.py": 17, "test_fsdp.py": 12, "test_distribution.py": 11, "test_elastic.py": 11,
+        "test_topology.py": 11, "test_zoo.py": 11, "test_grain.py": 10, "test_figures.py": 7,
+        "test_architecture.py": 6, "test_api.py": 5, "test_errors.py": 3, "test_compat.py": 1, "test_specs.py": 1,
+        "test_docs_pages.py": 0, "test_resharding.py": 0,
+    },
 }
-
-
-def pytest_collection_modifyitems(items):
-    """The longest files first (a stable sort: each file's tests keep their order)."""
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
 
 
 @pytest.fixture
@@ -112,6 +120,54 @@ BUDGET_SECONDS = 30.0
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "budget(seconds, why): this test may take up to `seconds` cold, because `why`")
+    config.addinivalue_line("markers", "core: the core tier, what `make test` runs (tests/README.md: the tiers)")
+    config.addinivalue_line("markers", "wide(why): the wide tier, which `make test-all` adds to the core, because `why`")
+    config.addinivalue_line("markers", "launch: starts several jax.distributed processes (`make test-latest` runs these "
+                                       "beside the core tier)")
+
+
+# The two tiers (tests/README.md). Every test declares its tier: a file's ``pytestmark`` (``pytest.mark.core``
+# or ``pytest.mark.wide(why)``), which a test or a parameter overrides with the other marker; the closest wins.
+TIERS = ("core", "wide")
+SELECTIONS = {"core", "wide", "launch", "all"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", default="all", metavar="core|wide|all[,launch]",
+                     help="the tiers to run, a comma-separated union: core (`make test`), wide, all (`make "
+                          "test-all`), launch (the tests marked launch, whatever their tier: `make test-latest` "
+                          "runs core,launch). Default: all")
+
+
+def tier_of(item) -> str:
+    """The tier a test declares: the closest ``core`` or ``wide`` marker (a parameter's, the test's, its class's,
+    its file's); a ``wide`` marker must say why."""
+    for marker in item.iter_markers():
+        if marker.name == "wide" and not (marker.args or marker.kwargs.get("why")):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.wide(why) needs its reason")
+        if marker.name in TIERS:
+            return marker.name
+    raise pytest.UsageError(f"{item.nodeid} declares no tier: give its file `pytestmark = pytest.mark.core` or "
+                            "`pytest.mark.wide(why)` (tests/README.md: the tiers)")
+
+
+def selected(item, chosen: set[str]) -> bool:
+    return "all" in chosen or tier_of(item) in chosen or ("launch" in chosen and item.get_closest_marker("launch"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Keeps the tiers ``--tier`` names (every test's tier checked first), the longest files first."""
+    chosen = {name.strip() for name in config.getoption("--tier").split(",") if name.strip()}
+    if not chosen or chosen - SELECTIONS:
+        raise pytest.UsageError(f"--tier={config.getoption('--tier')!r}: choose from {sorted(SELECTIONS)}, "
+                                "comma-separated (e.g. --tier core,launch)")
+    kept = [item for item in items if selected(item, chosen)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not selected(item, chosen)])
+    # Each file's cold seconds in the tier run (a stable sort: each file's tests keep their order).
+    seconds = FILE_SECONDS["core"] if chosen == {"core"} or chosen == {"core", "launch"} else FILE_SECONDS["all"]
+    items[:] = sorted(kept, key=lambda item: -seconds.get(item.path.name, 0))
 
 
 @pytest.hookimpl(wrapper=True)

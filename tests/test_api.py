@@ -14,6 +14,8 @@ import parallax as px
 from parallax.sharding.strategy import Strategy
 from tests.models import MLP, classifier_loss
 
+pytestmark = pytest.mark.core
+
 
 def data(n=64, seed=0):
     rng = np.random.default_rng(seed)

@@ -14,6 +14,8 @@ import pytest
 
 from tests.environment import child_env
 
+pytestmark = pytest.mark.core
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "parallax"
 # Lower layers first; a module may import its own layer and the ones before it.
 LAYERS = ("sharding", "models", "pricing", "step", "state", "train")

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from tests import tiers
 from parallax import _cache
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
@@ -30,6 +31,8 @@ from parallax.sharding.auto import candidates, from_mesh, split_candidates
 from parallax.state import search, search_budget
 from parallax.state.search import priced_candidates, resolve
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
+
+pytestmark = pytest.mark.core
 
 MARKED = px.per_example_loss(classifier_loss)
 
@@ -138,6 +141,7 @@ def test_a_marked_loss_lets_the_cost_model_pick_the_compile_path():
     assert plain.mode() == "auto" and "read at the first call" in plain.describe()
 
 
+@pytest.mark.wide('the search under a memory budget (10 s cold)')
 def test_a_memory_budget_drops_the_plans_that_do_not_fit():
     data = batches("mlp", 1, batch_size=32)
     with pytest.raises(ValueError, match=r"no candidate fits the memory budget of 1 B per device on 4 devices, with "
@@ -156,7 +160,12 @@ def test_a_memory_budget_drops_the_plans_that_do_not_fit():
         px.StepOptions(memory_budget="lots")
 
 
-@pytest.mark.parametrize("strategy", candidates(8, fsdp=px.FSDP(min_weight_size=0)), ids=lambda s: s.describe())
+@pytest.mark.parametrize("strategy", [  # the core tier: the two 2-axis hybrids of the three kinds' most-used pair
+    pytest.param(s, id=s.describe(), marks=[] if s.describe() in (
+        "DataParallel(data=2) \u00d7 FSDP(fsdp=4)", "FSDP(fsdp=4) \u00d7 TensorParallel(tensor=2)") else
+        [pytest.mark.wide("each mesh the search considers; the core tier trains two of them, and every part in "
+                          "tests/test_equivalence.py")])
+    for s in candidates(8, fsdp=px.FSDP(min_weight_size=0))])
 def test_every_plan_the_search_can_choose_trains_like_one_device(strategy):
     """Each mesh ``strategy="auto"`` considers, on both compile paths (SGD on one, Adam on the other)."""
     data = batches("mlp", 3, batch_size=32)
@@ -192,6 +201,7 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     assert step.strategy.describe() == from_mesh(found.mesh).describe()
 
 
+@pytest.mark.wide("FSDP's split search (16 s cold)")
 def test_fsdp_split_auto_builds_the_split_the_search_picked():
     data = batches("lm", 3, batch_size=16)
     strategy = px.FSDP(min_weight_size=0, split="auto")
@@ -211,6 +221,7 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
     assert [s.parts[0].split for s in split_candidates(strategy)] == ["largest", "output", "input"]
 
 
+@pytest.mark.wide("FSDP's split search priced on each path (28 s cold)")
 def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(caplog, monkeypatch, fresh_compiles):
     """``FSDP(split="auto")``: under ``compile="auto"`` each split is priced on the path it is fast on
     (one compile each, not two), and the Trainer trains the pick on that path."""
@@ -308,6 +319,7 @@ def test_timing_runs_round_by_round_when_the_states_fit_together_and_caches_the_
     assert len(ran) == 8  # another program is timed again
 
 
+@pytest.mark.wide("the search's timing of close calls")
 def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_path, monkeypatch):
     """Where jit and shard_map are priced alike, the first call runs both a few steps on copies
     of the caller's state and keeps the measured faster: the step it then takes is the one an
@@ -343,6 +355,7 @@ def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_
     assert silent.choice.timed == {} and "timed" not in silent.describe()
 
 
+@pytest.mark.wide("the search's timing of close calls")
 def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(timing, "WINDOW", float("inf"))  # every candidate is a close call
@@ -362,6 +375,7 @@ def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_
         px.StepOptions(timed_candidates=-1)
 
 
+@pytest.mark.wide("the search's stopping rule, timed")
 def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time(tmp_path, monkeypatch):
     """A run of one step cannot win back more than one step: after the first candidate the search
     stops; so it does once ``search_seconds`` are spent. What was not tried is said. Where the clock

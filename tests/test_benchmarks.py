@@ -12,10 +12,11 @@ import pytest
 
 from tests.environment import child_env
 
+pytestmark = pytest.mark.wide("the benchmarks' smoke runs, in processes of their own")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
 def test_benchmark_runner_smoke(tmp_path):
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--models", "mlp",
@@ -39,7 +40,6 @@ def test_benchmark_runner_smoke(tmp_path):
         report["extras"]["grad_accum"]["k=1"]["collectives"]["reduce-scatter"]
 
 
-@pytest.mark.slow
 def test_tp_layout_benchmark_smoke():
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.tp_layout", "--smoke", "--models", "mlp",
@@ -48,7 +48,6 @@ def test_tp_layout_benchmark_smoke():
     assert "| mlp | fsdp+tp |" in proc.stdout, proc.stdout
 
 
-@pytest.mark.slow
 def test_nnx_vs_linen_benchmark_smoke():
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.nnx_vs_linen", "--smoke", "--models", "mlp",
@@ -59,7 +58,6 @@ def test_nnx_vs_linen_benchmark_smoke():
     assert float(linen) == float(nnx_loss) == float(jitted), row  # one network from the same weights
 
 
-@pytest.mark.slow
 def test_fsdp_split_benchmark_smoke():
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_split", "--smoke", "--models", "mlp",

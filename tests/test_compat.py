@@ -10,6 +10,8 @@ from parallax._compat import replica_group_size
 from parallax.inspect import collective_bytes
 from tests.models import MLP, batches, classifier_loss
 
+pytestmark = pytest.mark.core
+
 # Lines as the two stacks print them (abridged from real compiled steps on 8 devices).
 JAXLIB_010 = [
     ("%rs = f32[64,32]{0,1} reduce-scatter(%c), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, "

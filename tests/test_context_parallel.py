@@ -15,11 +15,14 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from tests import tiers
 from parallax.models.context_attention import model_has_attention
 from parallax.sharding.auto import from_mesh
 from parallax.state.search import resolve
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
+
+pytestmark = pytest.mark.core
 
 SEQ = 8  # every attention's length: the tokens are SEQ + 1, the loss shifting them by one
 
@@ -127,7 +130,7 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model, strategy, optimizer, method", [
+GRID = [
     ("linen", "cp4", "sgd", "all_gather"), ("linen", "cp2-fsdp4", "adamw", "all_gather"),
     ("linen", "cp2-tp2-dp2", "sgd", "ring"),
     ("linen-stack", "pp2-cp2-dp2", "adamw", "all_gather"), ("linen-stack", "cp2-fsdp4", "sgd", "all_gather"),
@@ -136,7 +139,15 @@ MODELS = {
     ("dot_product_attention", "cp2-fsdp4", "sgd", "all_gather"), ("dot_product_attention", "cp4", "adamw", "ring"),
     ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"), ("gpt2", "cp2-fsdp4", "adamw", "ring"),
     ("llama", "cp4", "adamw", "all_gather"),
-])
+]
+# The core tier: the AdamW cases (each hybrid, each family, both methods), and the two cells only SGD covers
+# (context x tensor x data on a linen model and on GPT-2).
+CORE = [case for case in GRID if case[2] == "adamw"] + [("linen", "cp2-tp2-dp2", "sgd", "ring"),
+                                                         ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather")]
+
+
+@pytest.mark.parametrize("model, strategy, optimizer, method",
+                         tiers.cases(GRID, CORE, ids=["-".join(case) for case in GRID]))
 def test_context_parallel_trains_an_unmodified_model_like_one_device(model, strategy, optimizer, method):
     build, loss_fn, data = MODELS[model]
     make = lambda: STRATEGIES[strategy](method)  # noqa: E731
@@ -242,6 +253,7 @@ def test_context_parallel_arguments_and_paths_are_checked():
         px.make_train_step(lm_loss, strategy, compile="shard_map").lower(state, batch)
 
 
+@pytest.mark.wide("the plan's search for more devices (14 s cold): the core tier trains context parallelism against one device")
 def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence_that_fits_nowhere():
     """Two 512-token sequences on 2 devices under FSDP need 16.8 MiB each; 4 devices cannot split a
     batch of 2 rows, but the sequence over them can: gathered, it needs 8.6 MiB; round a ring, 6.4 MiB,
@@ -261,6 +273,7 @@ def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence
     assert not model_has_attention(nn.Dense(4), {"x": np.zeros((16, 8), np.int32)}, mlp_loss)
 
 
+@pytest.mark.wide("the compiled pipeline's attention tiles (15 s cold); pipeline x context trains against one device in the core tier")
 def test_a_pipeline_runs_its_stages_attention_split_over_the_context_axis():
     """PipelineParallel(2) × ContextParallel(2) × DataParallel(2) on a stack of attention blocks: the
     pipeline's layers compute (8 queries × 16 keys) score tiles, (16 × 16) without the context axis."""
@@ -273,6 +286,7 @@ def test_a_pipeline_runs_its_stages_attention_split_over_the_context_axis():
     assert (8, 16) in tiles["cp"] and (16, 16) not in tiles["cp"] and (16, 16) in tiles["dp"], tiles
 
 
+@pytest.mark.wide("strategy='auto' over the context axis (32 s cold)")
 def test_auto_splits_the_sequence_where_the_devices_cannot_split_the_batch():
     """Two sequences on 4 devices: DP and FSDP over all four do not apply, so "auto" prices the context
     axis too (alone, and with DP or FSDP over the rest) and picks among them and the TP meshes."""

@@ -14,6 +14,10 @@ from importlib import metadata
 
 import parallax
 
+import pytest
+
+pytestmark = pytest.mark.core
+
 GOOGLE_INIT = '"""Parallax library."""\n\n__version__ = "0.0.2"\n\nfrom flax import nnx\n'
 SSH_CALLBACKS = "class DefaultCallbacks(object):\n    pass\n"
 

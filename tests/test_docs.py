@@ -21,6 +21,8 @@ import pytest
 
 import parallax as px
 
+pytestmark = pytest.mark.core
+
 
 class MLP(nn.Module):
     """Auto-named layers, as most user models have: ``Dense_0`` … ``Dense_2``."""
@@ -79,7 +81,9 @@ def test_every_module_is_collected():
             "parallax.models.linen"} <= set(MODULES)
 
 
-@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.wide(
+    "its examples run strategy='auto''s search (12 s cold)")) if name == "parallax.state.search" else name
+    for name in MODULES])
 def test_docstring_examples_run(name, tmp_path):
     module = importlib.import_module(name)
     tests = [t for t in doctest.DocTestFinder(exclude_empty=True).find(module, name) if t.examples]

@@ -15,6 +15,8 @@ import pytest
 import parallax as px
 from tests.environment import child_env
 
+pytestmark = pytest.mark.wide("the docs pages' code and the site, run as a reader runs them")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 
@@ -38,6 +40,7 @@ def blocks(info: str, page: str | None = None) -> list[str]:
     return [block for name in ([page] if page else PAGES) for block in re.findall(rf"```{info}\n(.*?)```", TEXT[name], re.S)]
 
 
+@pytest.mark.core
 def test_every_page_is_in_the_navigation():
     pages = {os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in os.walk(DOCS)
              if "_build" not in folder for name in names if name.endswith(".md")}
@@ -50,7 +53,6 @@ def clean_env(devices=None, **extra):
 
 @pytest.mark.budget(110, "every python block of the README and the docs (22 pages; the pipeline guide trains two "
                          "models), run in order in one process: what the pages promise")
-@pytest.mark.slow
 def test_python_blocks_run_in_order(tmp_path):
     script = tmp_path / "pages.py"
     script.write_text("\n".join(f"print('==> {page}', flush=True)\n" + "\n".join(blocks("python", page))
@@ -62,7 +64,6 @@ def test_python_blocks_run_in_order(tmp_path):
     assert "'accuracy'" in proc.stdout and "\n30\n" in proc.stdout
 
 
-@pytest.mark.slow
 def test_multiprocess_snippet_matches_one_process(tmp_path):
     (snippet,) = blocks("python multiprocess")
     script = tmp_path / "multiprocess.py"

@@ -25,6 +25,8 @@ from tests.environment import child_env
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import TOL, max_diff
 
+pytestmark = pytest.mark.core
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"mlp": (MLP, {}, "mlp"), "batchnorm": (CNN, {}, "cnn"), "dropout": (CNN, {"dropout_rate": 0.5}, "cnn")}
 STEPS, EVERY, BATCH = 6, 3, 32
@@ -68,6 +70,7 @@ def assert_same_training(name, uninterrupted, losses, params):
     assert len(losses) == STEPS - EVERY and loss_diff <= TOL and param_diff <= TOL, (name, loss_diff, param_diff)
 
 
+@pytest.mark.wide('a resume in a process of its own (17 s cold)')
 def test_resumed_on_4_devices_in_another_process_trains_the_same(uninterrupted, tmp_path):
     copies = {name: copy_of(uninterrupted[name][0], tmp_path, name) for name in MODELS}
     out = tmp_path / "resumed.npz"

@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 import parallax as px
 from tests.models import MLP, batches, classifier_loss
 
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture(scope="module")
 def fsdp_state():

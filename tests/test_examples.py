@@ -13,6 +13,8 @@ import pytest
 
 from tests.environment import child_env
 
+pytestmark = pytest.mark.wide("the examples, each run as a user runs it, in a process of its own")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,7 +27,6 @@ def run_example(script, *args):
 
 
 @pytest.mark.budget(60, "the example twice in its own process, a checkpoint every step of 30, killed and resumed")
-@pytest.mark.slow
 def test_image_classifier_on_grain_killed_and_resumed_ends_like_an_uninterrupted_run(tmp_path):
     """SIGKILLed as soon as its first checkpoint is committed, then run again with --resume (FSDP;
     DP and the hybrids: the other examples)."""
@@ -57,7 +58,6 @@ def _listing(folder) -> list[str]:
     return os.listdir(folder) if os.path.isdir(folder) else []
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp+tp"])
 def test_nnx_classifier(strategy):
     out = run_example("nnx_classifier.py", "--strategy", strategy, "--config.trainer.max_steps=4",
@@ -66,7 +66,6 @@ def test_nnx_classifier(strategy):
     assert f"the trained NNX module itself, in eval mode: test accuracy {trained}" in out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp+tp"])  # its default, and the other compile path
 def test_char_lm(strategy, tmp_path):
     text = tmp_path / "tiny.txt"
@@ -76,7 +75,6 @@ def test_char_lm(strategy, tmp_path):
     assert "validation loss" in out and "sample:\nhe " in out  # "T" is not in this text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp+fsdp"])  # both kinds of data axis; each alone is in the equivalence grid
 def test_resnet_from_a_published_package(strategy):
     out = run_example("resnet.py", "--strategy", strategy, "--config.trainer.max_steps=2",

@@ -16,11 +16,14 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from tests import tiers
 from parallax.models.expert_dispatch import stacked_experts
 from parallax.state.search import resolve
 from benchmarks.zoo_models import MoE, NNXMoE
 from tests import third_party
 from tests.models import lm_loss
+
+pytestmark = pytest.mark.core
 
 EXPERTS = 8
 
@@ -169,13 +172,19 @@ def test_the_capacity_moe_drops_tokens_and_routes_to_two_experts():
     assert int((combine > 0).sum()) == int(kept)
 
 
-@pytest.mark.parametrize("model, strategy, optimizer", [
+GRID = [
     ("zoo", "ep8", "sgd"), ("zoo", "ep4-fsdp2", "adamw"), ("zoo", "ep2-tp2-dp2", "sgd"),
     ("zoo-nnx", "ep8", "adamw"), ("zoo-nnx", "ep4-fsdp2", "sgd"), ("zoo-nnx", "ep2-tp2-dp2", "sgd"),
     ("top1", "ep8", "adamw"), ("top1", "ep4-fsdp2", "sgd"), ("top1", "ep2-tp2-dp2", "adamw"),
     ("top2-dropping", "ep8", "sgd"), ("top2-dropping", "ep4-fsdp2", "adamw"), ("top2-dropping", "ep2-tp2-dp2", "sgd"),
     ("stack", "pp2-ep4", "adamw"), ("stack", "pp2-ep2-dp2", "sgd"),
-])
+]
+# The core tier: each hybrid on each family with AdamW where the grid has it (pp2-ep2-dp2 only with SGD).
+CORE = [("zoo", "ep4-fsdp2", "adamw"), ("zoo-nnx", "ep8", "adamw"), ("top1", "ep8", "adamw"),
+        ("top1", "ep2-tp2-dp2", "adamw"), ("stack", "pp2-ep4", "adamw"), ("stack", "pp2-ep2-dp2", "sgd")]
+
+
+@pytest.mark.parametrize("model, strategy, optimizer", tiers.cases(GRID, CORE, ids=["-".join(case) for case in GRID]))
 def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, strategy, optimizer):
     build, loss_fn = MODELS[model]
     opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
@@ -183,10 +192,12 @@ def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, stra
     assert report.mode == "jit", report
 
 
-@pytest.mark.parametrize("model, strategy, optimizer", [
-    ("nano-moe-jax", "ep8", "sgd"), ("nano-moe-jax", "ep4-fsdp2", "adamw"), ("nano-moe-jax", "ep2-tp2-dp2", "sgd"),
-    ("nnx", "ep4-fsdp2", "adamw"),
-])
+LISTED_GRID = [("nano-moe-jax", "ep8", "sgd"), ("nano-moe-jax", "ep4-fsdp2", "adamw"),
+               ("nano-moe-jax", "ep2-tp2-dp2", "sgd"), ("nnx", "ep4-fsdp2", "adamw")]
+
+
+@pytest.mark.parametrize("model, strategy, optimizer", tiers.cases(
+    LISTED_GRID, [case for case in LISTED_GRID if case[2] == "adamw"], ids=["-".join(case) for case in LISTED_GRID]))
 def test_expert_parallel_trains_a_moe_whose_experts_are_a_list_like_one_device(model, strategy, optimizer):
     """nano-moe-jax from PyPI, unmodified (8 experts kept as a list of ``ExpertFFN`` modules, top-2
     routing, every expert on every token, a load-balancing loss), and an NNX list of experts:
@@ -288,6 +299,7 @@ def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
         px.ExpertParallel(4), px.FSDP())
 
 
+@pytest.mark.wide("strategy='auto' over the expert axis (10 s cold)")
 def test_auto_prices_the_expert_axis_for_a_model_that_stacks_experts():
     """On 2 devices "auto" prices ExpertParallel(2) beside DP, FSDP and TP for the Switch-style MoE
     (8 stacked experts), and no expert axis for a model without experts."""

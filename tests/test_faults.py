@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.wide("the fault runs: each an interrupted and a resumed run in processes of their own")
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_run.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -69,7 +71,6 @@ def scenarios(seed=0):
 
 @pytest.mark.budget(120, "8 faults, each an interrupted and a resumed run in processes of their own (about 20 "
                          "processes)")
-@pytest.mark.slow
 def test_faults_survived(tmp_path, record_property):
     references = {}
     for steps in (STEPS, 6):

@@ -12,6 +12,8 @@ from parallax.plan.figure import plan_bars
 from parallax.state.figure import COLORS, HOST, summary_bars
 from tests.models import MLP, batches, classifier_loss
 
+pytestmark = pytest.mark.core
+
 DATA = batches("mlp", 1, batch_size=16)[0]
 FSDP = px.FSDP(min_weight_size=0, split="largest")
 

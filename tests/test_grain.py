@@ -34,6 +34,8 @@ from tests.environment import child_env
 from tests.models import MLP, batches, classifier_loss
 from tests.reference import TOL, max_diff, run_plain
 
+pytestmark = pytest.mark.core
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "grain_run.py")
 _spec = importlib.util.spec_from_file_location("grain_run", SCRIPT)
@@ -156,6 +158,7 @@ def _reads(out) -> list[int]:
     return [int(line) for name in glob.glob(str(out / "reads-*.txt")) for line in open(name)]
 
 
+@pytest.mark.wide('a fault run: SIGKILL and resume in processes of their own')
 def test_a_grain_pipeline_with_workers_killed_by_sigkill_resumes_bitwise_reading_nothing_twice(tmp_path):
     kill_at = random.Random(os.environ.get("PYTEST_XDIST_WORKER", "")).randint(3, 7)
     out = tmp_path / "run"
@@ -228,6 +231,7 @@ def _running_in_group(group: int) -> list[int]:
     return running
 
 
+@pytest.mark.wide("fault runs: Grain's worker processes at a raise and a preemption")
 def test_grain_workers_end_with_fit_when_it_ends_raises_or_is_preempted():
     def pipeline():
         return (grain.MapDataset.source(EXAMPLES).batch(16).to_iter_dataset()
@@ -290,6 +294,8 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
         step(state, jax.device_put(BATCHES[1], NamedSharding(elsewhere, P("fsdp"))))
 
 
+@pytest.mark.wide('a launch of several processes')
+@pytest.mark.launch
 def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_on_fewer_devices(tmp_path, map_straight):
     out = tmp_path / "two"
     out.mkdir()

@@ -20,9 +20,12 @@ import optax
 import pytest
 
 import parallax as px
+from tests import tiers
 from tests.models import TinyLM
 from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, one_device_state, params_bound,
                              run_plain, run_steps)
+
+pytestmark = pytest.mark.core
 
 STEPS = 6
 
@@ -135,8 +138,11 @@ def floor(case: str, opt_name: str, strategy: px.Strategy) -> Drift:
 GRID = [(s, "sgd") for s in STRATEGIES] + [("dp+fsdp+tp", "adamw")]
 
 
-@pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
-@pytest.mark.parametrize("case", list(CASES))
+LOSS_GRID = [(case, s, o) for case in CASES for s, o in GRID]
+
+
+@pytest.mark.parametrize("case, strategy_name, opt_name", tiers.cases(
+    LOSS_GRID, [(case, "dp+fsdp+tp", "adamw") for case in CASES], ids=["-".join(c) for c in LOSS_GRID]))
 def test_batch_level_loss_is_exact_by_default(case, strategy_name, opt_name):
     _, ref = reference(case, opt_name)
     strategy = STRATEGIES[strategy_name]()

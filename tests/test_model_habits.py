@@ -19,6 +19,8 @@ import pytest
 import parallax as px
 from tests.reference import run_plain, run_steps
 
+pytestmark = pytest.mark.core
+
 STEPS = 4
 TOL = 1e-5
 

@@ -52,6 +52,8 @@ from parallax.train.checkpoint import Checkpointer
 from tests.environment import child_env
 from tests.models import MLP, StackedMLP, classifier_loss
 
+pytestmark = [pytest.mark.wide("launches of several processes (each 30-150 s cold on two cores)"), pytest.mark.launch]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "multiprocess_run.py")
 STEPS = 16

@@ -18,7 +18,10 @@ import pytest
 from flax import nnx
 
 import parallax as px
+from tests import tiers
 from tests.reference import OPTIMIZERS, TOL, max_diff, run_steps
+
+pytestmark = pytest.mark.core
 
 STEPS = 10
 
@@ -202,8 +205,13 @@ CASES = ([(m, s, "auto", o) for m in ("mlp", "cnn", "transformer") for s in STRA
          + [("mlp", "fsdp", "shard_map", "adamw"), ("cnn-nodrop", "dp+fsdp", "shard_map", "adamw")])
 
 
-@pytest.mark.parametrize("name, strategy_name, compile_mode, opt_name", CASES,
-                         ids=["-".join(case) for case in CASES])
+CORE = [("mlp", "dp", "auto", "adamw"), ("cnn", "fsdp", "auto", "adamw"), ("transformer", "tp", "auto", "adamw"),
+        ("cnn", "dp+fsdp", "auto", "adamw"), ("transformer", "fsdp+tp", "auto", "adamw"),
+        ("mlp", "fsdp", "shard_map", "adamw"), ("cnn-nodrop", "dp+fsdp", "shard_map", "adamw")]
+
+
+@pytest.mark.parametrize("name, strategy_name, compile_mode, opt_name",
+                         tiers.cases(CASES, CORE, ids=["-".join(case) for case in CASES]))
 def test_nnx_model_matches_one_device(name, strategy_name, compile_mode, opt_name):
     strategy = STRATEGIES[strategy_name]()
     data = batches(name)
@@ -242,7 +250,7 @@ class LinenMLP(nn.Module):
         return nn.Dense(10, name="down")(x)
 
 
-@pytest.mark.parametrize("strategy_name", ["fsdp", "fsdp+tp"])
+@pytest.mark.parametrize("strategy_name", ["fsdp", pytest.param("fsdp+tp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER))])
 def test_linen_and_nnx_definitions_of_one_network_train_alike(strategy_name):
     """The same network in linen and in NNX, from the same weights, gives the same losses."""
     strategy = STRATEGIES[strategy_name]()

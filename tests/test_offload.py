@@ -16,11 +16,14 @@ from flax import nnx
 
 from parallax import inspect
 import parallax as px
+from tests import tiers
 from parallax.models.remat_policy import named_policy
 from parallax.state.search import resolve
 from parallax.step.offload import state_memory_kinds
 from tests.models import MLP, Block, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, TOL, one_device_state
+
+pytestmark = pytest.mark.core
 
 FSDP = px.FSDP(min_weight_size=0, split="largest")
 
@@ -82,8 +85,13 @@ def initial_params(name: str):
     return jax.device_get(one_device_state(build(), optax.sgd(0.1), batches("lm", 1)[0], loss).params)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("offload,policy,opt_name", GRID, ids=["-".join(map(str, g)) for g in GRID])
+CASES = [(*g, name) for g in GRID for name in sorted(MODELS)]
+# The core tier: optimizer state offloaded with host-offloaded remat on linen, and params too on NNX (AdamW).
+CORE = [("optimizer", "offload_dots", "adamw", "linen"), ("optimizer+params", "dots", "adamw", "nnx")]
+
+
+@pytest.mark.parametrize("offload,policy,opt_name,name",
+                         tiers.cases(CASES, CORE, ids=["-".join(map(str, case)) for case in CASES]))
 def test_offload_and_remat_policies_train_like_one_device(name, offload, policy, opt_name):
     build, loss, block = MODELS[name]
     model = build() if name == "linen" else build
@@ -136,6 +144,7 @@ def test_offloaded_state_stays_in_host_memory_and_the_device_peak_drops_by_it(lm
     assert state_memory_kinds(moved)["params"] == {"pinned_host"}
 
 
+@pytest.mark.wide("a checkpoint across offload and meshes; the Trainer's checkpoints are in the core tier")
 def test_a_checkpoint_saved_with_offload_restores_without_it_and_on_another_mesh(tmp_path):
     x = np.random.default_rng(0).normal(size=(96, 24)).astype(np.float32)
     data = {"x": x, "y": (x[:, 0] > 0).astype(np.int32)}
@@ -164,6 +173,7 @@ def test_a_checkpoint_saved_with_offload_restores_without_it_and_on_another_mesh
         assert state_memory_kinds(resumed.state)["opt_state"] == ({"pinned_host"} if offload else {"device"})
 
 
+@pytest.mark.wide("the plan's search over offload options (12 s cold)")
 def test_the_plan_names_the_option_that_fits_and_it_does(lm_steps):
     data, built = lm_steps
     peaks = {offload: inspect.peak_bytes(memory) for offload, (_, _, memory) in built.items()}
@@ -209,6 +219,7 @@ def test_the_repeated_blocks_remat_may_name_are_read_from_shapes_alone():
     assert repeated_blocks(TWO_BLOCK_LM, shapes, lm_loss) == repeated_blocks(TWO_BLOCK_LM, LM_BATCH, lm_loss) != ()
 
 
+@pytest.mark.wide('the CLI in a process of its own')
 def test_the_cli_takes_offload_and_remat_options(capsys):
     from parallax.plan.__main__ import main
 

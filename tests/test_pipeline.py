@@ -17,8 +17,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from tests import tiers
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_stack import pipelined
+
+pytestmark = pytest.mark.core
 
 WIDTH, ROWS = 4, 16
 
@@ -178,8 +181,11 @@ PIPELINES = {
 EQUIVALENCE = ("pp4", "pp2-fsdp4", "dp2-pp2-tp2", "dp2-pp2circular-tp2")  # dp4-pp2: the layout and error tests
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("name", EQUIVALENCE)
+LINEN = [(name, optimizer) for name in EQUIVALENCE for optimizer in ("sgd", "adam")]
+
+
+@pytest.mark.parametrize("name, optimizer", tiers.cases(LINEN, [(name, "adam") for name in EQUIVALENCE],
+                                                        ids=["-".join(case) for case in LINEN]))
 def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name, optimizer):
     """Against a plain one-device optax loop (``assert_equivalent``): losses, params, optimizer state."""
     tx = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-2)
@@ -189,6 +195,7 @@ def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name
     assert report.mode == "jit" and report.max_diff <= 1e-5, report
 
 
+@pytest.mark.wide("a remat policy inside the pipeline's iterations (23 s cold): the core tier pipelines without one")
 def test_the_pipeline_iterations_keep_what_the_remat_policy_keeps_and_train_like_one_device():
     """Each iteration keeps its input and, with ``remat=("Block", dots_saveable)``, the matmuls'
     outputs: the step then has no more matmuls than with no ``remat`` at all (where the iterations
@@ -299,11 +306,14 @@ DROPOUT = {  # blocks that draw random numbers: every mask is one device's
     "gpt2-dropout-dp4-pp2-adamw": lambda: (hugging_face("gpt2", dropout=0.1)[0], optax.adamw(1e-2), px.combine(
         px.DataParallel(4), px.PipelineParallel(2, blocks="FlaxGPT2Block"))),
 }
+DROPOUT_CORE = ("stack-remat-key-per-layer-pp4-adamw", "nnx-scan-streams-dp4-pp2-sgd")
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.budget(
-    40, "an unmodified GPT-2 with its dropout on, against one device: 28-33 s cold (compiling it whole and "
-        "pipelined, each AdamW)")) if case.startswith("gpt2") else case for case in DROPOUT])
+@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.wide(
+    "an unmodified GPT-2 with its dropout on, against one device: 28-33 s cold (compiling it whole and pipelined, "
+    "each AdamW); the core tier pipelines GPT-2 without dropout")]) if case.startswith("gpt2") else
+    pytest.param(case, marks=[] if case in DROPOUT_CORE else [pytest.mark.wide(tiers.SECOND_OPTIMIZER)])
+    for case in DROPOUT])
 def test_blocks_that_draw_random_numbers_train_like_one_device_with_its_masks(case):
     """Dropout in a linen nn.scan (a key per layer, in nn.remat blocks; or one key every layer
     draws from), in an NNX nnx.scan whose blocks hold their own RNG streams, blocks given a key
@@ -382,15 +392,19 @@ class NnxDroppingBlock(nnx.Module):
         return h + self.drop(self.lin(h))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("strategy", [
-    lambda: px.combine(px.DataParallel(2), px.PipelineParallel(4)),
-    lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)),
-], ids=["dp2-pp4", "pp2-fsdp4"])
+NNX_PIPELINES = {
+    "dp2-pp4": lambda: px.combine(px.DataParallel(2), px.PipelineParallel(4)),
+    "pp2-fsdp4": lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)),
+}
+NNX_GRID = [(name, optimizer) for name in NNX_PIPELINES for optimizer in ("sgd", "adam")]
+
+
+@pytest.mark.parametrize("strategy, optimizer", tiers.cases(NNX_GRID, [(name, "adam") for name in NNX_PIPELINES],
+                                                            ids=["-".join(case) for case in NNX_GRID]))
 def test_pipeline_parallel_trains_an_nnx_scan_model_like_one_device(strategy, optimizer):
     tx = optax.sgd(0.02) if optimizer == "sgd" else optax.adam(1e-2)
     report = px.testing.assert_equivalent(lambda: NnxStacked(8, nnx.Rngs(0)), tx, stacked_loss, stacked_batches(),
-                                          strategy())
+                                          NNX_PIPELINES[strategy]())
     assert report.mode == "jit" and report.max_diff <= 1e-5, report
 
 
@@ -404,6 +418,7 @@ CHECKPOINTED = {  # the model, and the pipelines its first and last runs train u
 }
 
 
+@pytest.mark.wide("checkpoints resumed across layouts (18-20 s cold each); the Trainer's checkpoints are in the core tier")
 @pytest.mark.parametrize("kind", sorted(CHECKPOINTED))
 def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_stages(tmp_path, kind):
     """The Trainer's checkpoints hold the stack in the model's own layout ([layers, ...]; a list of
@@ -447,7 +462,8 @@ LISTED = {  # every strategy of the grid, each model with both optimizers
 }
 
 
-@pytest.mark.parametrize("name, layout, optimizer", list(LISTED), ids=["-".join(key) for key in LISTED])
+@pytest.mark.parametrize("name, layout, optimizer", tiers.cases(list(LISTED), [("gpt2", "pp2-fsdp4", "adamw")],
+                                                                 ids=["-".join(key) for key in LISTED]))
 def test_a_list_of_blocks_in_an_unmodified_hugging_face_model_trains_like_one_device(name, layout, optimizer):
     from tests import third_party
 
@@ -492,6 +508,7 @@ def test_an_nnx_list_of_blocks_trains_like_one_device_and_each_stage_holds_its_s
     assert state.params["embed"]["kernel"].sharding.spec[0] != "stage"  # only the listed blocks go to the stages
 
 
+@pytest.mark.wide("the listed blocks' layout on a Hugging Face model; the NNX list's is in the core tier")
 def test_the_listed_blocks_are_split_over_the_stages_and_the_step_passes_activations():
     from tests import third_party
 
@@ -546,6 +563,7 @@ class Keyed(nn.Module):
         return nn.Dense(2)(h)
 
 
+@pytest.mark.wide("the search of strategy='auto' over pipelines (21 s cold)")
 def test_auto_prices_the_pipelines_over_a_stack_and_only_for_a_stack():
     from parallax.state.search import resolve
 

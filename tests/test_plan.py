@@ -27,6 +27,8 @@ from parallax.pricing.timing import closest
 from tests.environment import child_env
 from tests.models import CNN, MLP, StackedMLP, TinyLM, batches, classifier_loss, lm_loss
 
+pytestmark = pytest.mark.core
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 per_example_lm_loss = px.per_example_loss(lm_loss)
 CASES = {  # model, loss, batch kind, strategies
@@ -116,6 +118,7 @@ def test_fsdp_plans_less_state_per_device_and_the_budgets_say_what_fits(reports)
     assert "note: Per device." in text
 
 
+@pytest.mark.wide("the advice's search over device counts (12 s cold)")
 def test_advice_for_each_device_count_nothing_fits_on():
     report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
                      strategies=[px.DataParallel()], devices=[4, 8], memory_budget="8KB", compile="jit")
@@ -132,6 +135,7 @@ def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
     assert there.rows == here.rows
 
 
+@pytest.mark.wide('the CLI in processes of its own (22 s cold)')
 def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "parallax.plan", "tests.test_plan:cli_model", "--batch",

@@ -17,6 +17,8 @@ from parallax.step.resharding import compile_reporting, parse, suspects
 from tests.models import MODELS, batches
 from tests.reference import assert_named
 
+pytestmark = pytest.mark.core
+
 SHARDY = ("W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler cannot go from "
           "sharding {mesh['data'=2,'fsdp'=4], [{'data', 'fsdp'}, {}, {}]} to {mesh['data'=2,'fsdp'=4], [{}, {}, "
           "{'fsdp'}]} efficiently for HLO operation %fake_parameter.2 = f32[2,8,32]{2,1,0} parameter(2). As the "
@@ -57,6 +59,7 @@ def test_shardy_and_gspmd_wordings_are_both_read():
     assert parse("nothing to see") == []
 
 
+@pytest.mark.wide("every layout of three models compiled without the cache to read the compiler's report (65 s cold)")
 @pytest.mark.budget(75, "every layout the defaults and hybrids give the three test models, compiled without the "
                         "cache to read the compiler's report")
 def test_every_default_and_hybrid_on_the_test_models_is_free_of_it_or_names_it(fresh_compiles, caplog):

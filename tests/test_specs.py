@@ -12,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 import parallax as px
 from parallax.sharding.specs import place_param
 
+pytestmark = pytest.mark.core
+
 FSDP8 = {"fsdp": 8}
 
 

@@ -13,9 +13,12 @@ import optax
 import pytest
 
 import parallax as px
+from tests import tiers
 from parallax.inspect import collective_bytes
 from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import one_device_state, run_plain, run_steps
+
+pytestmark = pytest.mark.core
 
 
 def train(model, tx, loss_fn, strategy, data, **step_kwargs):
@@ -35,8 +38,13 @@ def losses(history):
 HYBRID = px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=256, split="largest"), px.TensorParallel(2))
 
 
-@pytest.mark.parametrize("compile_mode", ["shard_map", "jit"])
-@pytest.mark.parametrize("strategy", [px.FSDP(min_weight_size=256, split="largest"), HYBRID], ids=["fsdp", "dp+fsdp+tp"])
+@pytest.mark.parametrize("strategy, compile_mode", [
+    pytest.param(px.FSDP(min_weight_size=256, split="largest"), "shard_map", id="fsdp-shard_map"),
+    pytest.param(px.FSDP(min_weight_size=256, split="largest"), "jit", id="fsdp-jit",
+                 marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
+    pytest.param(HYBRID, "shard_map", id="dp+fsdp+tp-shard_map", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
+    pytest.param(HYBRID, "jit", id="dp+fsdp+tp-jit"),
+])
 def test_grad_accumulation_equals_one_big_step(strategy, compile_mode):
     data = batches("lm", 5, batch_size=32)
     tx = optax.adamw(3e-3)
@@ -269,9 +277,11 @@ def test_remat_recomputes_blocks_without_changing_results():
     assert "optimization_barrier" not in plain_text
 
 
-@pytest.mark.parametrize("strategy", [px.DataParallel(), px.FSDP(min_weight_size=64, split="largest"),
-                                      px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64, split="largest"))],
-                         ids=["dp", "fsdp", "dp+fsdp"])
+@pytest.mark.parametrize("strategy", [
+    pytest.param(px.DataParallel(), id="dp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
+    pytest.param(px.FSDP(min_weight_size=64, split="largest"), id="fsdp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
+    pytest.param(px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64, split="largest")), id="dp+fsdp"),
+])
 def test_both_compile_paths_give_the_same_losses(strategy):
     data = batches("cnn", 6)
     _, via_shard_map = train(CNN(), optax.adamw(3e-3), classifier_loss, strategy, data, compile="shard_map")

@@ -26,6 +26,8 @@ from parallax.step import shard_map as shard_map_step
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import STRATEGIES
 
+pytestmark = pytest.mark.core
+
 per_example_loss = px.per_example_loss(classifier_loss)
 
 

@@ -16,9 +16,12 @@ import jax
 import pytest
 
 import parallax as px
+from tests import tiers
 from tests.reference import (OPTIMIZERS, TOL, assert_like_reference, assert_named, drift_floor, max_diff, run_plain,
                              run_steps)
 from tests.third_party import MODELS, batches
+
+pytestmark = pytest.mark.core
 
 STEPS = 6
 MIN = 256  # FSDP splits params above this many elements (the tiny configs' kernels)
@@ -53,8 +56,13 @@ def reference(model_name: str, opt_name: str):
 GRID = [(s, "sgd") for s in STRATEGIES] + [("dp+fsdp+tp", "adamw")]
 
 
-@pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
-@pytest.mark.parametrize("model_name", list(MODELS))
+CASES = [(m, s, o) for m in MODELS for s, o in GRID]
+# The core tier: AdamW under the hybrid of all three axes, on each model.
+CORE = [(m, "dp+fsdp+tp", "adamw") for m in MODELS]
+
+
+@pytest.mark.parametrize("model_name, strategy_name, opt_name",
+                         tiers.cases(CASES, CORE, ids=["-".join(case) for case in CASES]))
 def test_third_party_model_matches_one_device(model_name, strategy_name, opt_name, fresh_compiles, caplog):
     _, loss_fn, kind = MODELS[model_name]
     data = batches(kind, STEPS)

@@ -26,6 +26,8 @@ from parallax.sharding.topology import crossing_axes, hosts_of
 from parallax.state.search import abstract_batch, resolve
 from tests.models import MLP, StackedMLP, batches, classifier_loss
 
+pytestmark = pytest.mark.core
+
 TWO_HOSTS = px.Topology(hosts=2, devices_per_host=4)
 PARTS = {"dp": lambda n: px.DataParallel(n), "fsdp": lambda n: px.FSDP(n, min_weight_size=0, split="largest"),
          "tp": lambda n: px.TensorParallel(n)}
@@ -126,6 +128,7 @@ def _moved(text: str, mesh) -> dict[str, int]:
     return moved
 
 
+@pytest.mark.wide('12 meshes planned and each compiled on both of its layouts over the hosts (21 s cold)')
 @pytest.mark.budget(45, "12 meshes planned, and each compiled here on both of its layouts over the hosts")
 def test_the_plan_lays_each_pair_out_with_the_fewest_bytes_across_hosts_as_the_compiled_steps_move_them():
     batch, tx = batches("mlp", 1)[0], optax.adamw(1e-3)
@@ -248,6 +251,7 @@ def test_the_plan_plans_a_cluster_of_more_hosts_and_devices_than_this_process_ha
 DEEP = StackedMLP(hidden=256, layers=8)  # eight blocks of 2 x 256 x 512 weights in a linen nn.scan (2 M params)
 
 
+@pytest.mark.wide("strategy='auto' over hosts, pipelines priced")
 def test_auto_over_hosts_with_a_slow_link_pipelines_a_stack_across_them(quiet_speeds):
     """A model with a stack: across a slow link the pipeline's stage axis crosses the hosts, where
     only activations move (point to point), rather than FSDP's gathers or the gradients' all-reduce."""

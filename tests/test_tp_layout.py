@@ -18,8 +18,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from tests import tiers
 from tests.models import CNN, classifier_loss
 from tests.reference import OPTIMIZERS, bound, drift_floor, params_bound, run_plain, run_steps
+
+pytestmark = pytest.mark.core
 
 TP2 = lambda: px.combine(px.DataParallel(4), px.TensorParallel(2))  # noqa: E731
 
@@ -204,9 +207,11 @@ HYBRIDS = {
 }
 
 
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("strategy_name", sorted(HYBRIDS))
-@pytest.mark.parametrize("name", sorted(MODELS))
+LAYOUT_GRID = [(name, s, o) for name in sorted(MODELS) for s in sorted(HYBRIDS) for o in sorted(OPTIMIZERS)]
+
+
+@pytest.mark.parametrize("name, strategy_name, opt_name", tiers.cases(
+    LAYOUT_GRID, [case for case in LAYOUT_GRID if case[2] == "adamw"], ids=["-".join(c) for c in LAYOUT_GRID]))
 def test_derived_layout_trains_like_one_device(name, strategy_name, opt_name):
     model, shape = MODELS[name]
     data = _data(shape)

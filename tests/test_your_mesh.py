@@ -23,7 +23,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from tests import tiers
 from tests.reference import TOL, max_diff, run_plain, run_steps
+
+pytestmark = pytest.mark.core
 
 E, A = AxisType.Explicit, AxisType.Auto
 MESH_TYPES = {"explicit": (E, E), "auto": (A, A), "mixed": (E, A)}
@@ -96,8 +99,11 @@ def check_against_one_device(model, tx, lf, state, step, names=("fsdp", "tensor"
     return state
 
 
-@pytest.mark.parametrize("types", list(MESH_TYPES))
-@pytest.mark.parametrize("kind", list(STRATEGIES))
+MESH_GRID = [(kind, types) for kind in STRATEGIES for types in MESH_TYPES]
+
+
+@pytest.mark.parametrize("kind, types", tiers.cases(  # the core tier: each kind once, each axis type once
+    MESH_GRID, [("fsdp", "explicit"), ("tp", "auto"), ("fsdp+tp", "mixed")], ids=["-".join(c) for c in MESH_GRID]))
 def test_init_state_takes_your_mesh_of_any_axis_types_inside_your_set_mesh(kind, types):
     mesh = jax.make_mesh(SHAPES[kind], ("fsdp", "tensor"), devices=jax.devices()[::-1], axis_types=MESH_TYPES[types])
     strategy, tx = STRATEGIES[kind](), (optax.sgd(0.1) if kind == "tp" else optax.adam(1e-2))
@@ -109,7 +115,7 @@ def test_init_state_takes_your_mesh_of_any_axis_types_inside_your_set_mesh(kind,
         check_against_one_device(Net(), tx, loss_fn, state, px.make_train_step(loss_fn, strategy))
 
 
-@pytest.mark.parametrize("types", list(MESH_TYPES))
+@pytest.mark.parametrize("types", tiers.cases(list(MESH_TYPES), ["explicit"], ids=list(MESH_TYPES)))
 def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys, types):
     devices = np.array(jax.devices())[::-1]  # an unusual device order, kept
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=list(devices), axis_types=MESH_TYPES[types])
@@ -153,8 +159,12 @@ def test_the_cost_model_measures_on_its_own_mesh_inside_yours(tmp_path, monkeypa
     assert speeds.seconds_per_flop >= 0 and set(speeds.collectives) >= {"all-gather", "reduce-scatter"}
 
 
-@pytest.mark.parametrize("call", ["wsc", "wsc_named", "reshard"])
-@pytest.mark.parametrize("kind", ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+tp"])
+SELF_GRID = [(kind, call) for kind in ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+tp"] for call in ["wsc", "wsc_named", "reshard"]]
+
+
+@pytest.mark.parametrize("kind, call", tiers.cases(  # the core tier: each kind once, each way of sharding once
+    SELF_GRID, [("dp", "wsc"), ("fsdp", "reshard"), ("tp", "wsc_named"), ("dp+fsdp+tp", "wsc")],
+    ids=["-".join(c) for c in SELF_GRID]))
 def test_models_that_shard_themselves_train_like_one_device(call, kind):
     strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=0, split="largest"), "tp": px.TensorParallel(),
                 "dp+fsdp": px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=0, split="largest")),
@@ -325,6 +335,7 @@ def test_flax_gemma_example_with_its_own_sharding_config_trains_like_one_device(
 
 # --- pretrained weights ------------------------------------------------------------------------------------------
 
+@pytest.mark.wide('Hugging Face params under FSDP x TP (13 s cold); Hugging Face models train against one device in the core tier (tests/test_third_party.py)')
 def test_hugging_face_params_start_training_under_fsdp_tp():
     from tests.third_party import SEQ, VOCAB, _transformers, causal_lm_loss
 

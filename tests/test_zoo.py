@@ -20,8 +20,11 @@ import numpy as np
 import pytest
 
 import parallax as px
+from tests import tiers
 from benchmarks.zoo_models import zoo
 from tests.reference import OPTIMIZERS, assert_like_reference, drift_floor, run_plain, run_steps
+
+pytestmark = pytest.mark.core
 
 STEPS = 2
 MIN = 256  # FSDP splits params above this many elements (the shrunk zoo's kernels)
@@ -69,8 +72,12 @@ def test_the_smallest_members_are_one_per_family_and_the_scanned_lm():
     assert "lm_scan" in members()
 
 
-@pytest.mark.parametrize("strategy_name, opt_name", GRID, ids=[f"{s}-{o}" for s, o in GRID])
-@pytest.mark.parametrize("name", ["mlp_square_b", "lm_0", "lm_scan", "cnn_0", "moe"])
+CASES = [(name, s, o) for name in ["mlp_square_b", "lm_0", "lm_scan", "cnn_0", "moe"] for s, o in GRID]
+# The core tier: FSDP with AdamW on the square MLP and the MoE (the linen family's grid is test_equivalence.py's).
+CORE = [("mlp_square_b", "fsdp", "adamw"), ("moe", "fsdp", "adamw")]
+
+
+@pytest.mark.parametrize("name, strategy_name, opt_name", tiers.cases(CASES, CORE, ids=["-".join(c) for c in CASES]))
 def test_zoo_member_trains_like_one_device(name, strategy_name, opt_name):
     member = members().get(name)
     assert member is not None, f"{name} is no longer among the smallest: {sorted(members())}"
