@@ -69,7 +69,8 @@ def pytest_terminal_summary(terminalreporter):
                     terminalreporter.write_line(f"faults survived {value}")
 
 
-# Each file's cold seconds in each tier's run, summed over its tests (two workers, jax 0.10.2; tests/README.md),
+# Each file's cold seconds in each tier's run, summed over its tests (two workers, jax 0.10.2: the whole suite at
+# 5b4d645, the core tier at 4634ed6; tests/README.md),
 # so that xdist starts the long files first (``--no-loadscope-reorder`` in the Makefile keeps this order): its
 # own order, the files with the most tests first, left the one-test files that start processes (faults, docs
 # pages, benchmarks) to run last, alone. Files not listed go last.
@@ -86,14 +87,14 @@ FILE_SECONDS = {
         "test_errors.py": 3, "test_specs.py": 1, "test_compat.py": 1,
     },
     "core": {
-        "test_pipeline.py": 117, "test_context_parallel.py": 95, "test_expert_parallel.py": 74, "test_step.py": 65,
-        "test_testing.py": 64, "test_plan.py": 62, "test_nnx.py": 55, "test_your_mesh.py": 49, "test_trainer.py": 45,
-        "test_equivalence.py": 37, "test_third_party.py": 37, "test_offload.py": 35, "test_per_example_proof.py": 35,
-        "test_docs.py": 31, "test_auto.py": 28, "test_losses.py": 23, "test_model_habits.py": 17,
-        "test_tp_layout.py": 17, "test_fsdp.py": 12, "test_distribution.py": 11, "test_elastic.py": 11,
-        "test_topology.py": 11, "test_zoo.py": 11, "test_grain.py": 10, "test_figures.py": 7,
-        "test_architecture.py": 6, "test_api.py": 5, "test_errors.py": 3, "test_compat.py": 1, "test_specs.py": 1,
-        "test_docs_pages.py": 0, "test_resharding.py": 0,
+        "test_pipeline.py": 103, "test_context_parallel.py": 84, "test_step.py": 70, "test_expert_parallel.py": 67,
+        "test_testing.py": 61, "test_nnx.py": 60, "test_plan.py": 55, "test_trainer.py": 45, "test_your_mesh.py": 44,
+        "test_equivalence.py": 42, "test_offload.py": 37, "test_third_party.py": 34, "test_per_example_proof.py": 28,
+        "test_docs.py": 25, "test_auto.py": 25, "test_losses.py": 21, "test_elastic.py": 17,
+        "test_model_habits.py": 15, "test_tp_layout.py": 14, "test_zoo.py": 13, "test_grain.py": 13,
+        "test_distribution.py": 12, "test_fsdp.py": 11, "test_topology.py": 10, "test_figures.py": 8,
+        "test_architecture.py": 6, "test_api.py": 4, "test_errors.py": 2, "test_specs.py": 1, "test_compat.py": 1,
+        "test_resharding.py": 0, "test_docs_pages.py": 0,
     },
 }
 
