@@ -86,6 +86,8 @@ FILE_SECONDS = {
         "test_distribution.py": 11, "test_figures.py": 7, "test_architecture.py": 6, "test_api.py": 5,
         "test_errors.py": 3, "test_specs.py": 1, "test_compat.py": 1,
     },
+    # The tests marked launch, by file (in the whole suite's run).
+    "launch": {"test_multiprocess.py": 409, "test_docs_pages.py": 26, "test_grain.py": 15},
     "core": {
         "test_pipeline.py": 103, "test_context_parallel.py": 84, "test_step.py": 70, "test_expert_parallel.py": 67,
         "test_testing.py": 61, "test_nnx.py": 60, "test_plan.py": 55, "test_trainer.py": 45, "test_your_mesh.py": 44,
@@ -152,6 +154,15 @@ def tier_of(item) -> str:
                             "`pytest.mark.wide(why)` (tests/README.md: the tiers)")
 
 
+def check_budget(item, tier: str) -> None:
+    """A core test is held to the 30 s budget: over it, it moves to the wide tier or gets smaller."""
+    marker = item.get_closest_marker("budget")
+    if tier == "core" and marker is not None and marker.args and float(marker.args[0]) > BUDGET_SECONDS:
+        raise pytest.UsageError(f"{item.nodeid}: a core test may not take {marker.args[0]} s (the core tier's budget is "
+                                f"{BUDGET_SECONDS:.0f} s): make it smaller or move it to the wide tier, the reason in "
+                                "its pytest.mark.wide(why)")
+
+
 def selected(item, chosen: set[str]) -> bool:
     return "all" in chosen or tier_of(item) in chosen or ("launch" in chosen and item.get_closest_marker("launch"))
 
@@ -163,11 +174,17 @@ def pytest_collection_modifyitems(config, items):
     if not chosen or chosen - SELECTIONS:
         raise pytest.UsageError(f"--tier={config.getoption('--tier')!r}: choose from {sorted(SELECTIONS)}, "
                                 "comma-separated (e.g. --tier core,launch)")
+    for item in items:
+        check_budget(item, tier_of(item))
     kept = [item for item in items if selected(item, chosen)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if not selected(item, chosen)])
-    # Each file's cold seconds in the tier run (a stable sort: each file's tests keep their order).
-    seconds = FILE_SECONDS["core"] if chosen == {"core"} or chosen == {"core", "launch"} else FILE_SECONDS["all"]
+    # Each file's cold seconds in the tiers run (a stable sort: each file's tests keep their order).
+    if chosen & {"all", "wide"}:
+        seconds = FILE_SECONDS["all"]
+    else:
+        extra = FILE_SECONDS["launch"] if "launch" in chosen else {}
+        seconds = {name: FILE_SECONDS["core"].get(name, 0) + extra.get(name, 0) for name in {*FILE_SECONDS["core"], *extra}}
     items[:] = sorted(kept, key=lambda item: -seconds.get(item.path.name, 0))
 
 

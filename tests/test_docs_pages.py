@@ -64,6 +64,7 @@ def test_python_blocks_run_in_order(tmp_path):
     assert "'accuracy'" in proc.stdout and "\n30\n" in proc.stdout
 
 
+@pytest.mark.launch
 def test_multiprocess_snippet_matches_one_process(tmp_path):
     (snippet,) = blocks("python multiprocess")
     script = tmp_path / "multiprocess.py"

@@ -72,8 +72,6 @@ def shard_bytes(tree) -> int:
     return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.device == device)
 
 
-@pytest.mark.budget(60, "the first case pays for the module's plans of the three models (and a cold cache's "
-                        "calibration)")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_plan_equals_the_built_state_and_the_step_that_runs(reports, name):
     cls, loss, kind, strategies = CASES[name]
