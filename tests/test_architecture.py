@@ -95,7 +95,7 @@ def test_modules_are_small(module):
 
 def test_import_parallax_leaves_orbax_and_nnx_until_a_run_needs_them(tmp_path):
     """``import parallax`` (in every process a launch starts) does not import orbax, nor flax.nnx for a
-    linen user: 0.85 s of its 3 s of CPU (tests/README.md). A checkpointer imports orbax, an NNX model
+    linen user: 0.85 s of its 3 s of CPU (tests/README.md at 5b4d645). A checkpointer imports orbax, an NNX model
     is taken as one once the program has imported flax.nnx."""
     script = (
         "import sys, parallax as px\n"
