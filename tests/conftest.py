@@ -70,10 +70,10 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # Each file's cold seconds in each tier's run, summed over its tests (two workers, jax 0.10.2: the whole suite at
-# 5b4d645, the core tier at 4634ed6; tests/README.md),
-# so that xdist starts the long files first (``--no-loadscope-reorder`` in the Makefile keeps this order): its
-# own order, the files with the most tests first, left the one-test files that start processes (faults, docs
-# pages, benchmarks) to run last, alone. Files not listed go last.
+# 5b4d645, the core tier at 4634ed6; tests/README.md), so that xdist starts the long files first
+# (``--no-loadscope-reorder`` in the Makefile keeps this order): its own order, the files with the most tests first,
+# left the one-test files that start processes (faults, docs pages, benchmarks) to run last, alone. Files not listed
+# go last.
 FILE_SECONDS = {
     "all": {
         "test_docs_pages.py": 487, "test_multiprocess.py": 409, "test_pipeline.py": 328, "test_equivalence.py": 192,
@@ -123,10 +123,10 @@ BUDGET_SECONDS = 30.0
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "budget(seconds, why): this test may take up to `seconds` cold, because `why`")
-    config.addinivalue_line("markers", "core: the core tier, what `make test` runs (tests/README.md: the tiers)")
-    config.addinivalue_line("markers", "wide(why): the wide tier, which `make test-all` adds to the core, because `why`")
-    config.addinivalue_line("markers", "launch: starts several jax.distributed processes (`make test-latest` runs these "
-                                       "beside the core tier)")
+    config.addinivalue_line("markers", "core: the core tier, what `make test` runs (tests/README.md)")
+    config.addinivalue_line("markers", "wide(why): the wide tier, which `make test-all` adds, because `why`")
+    config.addinivalue_line("markers", "launch: starts several jax.distributed processes (`make test-latest` "
+                                       "runs these beside the core tier)")
 
 
 # The two tiers (tests/README.md). Every test declares its tier: a file's ``pytestmark`` (``pytest.mark.core``
@@ -158,13 +158,15 @@ def check_budget(item, tier: str) -> None:
     """A core test is held to the 30 s budget: over it, it moves to the wide tier or gets smaller."""
     marker = item.get_closest_marker("budget")
     if tier == "core" and marker is not None and marker.args and float(marker.args[0]) > BUDGET_SECONDS:
-        raise pytest.UsageError(f"{item.nodeid}: a core test may not take {marker.args[0]} s (the core tier's budget is "
-                                f"{BUDGET_SECONDS:.0f} s): make it smaller or move it to the wide tier, the reason in "
-                                "its pytest.mark.wide(why)")
+        raise pytest.UsageError(f"{item.nodeid}: a core test may not take {marker.args[0]} s (the core tier's "
+                                f"budget is {BUDGET_SECONDS:.0f} s): make it smaller or move it to the wide tier, the "
+                                "reason in its pytest.mark.wide(why)")
 
 
 def selected(item, chosen: set[str]) -> bool:
-    return "all" in chosen or tier_of(item) in chosen or ("launch" in chosen and item.get_closest_marker("launch"))
+    """Whether the union of tiers ``chosen`` holds ``item``."""
+    launch = "launch" in chosen and item.get_closest_marker("launch") is not None
+    return "all" in chosen or tier_of(item) in chosen or launch
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -184,7 +186,8 @@ def pytest_collection_modifyitems(config, items):
         seconds = FILE_SECONDS["all"]
     else:
         extra = FILE_SECONDS["launch"] if "launch" in chosen else {}
-        seconds = {name: FILE_SECONDS["core"].get(name, 0) + extra.get(name, 0) for name in {*FILE_SECONDS["core"], *extra}}
+        seconds = {name: FILE_SECONDS["core"].get(name, 0) + extra.get(name, 0)
+                   for name in {*FILE_SECONDS["core"], *extra}}
     items[:] = sorted(kept, key=lambda item: -seconds.get(item.path.name, 0))
 
 

@@ -23,7 +23,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from tests import tiers
 from parallax import _cache
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
@@ -141,7 +140,7 @@ def test_a_marked_loss_lets_the_cost_model_pick_the_compile_path():
     assert plain.mode() == "auto" and "read at the first call" in plain.describe()
 
 
-@pytest.mark.wide('the search under a memory budget (10 s cold)')
+@pytest.mark.wide("the search under a memory budget (10 s cold)")
 def test_a_memory_budget_drops_the_plans_that_do_not_fit():
     data = batches("mlp", 1, batch_size=32)
     with pytest.raises(ValueError, match=r"no candidate fits the memory budget of 1 B per device on 4 devices, with "
@@ -162,7 +161,7 @@ def test_a_memory_budget_drops_the_plans_that_do_not_fit():
 
 @pytest.mark.parametrize("strategy", [  # the core tier: the two 2-axis hybrids of the three kinds' most-used pair
     pytest.param(s, id=s.describe(), marks=[] if s.describe() in (
-        "DataParallel(data=2) \u00d7 FSDP(fsdp=4)", "FSDP(fsdp=4) \u00d7 TensorParallel(tensor=2)") else
+        "DataParallel(data=2) × FSDP(fsdp=4)", "FSDP(fsdp=4) × TensorParallel(tensor=2)") else
         [pytest.mark.wide("each mesh the search considers; the core tier trains two of them, and every part in "
                           "tests/test_equivalence.py")])
     for s in candidates(8, fsdp=px.FSDP(min_weight_size=0))])

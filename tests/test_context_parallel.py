@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from tests import tiers
 from parallax.models.context_attention import model_has_attention
 from parallax.sharding.auto import from_mesh
 from parallax.state.search import resolve
+from tests import tiers
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
 
@@ -253,7 +253,8 @@ def test_context_parallel_arguments_and_paths_are_checked():
         px.make_train_step(lm_loss, strategy, compile="shard_map").lower(state, batch)
 
 
-@pytest.mark.wide("the plan's search for more devices (14 s cold): the core tier trains context parallelism against one device")
+@pytest.mark.wide("the plan's search for more devices (14 s cold): the core tier trains context parallelism against"
+                  " one device")
 def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence_that_fits_nowhere():
     """Two 512-token sequences on 2 devices under FSDP need 16.8 MiB each; 4 devices cannot split a
     batch of 2 rows, but the sequence over them can: gathered, it needs 8.6 MiB; round a ring, 6.4 MiB,
@@ -273,7 +274,8 @@ def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence
     assert not model_has_attention(nn.Dense(4), {"x": np.zeros((16, 8), np.int32)}, mlp_loss)
 
 
-@pytest.mark.wide("the compiled pipeline's attention tiles (15 s cold); pipeline x context trains against one device in the core tier")
+@pytest.mark.wide("the compiled pipeline's attention tiles (15 s cold); pipeline x context trains against one "
+                  "device in the core tier")
 def test_a_pipeline_runs_its_stages_attention_split_over_the_context_axis():
     """PipelineParallel(2) × ContextParallel(2) × DataParallel(2) on a stack of attention blocks: the
     pipeline's layers compute (8 queries × 16 keys) score tiles, (16 × 16) without the context axis."""

@@ -70,7 +70,7 @@ def assert_same_training(name, uninterrupted, losses, params):
     assert len(losses) == STEPS - EVERY and loss_diff <= TOL and param_diff <= TOL, (name, loss_diff, param_diff)
 
 
-@pytest.mark.wide('a resume in a process of its own (17 s cold)')
+@pytest.mark.wide("a resume in a process of its own (17 s cold)")
 def test_resumed_on_4_devices_in_another_process_trains_the_same(uninterrupted, tmp_path):
     copies = {name: copy_of(uninterrupted[name][0], tmp_path, name) for name in MODELS}
     out = tmp_path / "resumed.npz"

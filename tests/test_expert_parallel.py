@@ -16,10 +16,10 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from tests import tiers
 from parallax.models.expert_dispatch import stacked_experts
 from parallax.state.search import resolve
 from benchmarks.zoo_models import MoE, NNXMoE
+from tests import tiers
 from tests import third_party
 from tests.models import lm_loss
 

@@ -129,7 +129,8 @@ def test_split_chooses_the_output_or_input_dim_where_it_divides():
     assert px.FSDP(split="output").dim_order((512,)) == [0]
 
 
-@pytest.mark.wide("five equivalence runs, each split on each path (39 s cold); FSDP's default split trains against one device in the core tier (tests/test_equivalence.py)")
+@pytest.mark.wide("five equivalence runs, each split on each path (39 s cold); FSDP's default split trains against "
+                  "one device in the core tier (tests/test_equivalence.py)")
 @pytest.mark.budget(60, "five equivalence runs: each split on each compile path, and a hybrid")
 def test_every_split_trains_like_one_device():
     """Each split is a correct plan: against an independent one-device loop (px.testing), on both paths."""

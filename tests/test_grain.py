@@ -158,7 +158,7 @@ def _reads(out) -> list[int]:
     return [int(line) for name in glob.glob(str(out / "reads-*.txt")) for line in open(name)]
 
 
-@pytest.mark.wide('a fault run: SIGKILL and resume in processes of their own')
+@pytest.mark.wide("a fault run: SIGKILL and resume in processes of their own")
 def test_a_grain_pipeline_with_workers_killed_by_sigkill_resumes_bitwise_reading_nothing_twice(tmp_path):
     kill_at = random.Random(os.environ.get("PYTEST_XDIST_WORKER", "")).randint(3, 7)
     out = tmp_path / "run"
@@ -294,7 +294,7 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
         step(state, jax.device_put(BATCHES[1], NamedSharding(elsewhere, P("fsdp"))))
 
 
-@pytest.mark.wide('a launch of several processes')
+@pytest.mark.wide("a launch of several processes")
 @pytest.mark.launch
 def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_on_fewer_devices(tmp_path, map_straight):
     out = tmp_path / "two"

@@ -250,7 +250,8 @@ class LinenMLP(nn.Module):
         return nn.Dense(10, name="down")(x)
 
 
-@pytest.mark.parametrize("strategy_name", ["fsdp", pytest.param("fsdp+tp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER))])
+@pytest.mark.parametrize("strategy_name", ["fsdp",
+                                           pytest.param("fsdp+tp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER))])
 def test_linen_and_nnx_definitions_of_one_network_train_alike(strategy_name):
     """The same network in linen and in NNX, from the same weights, gives the same losses."""
     strategy = STRATEGIES[strategy_name]()

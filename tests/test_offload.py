@@ -16,10 +16,10 @@ from flax import nnx
 
 from parallax import inspect
 import parallax as px
-from tests import tiers
 from parallax.models.remat_policy import named_policy
 from parallax.state.search import resolve
 from parallax.step.offload import state_memory_kinds
+from tests import tiers
 from tests.models import MLP, Block, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import OPTIMIZERS, TOL, one_device_state
 
@@ -219,7 +219,7 @@ def test_the_repeated_blocks_remat_may_name_are_read_from_shapes_alone():
     assert repeated_blocks(TWO_BLOCK_LM, shapes, lm_loss) == repeated_blocks(TWO_BLOCK_LM, LM_BATCH, lm_loss) != ()
 
 
-@pytest.mark.wide('the CLI in a process of its own')
+@pytest.mark.wide("the CLI in a process of its own")
 def test_the_cli_takes_offload_and_remat_options(capsys):
     from parallax.plan.__main__ import main
 

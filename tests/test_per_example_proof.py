@@ -19,10 +19,10 @@ import optax
 import pytest
 
 import parallax as px
-from tests import tiers
 from parallax.models import ModelRun, adapter_for
 from parallax.pricing.per_example_proof import prove_loss
 from parallax.step.loss import loss_closure
+from tests import tiers
 from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
 from tests.reference import (OPTIMIZERS, bound, drift_floor, max_diff, one_device_state, params_bound, run_plain,
                              run_steps)

@@ -17,9 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from tests import tiers
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_stack import pipelined
+from tests import tiers
 
 pytestmark = pytest.mark.core
 
@@ -418,7 +418,8 @@ CHECKPOINTED = {  # the model, and the pipelines its first and last runs train u
 }
 
 
-@pytest.mark.wide("checkpoints resumed across layouts (18-20 s cold each); the Trainer's checkpoints are in the core tier")
+@pytest.mark.wide("checkpoints resumed across layouts (18-20 s cold each); the Trainer's checkpoints are in the "
+                  "core tier")
 @pytest.mark.parametrize("kind", sorted(CHECKPOINTED))
 def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_stages(tmp_path, kind):
     """The Trainer's checkpoints hold the stack in the model's own layout ([layers, ...]; a list of

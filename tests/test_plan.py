@@ -133,7 +133,7 @@ def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
     assert there.rows == here.rows
 
 
-@pytest.mark.wide('the CLI in processes of its own (22 s cold)')
+@pytest.mark.wide("the CLI in processes of its own (22 s cold)")
 def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "parallax.plan", "tests.test_plan:cli_model", "--batch",

@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import parallax as px
-from tests import tiers
 from parallax.inspect import collective_bytes
+from tests import tiers
 from tests.models import CNN, MLP, TinyLM, batches, classifier_loss, lm_loss
 from tests.reference import one_device_state, run_plain, run_steps
 
@@ -279,7 +279,8 @@ def test_remat_recomputes_blocks_without_changing_results():
 
 @pytest.mark.parametrize("strategy", [
     pytest.param(px.DataParallel(), id="dp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
-    pytest.param(px.FSDP(min_weight_size=64, split="largest"), id="fsdp", marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
+    pytest.param(px.FSDP(min_weight_size=64, split="largest"), id="fsdp",
+                 marks=pytest.mark.wide(tiers.SECOND_OPTIMIZER)),
     pytest.param(px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=64, split="largest")), id="dp+fsdp"),
 ])
 def test_both_compile_paths_give_the_same_losses(strategy):

@@ -128,7 +128,7 @@ def _moved(text: str, mesh) -> dict[str, int]:
     return moved
 
 
-@pytest.mark.wide('12 meshes planned and each compiled on both of its layouts over the hosts (21 s cold)')
+@pytest.mark.wide("12 meshes planned and each compiled on both of its layouts over the hosts (21 s cold)")
 @pytest.mark.budget(45, "12 meshes planned, and each compiled here on both of its layouts over the hosts")
 def test_the_plan_lays_each_pair_out_with_the_fewest_bytes_across_hosts_as_the_compiled_steps_move_them():
     batch, tx = batches("mlp", 1)[0], optax.adamw(1e-3)

@@ -34,7 +34,7 @@ def run_script(*args, expect=0):
 # SIGKILL and resume (bitwise equal to an uninterrupted run): tests/test_faults.py, at seeded steps.
 
 
-@pytest.mark.wide('a fault run: a signal to a training process of its own')
+@pytest.mark.wide("a fault run: a signal to a training process of its own")
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, "--sigterm-at", 5)
     # The signal lands while step 6 is in flight (step 5's metrics are read after step 6 is
@@ -44,7 +44,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     assert not (tmp_path / "out.npz").exists()  # exited before the end of fit
 
 
-@pytest.mark.wide('a fault run: a signal to a training process of its own')
+@pytest.mark.wide("a fault run: a signal to a training process of its own")
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_signal_during_a_metric_read_still_saves_the_step_it_stops_at(tmp_path, signame):
     # Step 8 is not a checkpoint step; the signal lands while step 7's metrics are read,
@@ -55,7 +55,7 @@ def test_a_signal_during_a_metric_read_still_saves_the_step_it_stops_at(tmp_path
     assert f"Preempted ({signame}): saved step 8, exiting." in proc.stderr
 
 
-@pytest.mark.wide('a fault run: a signal to a training process of its own')
+@pytest.mark.wide("a fault run: a signal to a training process of its own")
 def test_a_signal_with_no_checkpoint_yet_saves_and_returns(tmp_path):
     proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, "--sigterm-at", 1, "--every", 100, "--return")
     # Before: the loop stopped at step 2 with nothing on disk at all.
@@ -64,7 +64,7 @@ def test_a_signal_with_no_checkpoint_yet_saves_and_returns(tmp_path):
     assert (tmp_path / "out.npz").exists()  # fit returned
 
 
-@pytest.mark.wide('a fault run: a signal to a training process of its own')
+@pytest.mark.wide("a fault run: a signal to a training process of its own")
 def test_a_second_sigint_stops_at_once(tmp_path):
     proc = run_script(tmp_path / "ckpt", tmp_path / "out.npz", 20, "--sigint-twice-at", 4, expect=-signal.SIGINT)
     assert "KeyboardInterrupt" in proc.stderr and "second SIGINT" in proc.stderr

@@ -159,7 +159,8 @@ def test_the_cost_model_measures_on_its_own_mesh_inside_yours(tmp_path, monkeypa
     assert speeds.seconds_per_flop >= 0 and set(speeds.collectives) >= {"all-gather", "reduce-scatter"}
 
 
-SELF_GRID = [(kind, call) for kind in ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+tp"] for call in ["wsc", "wsc_named", "reshard"]]
+SELF_GRID = [(kind, call) for kind in ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+tp"]
+             for call in ["wsc", "wsc_named", "reshard"]]
 
 
 @pytest.mark.parametrize("kind, call", tiers.cases(  # the core tier: each kind once, each way of sharding once
@@ -335,7 +336,8 @@ def test_flax_gemma_example_with_its_own_sharding_config_trains_like_one_device(
 
 # --- pretrained weights ------------------------------------------------------------------------------------------
 
-@pytest.mark.wide('Hugging Face params under FSDP x TP (13 s cold); Hugging Face models train against one device in the core tier (tests/test_third_party.py)')
+@pytest.mark.wide("Hugging Face params under FSDP x TP (13 s cold); Hugging Face models train against one device in"
+                  " the core tier (tests/test_third_party.py)")
 def test_hugging_face_params_start_training_under_fsdp_tp():
     from tests.third_party import SEQ, VOCAB, _transformers, causal_lm_loss
 

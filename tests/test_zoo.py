@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import parallax as px
-from tests import tiers
 from benchmarks.zoo_models import zoo
+from tests import tiers
 from tests.reference import OPTIMIZERS, assert_like_reference, drift_floor, run_plain, run_steps
 
 pytestmark = pytest.mark.core
