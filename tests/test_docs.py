@@ -82,7 +82,7 @@ def test_every_module_is_collected():
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.wide(
-    "its examples run strategy='auto''s search (12 s cold)")) if name == "parallax.state.search" else name
+    "its examples run the search of strategy='auto' (12 s cold)")) if name == "parallax.state.search" else name
     for name in MODULES])
 def test_docstring_examples_run(name, tmp_path):
     module = importlib.import_module(name)
