@@ -142,7 +142,7 @@ LOSS_GRID = [(case, s, o) for case in CASES for s, o in GRID]
 
 
 @pytest.mark.parametrize("case, strategy_name, opt_name", tiers.cases(
-    LOSS_GRID, [(case, "dp+fsdp+tp", "adamw") for case in CASES], ids=["-".join(c) for c in LOSS_GRID]))
+    LOSS_GRID, [(case, "dp+fsdp+tp", "adamw") for case in CASES]))
 def test_batch_level_loss_is_exact_by_default(case, strategy_name, opt_name):
     _, ref = reference(case, opt_name)
     strategy = STRATEGIES[strategy_name]()

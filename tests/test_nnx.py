@@ -211,7 +211,7 @@ CORE = [("mlp", "dp", "auto", "adamw"), ("cnn", "fsdp", "auto", "adamw"), ("tran
 
 
 @pytest.mark.parametrize("name, strategy_name, compile_mode, opt_name",
-                         tiers.cases(CASES, CORE, ids=["-".join(case) for case in CASES]))
+                         tiers.cases(CASES, CORE))
 def test_nnx_model_matches_one_device(name, strategy_name, compile_mode, opt_name):
     strategy = STRATEGIES[strategy_name]()
     data = batches(name)

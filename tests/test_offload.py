@@ -91,7 +91,7 @@ CORE = [("optimizer", "offload_dots", "adamw", "linen"), ("optimizer+params", "d
 
 
 @pytest.mark.parametrize("offload,policy,opt_name,name",
-                         tiers.cases(CASES, CORE, ids=["-".join(map(str, case)) for case in CASES]))
+                         tiers.cases(CASES, CORE))
 def test_offload_and_remat_policies_train_like_one_device(name, offload, policy, opt_name):
     build, loss, block = MODELS[name]
     model = build() if name == "linen" else build

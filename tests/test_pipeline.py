@@ -184,8 +184,7 @@ EQUIVALENCE = ("pp4", "pp2-fsdp4", "dp2-pp2-tp2", "dp2-pp2circular-tp2")  # dp4-
 LINEN = [(name, optimizer) for name in EQUIVALENCE for optimizer in ("sgd", "adam")]
 
 
-@pytest.mark.parametrize("name, optimizer", tiers.cases(LINEN, [(name, "adam") for name in EQUIVALENCE],
-                                                        ids=["-".join(case) for case in LINEN]))
+@pytest.mark.parametrize("name, optimizer", tiers.cases(LINEN, [(name, "adam") for name in EQUIVALENCE]))
 def test_pipeline_parallel_trains_an_unmodified_linen_model_like_one_device(name, optimizer):
     """Against a plain one-device optax loop (``assert_equivalent``): losses, params, optimizer state."""
     tx = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-2)
@@ -400,8 +399,7 @@ NNX_PIPELINES = {
 NNX_GRID = [(name, optimizer) for name in NNX_PIPELINES for optimizer in ("sgd", "adam")]
 
 
-@pytest.mark.parametrize("strategy, optimizer", tiers.cases(NNX_GRID, [(name, "adam") for name in NNX_PIPELINES],
-                                                            ids=["-".join(case) for case in NNX_GRID]))
+@pytest.mark.parametrize("strategy, optimizer", tiers.cases(NNX_GRID, [(name, "adam") for name in NNX_PIPELINES]))
 def test_pipeline_parallel_trains_an_nnx_scan_model_like_one_device(strategy, optimizer):
     tx = optax.sgd(0.02) if optimizer == "sgd" else optax.adam(1e-2)
     report = px.testing.assert_equivalent(lambda: NnxStacked(8, nnx.Rngs(0)), tx, stacked_loss, stacked_batches(),
@@ -464,8 +462,7 @@ LISTED = {  # every strategy of the grid, each model with both optimizers
 }
 
 
-@pytest.mark.parametrize("name, layout, optimizer", tiers.cases(list(LISTED), [("gpt2", "pp2-fsdp4", "adamw")],
-                                                                 ids=["-".join(key) for key in LISTED]))
+@pytest.mark.parametrize("name, layout, optimizer", tiers.cases(list(LISTED), [("gpt2", "pp2-fsdp4", "adamw")]))
 def test_a_list_of_blocks_in_an_unmodified_hugging_face_model_trains_like_one_device(name, layout, optimizer):
     from tests import third_party
 

@@ -62,7 +62,7 @@ CORE = [(m, "dp+fsdp+tp", "adamw") for m in MODELS]
 
 
 @pytest.mark.parametrize("model_name, strategy_name, opt_name",
-                         tiers.cases(CASES, CORE, ids=["-".join(case) for case in CASES]))
+                         tiers.cases(CASES, CORE))
 def test_third_party_model_matches_one_device(model_name, strategy_name, opt_name, fresh_compiles, caplog):
     _, loss_fn, kind = MODELS[model_name]
     data = batches(kind, STEPS)

@@ -211,7 +211,7 @@ LAYOUT_GRID = [(name, s, o) for name in sorted(MODELS) for s in sorted(HYBRIDS) 
 
 
 @pytest.mark.parametrize("name, strategy_name, opt_name", tiers.cases(
-    LAYOUT_GRID, [case for case in LAYOUT_GRID if case[2] == "adamw"], ids=["-".join(c) for c in LAYOUT_GRID]))
+    LAYOUT_GRID, [case for case in LAYOUT_GRID if case[2] == "adamw"]))
 def test_derived_layout_trains_like_one_device(name, strategy_name, opt_name):
     model, shape = MODELS[name]
     data = _data(shape)

@@ -77,7 +77,7 @@ CASES = [(name, s, o) for name in ["mlp_square_b", "lm_0", "lm_scan", "cnn_0", "
 CORE = [("mlp_square_b", "fsdp", "adamw"), ("moe", "fsdp", "adamw")]
 
 
-@pytest.mark.parametrize("name, strategy_name, opt_name", tiers.cases(CASES, CORE, ids=["-".join(c) for c in CASES]))
+@pytest.mark.parametrize("name, strategy_name, opt_name", tiers.cases(CASES, CORE))
 def test_zoo_member_trains_like_one_device(name, strategy_name, opt_name):
     member = members().get(name)
     assert member is not None, f"{name} is no longer among the smallest: {sorted(members())}"

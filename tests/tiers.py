@@ -16,14 +16,15 @@ SECOND_OPTIMIZER = ("the grid's other cases (the second optimizer, another model
                     "compares this part and compile path on this family already (tests/tiers.py)")
 
 
-def cases(grid: Sequence, core: Iterable, why: str = SECOND_OPTIMIZER, ids: Sequence[str] | None = None) -> list:
-    """``grid`` as ``pytest.param``s: the cases in ``core`` in the core tier (their file's), the others marked
-    wide because ``why``. A core case missing from the grid is an error (a renamed case must not leave the core)."""
+def cases(grid: Sequence, core: Iterable, why: str = SECOND_OPTIMIZER) -> list:
+    """``grid`` as ``pytest.param``s, each with its values joined by ``-`` as its id: the cases in ``core`` in the
+    core tier (their file's), the others marked wide because ``why``. A core case missing from the grid is an error
+    (a renamed case must not leave the core)."""
     core = list(core)
     missing = [case for case in core if case not in grid]
     if missing:
         raise ValueError(f"core cases not in the grid: {missing}")
-    return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
-                         marks=[] if case in core else [pytest.mark.wide(why)],
-                         id=None if ids is None else ids[index])
-            for index, case in enumerate(grid)]
+    values = [case if isinstance(case, tuple) else (case,) for case in grid]
+    return [pytest.param(*case, marks=[] if original in core else [pytest.mark.wide(why)],
+                         id="-".join(map(str, case)))
+            for original, case in zip(grid, values)]
