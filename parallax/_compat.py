@@ -153,3 +153,15 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return len(list(group.vals)) if hasattr(group, "vals") else len(group)
 
     return leaves(groups[0]), leaves(groups[1])
+
+
+def source_line(eqn: Any) -> str | None:
+    """Where the user's code made a traced equation: ``file:line:column (function)``, the innermost
+    frame outside JAX (``None`` where this JAX does not say)."""
+    try:
+        from jax._src import source_info_util  # private: no public way names an equation's source
+
+        found = source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - a location only adds to a message
+        return None
+    return None if not found or found.startswith("unknown") else found

@@ -273,13 +273,17 @@ def test_what_expert_parallelism_cannot_split_is_named_before_compiling():
         px.init_state(TwoDense(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=dense_loss)
     with pytest.raises(ValueError, match=r"It has 4 modules named like experts, each with its own params "
                                          r"\(block_0/MoELayer_0/expert_0, block_0/MoELayer_0/expert_1, .*\): a list "
-                                         r"of experts.* Name the class of the listed experts "
-                                         r"\(e.g. ExpertParallel\(modules='ExpertFFN'\)\)"):
+                                         r"of experts.* Name the class of one listed expert .* The model calls "
+                                         r"ExpertFFN side by side: .* ExpertParallel\(modules='ExpertFFN'\) runs them"):
         px.init_state(third_party.nano_moe(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=nano_loss)
     with pytest.raises(ValueError, match=r"ExpertParallel\(modules='Router'\) found no experts of that class called "
-                                         r"side by side in the model.*nano-moe-jax: 'ExpertFFN'"):
+                                         r"side by side in the model.* The model calls ExpertFFN side by side"):
         px.init_state(third_party.nano_moe(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(modules="Router"),
                       loss_fn=nano_loss)
+    build, loss_fn, _ = LISTED_MODELS["nnx"]  # the user's class is named, not the docs' example
+    with pytest.raises(ValueError, match=r"The model calls ExpertMLP side by side: if those are its experts, kept in a "
+                                         r"list, ExpertParallel\(modules='ExpertMLP'\) runs them"):
+        px.init_state(build(), optax.sgd(0.1), batch, strategy=px.ExpertParallel(), loss_fn=loss_fn)
     strategy = px.ExpertParallel(4, modules="ExpertFFN")
     with pytest.raises(ValueError, match=r"ExpertParallel\(expert=4, modules='ExpertFFN'\): the model calls 6 experts "
                                          r"side by side \(block_0/MoELayer_0/expert_0/.*\), which 4 devices do not "

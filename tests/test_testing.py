@@ -9,6 +9,7 @@ show); the report must say where training went apart. The tolerance's rounding a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 
@@ -53,13 +54,33 @@ def test_every_built_in_strategy_passes_from_the_params_given(name, pretrained):
 
 @pytest.mark.parametrize("strategy_name, loss, options", [
     ("dp+fsdp", per_example_loss, {"compile": "shard_map"}),  # per-shard dropout keys, BatchNorm over all shards
-    ("fsdp+tp", classifier_loss, {"grad_accum": 2}),           # one mask for the global batch, microbatches
+    ("fsdp+tp", per_example_loss, {"grad_accum": 2, "compile": "jit"}),  # statistics and masks per microbatch
 ], ids=["shard_map", "jit-accumulated"])
 def test_batchnorm_and_dropout_pass_on_both_paths(strategy_name, loss, options):
     report = px.testing.assert_equivalent(CNN(dropout_rate=0.5), optax.sgd(0.1), loss, batches("cnn", 3, 32),
                                           STRATEGIES[strategy_name](), **options)
     assert report.passed, report
-    assert report.mode == ("shard_map" if "compile" in options else "jit")
+    assert report.mode == options["compile"]
+    if "grad_accum" in options:  # unmarked, BatchNorm's statistics over half the batch are refused before training
+        with pytest.raises(ValueError, match=r"grad_accum=2 splits each batch into microbatches, but the loss is not a "
+                                             r"mean of per-example terms: it applies square to a batch-wide sum \(batch "
+                                             r"statistics, e\.g\. BatchNorm's\).*mark the loss px\.per_example_loss"):
+            px.testing.assert_equivalent(CNN(dropout_rate=0.5), optax.sgd(0.1), classifier_loss,
+                                         batches("cnn", 3, 32), STRATEGIES[strategy_name](), **options)
+
+
+def test_the_report_says_what_it_compared_on_the_devices_given():
+    """``devices=`` makes the strategy's mesh of them; the headline names what the tolerance held."""
+    report = px.testing.assert_equivalent(MLP(), optax.adam(1e-2), classifier_loss, batches("mlp", 2, 16),
+                                          px.FSDP(4, min_weight_size=64), devices=jax.devices()[:4])
+    assert report.strategy == "FSDP(fsdp=4)", report.strategy
+    assert "max difference" in str(report) and "(losses and final state), tolerance 1e-05" in str(report), str(report)
+    allowed = dataclasses.replace(report, param_allowance={"Dense_0/kernel": 1.0},
+                                  param_excess={path: 0.0 for path in report.state_diffs["params"]})
+    text = str(allowed)  # with allowances: the held difference first, the raw one beside it
+    assert "each param beyond its rounding allowance; " in text and "before the allowances" in text, text
+    most = max(report.state_diffs["params"], key=report.state_diffs["params"].get)
+    assert f"(most different: {most} by " in text, text
 
 
 def test_an_nnx_model_passes():

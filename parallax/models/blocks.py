@@ -33,3 +33,22 @@ def repeated_blocks(model: Any, example_batch: Any, loss_fn: LossFn | None = Non
 
     return tuple(sorted(name for name, found in repeated.items()
                         if not all(inside_another(path, name) for path in found)))
+
+
+def listed_siblings(model: Any, example_batch: Any, loss_fn: LossFn | None = None) -> tuple[str, ...]:
+    """Module classes a model runs at two or more places under one parent module, each holding
+    modules or params of its own: a list of experts (``modules=`` names one of them), those whose
+    path says "expert" first.
+
+    Example:
+        >>> listed_siblings(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
+        ()
+    """
+    from parallax.models import adapter_for
+
+    calls = adapter_for(model).module_calls(example_batch, loss_fn)
+    siblings: dict[tuple[str, tuple], int] = collections.Counter(
+        (name, path[:-1]) for name, path in calls
+        if any(len(other) > len(path) and other[:len(path)] == path for _, other in calls))
+    found = dict.fromkeys(name for (name, _), count in siblings.items() if count > 1)
+    return tuple(sorted(found, key=lambda name: ("expert" not in name.lower(), name)))

@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ Body = Callable[[Any, Any, Any, Any], Any]  # body(layer weights, activations, t
 
 
 def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any, *, mesh: Mesh, axis: str,
-             microbatches: int, repeats: int = 1, policy: Any = None) -> Any:
+             microbatches: int, repeats: int = 1, policy: Any = None, per_layer: Sequence[str] | None = None) -> Any:
     """``lax.scan(body)`` over the stacked ``weights``, run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -62,9 +62,14 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
         policy: what each iteration keeps for the backward pass besides the stage's input (a
             ``jax.checkpoint`` policy, e.g. ``dots_saveable``: the matmuls' outputs, not
             recomputed); by default the stage's input alone.
+        per_layer: where given, ``body`` returns ``(h, ys)``, a list of per-layer outputs (an
+            auxiliary loss, per-layer statistics), and this says how each one's microbatches make
+            the batch's: ``"rows"`` (each holds its rows on its leading dim), ``"mean"`` (a mean over
+            the examples: the microbatches' averaged) or ``"same"`` (equal on every microbatch).
 
     Returns:
-        The activations after layer ``N-1``, laid out as ``inputs``.
+        The activations after layer ``N-1``, laid out as ``inputs``; with ``per_layer``, also
+        the per-layer outputs stacked ``[N, ...]`` as ``lax.scan`` stacks them.
     """
     stages = int(mesh.shape[axis])
     layers = {int(leaf.shape[0]) for leaf in jax.tree.leaves(weights)}
@@ -76,11 +81,29 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
     stage_major = jax.tree.map(lambda w: _swap_leading(w, (repeats, stages, per_stage)), weights)
     split = lambda x: jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)  # noqa: E731
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:])  # noqa: E731
-    local = _schedule(body, stages, microbatches, repeats, per_stage, axis, policy)
+    layer = body if per_layer is not None else (lambda w, h, c, s: (body(w, h, c, s), []))
+    local = _schedule(layer, stages, microbatches, repeats, per_stage, axis, policy)
     run = _compat.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis),) + (PartitionSpec(),) * 3,
                             out_specs=PartitionSpec(axis), manual_axes={axis})
-    outputs = run(stage_major, jax.tree.map(split, inputs), jax.tree.map(split, constants), shared)
-    return jax.tree.map(lambda y: merge(y.reshape(stages, microbatches, *y.shape[1:])[stages - 1]), outputs)
+    outputs, ys = run(stage_major, jax.tree.map(split, inputs), jax.tree.map(split, constants), shared)
+    outputs = jax.tree.map(lambda y: merge(y.reshape(stages, microbatches, *y.shape[1:])[stages - 1]), outputs)
+    if per_layer is None:
+        return outputs
+    # Each stage's [R, M, L, ...] of its groups' layers: layer (r·S + s)·L + j first, then the microbatches combined.
+    by_layer = [jnp.moveaxis(y.reshape(stages, repeats, microbatches, per_stage, *y.shape[3:]), 2, 3)
+                .swapaxes(0, 1).reshape(count, microbatches, *y.shape[3:]) for y in ys]
+    return outputs, [_combined(y, kind, batch) for y, kind in zip(by_layer, per_layer, strict=True)]
+
+
+def _combined(y: jax.Array, kind: str, batch: int) -> jax.Array:
+    """A per-layer output ``[N, M, ...]`` of the ``M`` microbatches as the batch's ``[N, ...]``."""
+    if kind == "rows":  # microbatch m holds rows m, m + M, ...: interleaved back
+        return jnp.swapaxes(y, 1, 2).reshape(y.shape[0], batch, *y.shape[3:])
+    if kind == "mean":
+        return y.mean(1)
+    if kind == "same":
+        return y[:, 0]
+    raise ValueError(f"per_layer={kind!r}; use 'rows', 'mean' or 'same'.")
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: set[int], rows: set[int]) -> None:
@@ -125,7 +148,8 @@ def _keep(valid: jax.Array, value: Any) -> Any:
 def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stage: int, axis: str,
               policy: Any) -> Callable:
     """The loop one stage runs: its weights ``[R·L, ...]``, all microbatches ``[M, mb, ...]`` in,
-    its outputs of the last ``M`` iterations ``[M, mb, ...]`` out (stage ``S-1``'s are the stack's)."""
+    its outputs of the last ``M`` iterations ``[M, mb, ...]`` out (stage ``S-1``'s are the stack's),
+    and its layers' per-layer outputs ``[R, M, L, ...]`` (``body`` returns ``(h, ys)``)."""
     S, M, R, L = stages, microbatches, repeats, per_stage
     iterations = M * R + S - 1
     forward = [(i, (i + 1) % S) for i in range(S)] if R > 1 else [(i, i + 1) for i in range(S - 1)]
@@ -151,13 +175,15 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
             w = _keep(valid, jax.tree.map(lambda a: a[group], grouped))
             c = _keep(valid, jax.tree.map(lambda a: a[microbatch], constants))
             s = _keep(valid, shared)
-            out = jax.lax.scan(lambda hh, wl: (body(wl, hh, c, s), None), h, w)[0]
-            return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), out
+            out, ys = jax.lax.scan(lambda hh, wl: body(wl, hh, c, s), h, w)
+            return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), (out, ys)
 
         iteration = jax.checkpoint(iteration, prevent_cse=False, policy=_keeping(policy))
         first = jax.tree.map(lambda x: jnp.zeros_like(x[0]), inputs)
         stored = jax.tree.map(jnp.zeros_like, inputs) if R > 1 else None
-        _, outputs = jax.lax.scan(iteration, (first, stored), jnp.arange(iterations))
-        return jax.tree.map(lambda y: y[iterations - M:], outputs)
+        _, (outputs, ys) = jax.lax.scan(iteration, (first, stored), jnp.arange(iterations))
+        # Iteration stage + r·M + m ran group r of microbatch m here: [R, M, L, ...] per stage.
+        ys = [jax.lax.dynamic_slice_in_dim(y, stage, M * R, 0).reshape(R, M, *y.shape[1:]) for y in ys]
+        return jax.tree.map(lambda y: y[iterations - M:], outputs), ys
 
     return local

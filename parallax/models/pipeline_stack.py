@@ -31,10 +31,12 @@ from jax.sharding import Mesh
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws
+from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_operands
 from parallax.models.rebind import bind_eqn
+from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants
 
-PARAMS, BATCH, STATE = "params", "batch", "state"  # what a value is computed from
+PARAMS, STATE = "params", "state"  # what a value is computed from (and BATCH, the batch)
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
 
 
@@ -47,11 +49,12 @@ class Stack:
     microbatches: int
     repeats: int = 1
     policy: Any = None  # what each iteration keeps besides its input (a jax.checkpoint policy)
+    prove: Callable | None = None  # proves a layer computes per example (prove_layer's signature)
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
               policy: Any = None, params_argnum: int = 0, batch_argnums: Sequence[int] = (1,),
-              state_argnums: Sequence[int] = ()) -> Callable:
+              state_argnums: Sequence[int] = (), prove: Callable | None = None) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -62,6 +65,9 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         batch_argnums: the arguments holding the batch (every leaf with the batch on its leading dim).
         state_argnums: the arguments holding the model's mutable state (BatchNorm statistics):
             a stack that updates it is refused by name.
+        prove: proves each layer computes every example on its own, so that microbatches
+            compute what the batch does (:func:`parallax.pricing.per_example_proof.layer.prove_layer`,
+            passed in by the step); a layer it does not prove is refused, naming the operation.
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
@@ -81,7 +87,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         if len(rows) != 1 or min(rows) % count:
             raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
-        stack = Stack(mesh, axis, count, repeats, policy)
+        stack = Stack(mesh, axis, count, repeats, policy, prove)
         # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
         # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
         def shape_of(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
@@ -92,12 +98,18 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
             traced = jax.make_jaxpr(fn)(*micro)
             bodies = _stack_bodies(traced.jaxpr, kinds, traced.consts)[0]
+            # For the proof, the layers at the batch's shape traced alike (the same context, no mesh).
+            wholes = [None] * len(bodies)
+            if prove is not None:
+                batch = jax.make_jaxpr(fn)(*[jax.tree.map(lambda x: shape_of(x, False), arg) for arg in args])
+                wholes = _stack_bodies(batch.jaxpr, kinds, batch.consts)[0]
         if not bodies:
-            raise ValueError(
+            raise NoStackError(
                 "No stack of blocks to pipeline: the traced computation has no scan over stacked params with the "
                 "activations as its carry. Stack the repeated blocks (linen nn.scan with variable_axes={'params': 0}, "
                 "NNX nnx.vmap + nnx.scan, or a lax.scan over stacked weights).")
-        outs, _ = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), kinds, stack, iter(bodies))
+        outs, _ = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), kinds, stack,
+                            iter(list(zip(bodies, wholes, strict=True))))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
@@ -217,7 +229,8 @@ def _holds_stack(eqn: Any) -> bool:
 def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used: set, stack: Stack,
                body: Any) -> list[Any]:
     """The scan ``eqn`` over ``ins``, run by the pipeline with ``body`` (its layer at a microbatch's
-    shape): its carry out, then its (unused) per-layer outputs."""
+    shape, and at the batch's traced alike, for the proof): its carry out, then its (unused) per-layer outputs."""
+    body, whole = body
     params = eqn.params
     consts, carry, xs = _split(eqn, ins)
     const_kinds, carry_kinds, xs_kinds = _split(eqn, in_kinds)
@@ -240,30 +253,36 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
             "over the layers): a pipeline passes only the activations from stage to stage. Return such values per "
             "layer and sum them after the stack, or leave them out, to pipeline it.")
     rows = {int(x.shape[0]) for x in carry}
-    per_example = _per_example(range(len(consts)), consts, const_kinds, body, rows, "The stack's layers")
+    per_example = per_example_operands(range(len(consts)), consts, const_kinds, body, rows, "The stack's layers")
     ys = eqn.outvars[len(carry):]
-    if any(v in used for v in ys):
-        raise ValueError("The stack's scan also returns an output per layer (its ys), which the model reads: a pipeline "
-                         "returns only the last layer's activations. Return the activations alone to pipeline it.")
+    read = [j for j, v in enumerate(ys) if v in used]  # per-layer outputs the model reads (an auxiliary loss)
+    flags = [i in per_example for i in range(len(consts))] + [True] * len(carry) + [False] * len(xs)
+    kinds = check_per_example(stack.prove, stack.microbatches, whole, body, flags, min(rows), range(len(carry)),
+                              "The stack's layers", [len(carry) + j for j in read])
     shared = [c for i, c in enumerate(consts) if i not in per_example]
     draws, rows_of = layer_draws(body, params["jaxpr"], min(rows), stack.microbatches)
 
-    def layer(w: list, h: list, c: list, s: list) -> list:
+    def layer(w: list, h: list, c: list, s: list) -> tuple[list, list]:
         it_c, it_s = iter(c), iter(s)
         ordered = [next(it_c) if i in per_example else next(it_s) for i in range(len(consts))]
-        return _run_body(body, [*ordered, *h, *w], stack, draws(c))[:len(h)]
+        outs = _run_body(body, [*ordered, *h, *w], stack, draws(c))
+        return outs[:len(h)], [outs[len(h) + j] for j in read]
 
     # The stack's xs: the layers' params and any other per-layer values (a random key per layer).
-    out = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example] + rows_of, shared,
-                   mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats,
-                   policy=stack.policy)
-    return list(out) + [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in ys]
+    out, per_layer = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example] + rows_of, shared,
+                              mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats,
+                              policy=stack.policy, per_layer=kinds)
+    found = dict(zip(read, per_layer))
+    return list(out) + [found[j] if j in found else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
+                        for j, v in enumerate(ys)]
 
 
 def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callable, uses: dict, stack: Stack,
                body: Any) -> list[Any]:
     """A list of identical blocks called in turn, run by the pipeline with ``body`` (one call at a
-    microbatch's shape) on their params stacked: the last call's outputs."""
+    microbatch's shape, and at the batch's traced alike, for the proof) on their params stacked: the
+    last call's outputs."""
+    body, whole = body
     first, last = calls[0], calls[-1]
     if any(BATCH in kind(eqn.invars[p]) or STATE in kind(eqn.invars[p]) for eqn in calls for p in chain.varying):
         raise ValueError(
@@ -299,8 +318,10 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
                                           for eqn in calls], jax.numpy.uint32))
     rest = [p for p in range(len(operands)) if p not in stepped and p not in chain.carry]
     rows = {int(operands[p].shape[0]) for p in chain.carry}
-    per_example = _per_example(rest, operands, kinds, body, rows, "The blocks")
+    per_example = per_example_operands(rest, operands, kinds, body, rows, "The blocks")
     shared = [p for p in rest if p not in per_example]
+    flags = [p in chain.carry or p in per_example for p in range(len(operands))]
+    check_per_example(stack.prove, stack.microbatches, whole, body, flags, min(rows), chain.carry_out, "The blocks")
     draws, rows_of = layer_draws(body, core.ClosedJaxpr(*call_body(first)), min(rows), stack.microbatches)
 
     def layer(w: list, h: list, c: list, s: list) -> list:
@@ -328,24 +349,3 @@ def _run_body(body: Any, operands: Sequence[Any], stack: Stack, draws: Draws | N
     its equations in ``folds`` folding that value into their key instead of their constant."""
     here = in_context(body.jaxpr, jax.sharding.get_abstract_mesh())
     return _evaluate(here, body.consts, operands, [frozenset()] * len(operands), stack, iter(()), draws, folds)[0]
-
-
-def _per_example(positions: Sequence[int], values: Sequence[Any], kinds: Sequence[frozenset], body: Any,
-                 rows: set[int], subject: str) -> list[int]:
-    """Of the layer's other operands at ``positions``, those split into microbatches with the
-    activations: computed from the batch, or taken smaller by the layer traced on a microbatch."""
-    found = [p for p in positions if BATCH in kinds[p] or _smaller_in(body, p, values[p])]
-    if any(jax.numpy.ndim(values[p]) == 0 or int(values[p].shape[0]) not in rows for p in found):
-        raise ValueError(
-            f"{subject} read a value computed from the batch whose leading dim is not the batch's ({sorted(rows)} "
-            "rows): a pipeline splits such values into microbatches with the activations. Give it the batch as its "
-            "leading dim.")
-    return found
-
-
-def _smaller_in(body: Any, position: int, value: Any) -> bool:
-    """Whether the layer, traced on a microbatch, takes a smaller leading dim at ``position`` than
-    ``value`` has: a per-example value the model computed from the batch's shape alone (positions
-    made with ``np.arange``), which the pipeline splits into microbatches like the batch."""
-    shape = body.jaxpr.invars[position].aval.shape
-    return jax.numpy.ndim(value) > 0 and len(shape) > 0 and shape[0] < jax.numpy.shape(value)[0]

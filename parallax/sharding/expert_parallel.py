@@ -36,6 +36,11 @@ def ruled_dims(paths: Sequence[str], rules: Sequence[tuple[str, int]]) -> dict[s
     return found
 
 
+class NoExpertsError(ValueError):
+    """An :class:`ExpertParallel` found no experts to split (the planner adds which module classes
+    the model calls side by side, as ``modules=`` names them)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertRun:
     """How the model's experts run: each matmul over their stacked weights (found in the traced
@@ -114,11 +119,11 @@ class ExpertParallel(Strategy):
                                  f"model calls {count} experts side by side ({example}, ...), which {size} devices do "
                                  f"not divide: use a size that divides {count}.")
             if not listed:
-                raise ValueError(
+                raise NoExpertsError(
                     f"ExpertParallel(modules={name!r}) found no experts of that class called side by side in the "
                     f"model: no two calls of {name} that compute the same thing on their own params, neither reading the "
-                    "other's result. Name the class of one expert of the list (nano-moe-jax: 'ExpertFFN'), or leave "
-                    "modules=None for a model that stacks its experts.")
+                    "other's result. Name the class of one expert of the list, or leave modules=None for a model that "
+                    "stacks its experts.")
             return dataclasses.replace(self, experts=found, listed=listed)
         if not found:
             named = list(dict.fromkeys(match.group(0) for path in computation.param_paths
@@ -126,10 +131,10 @@ class ExpertParallel(Strategy):
             listed = (f" It has {len(named)} modules named like experts, each with its own params "
                       f"({', '.join(named[:4])}{', ...' if len(named) > 4 else ''}): a list of experts, which no "
                       "axis can split by expert.") if named else ""
-            raise ValueError(
+            raise NoExpertsError(
                 "ExpertParallel found no stacked experts in the model: no param has a dim that a matmul batches over "
                 "together with the tokens (einsum('ecd,edh->ech', dispatched, w_in) with w_in of shape [experts, d, h])."
-                f"{listed} Name the class of the listed experts (e.g. ExpertParallel(modules='ExpertFFN')), stack the "
+                f"{listed} Name the class of one listed expert (ExpertParallel(modules=...)), stack the "
                 "experts' weights in one param per weight, experts first (nn.vmap / nnx.vmap over the expert "
                 "modules, or one [experts, ...] param), or name the experts dim: "
                 "ExpertParallel(rules=((r'w_in|w_out', 0),)).")

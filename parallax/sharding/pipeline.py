@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from parallax.sharding.strategy import Strategy
+from parallax.sharding.strategy import Combined, Strategy
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -21,6 +21,25 @@ SCHEDULES = ("gpipe", "circular")
 class NoStackError(ValueError):
     """A :class:`PipelineParallel` with no ``blocks=`` found no stack in the model (the planner adds
     which repeated block class to name, where the model has one)."""
+
+
+def blocks_unnamed(strategy: Strategy) -> bool:
+    """Whether ``strategy`` pipelines with a part that names no ``blocks=`` (a stack, or the one
+    repeated block class the model keeps in a list: :func:`with_found_blocks`)."""
+    return any(isinstance(part, PipelineParallel) and part.blocks is None for part in strategy.parts)
+
+
+def with_found_blocks(strategy: Strategy, blocks: str) -> Strategy:
+    """``strategy`` with each :class:`PipelineParallel` part that names no ``blocks=`` pipelining
+    the model's listed ``blocks`` (a model with no stack and one repeated block class).
+
+    Example:
+        >>> with_found_blocks(px.combine(px.PipelineParallel(2), px.FSDP(4)), "Block").describe()
+        "PipelineParallel(stage=2, blocks='Block') × FSDP(fsdp=4)"
+    """
+    parts = tuple(dataclasses.replace(part, blocks=blocks) if isinstance(part, PipelineParallel) and part.blocks is None
+                  else part for part in strategy.parts)
+    return parts[0] if strategy.parts == (strategy,) else Combined(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +141,14 @@ class PipelineParallel(Strategy):
 
     def with_size(self, size: int) -> "PipelineParallel":
         return dataclasses.replace(self, stages=size)
+
+    @property
+    def described_options(self) -> str:
+        """What differs from the defaults: ``", microbatches=8, schedule='circular', repeats=2, blocks='Block'"``."""
+        options = [f"microbatches={self.microbatches}" if self.microbatches is not None else "",
+                   f"schedule={self.schedule!r}, repeats={self.repeats}" if self.schedule != "gpipe" else "",
+                   f"blocks={getattr(self.blocks, '__name__', self.blocks)!r}" if self.blocks is not None else ""]
+        return "".join(f", {option}" for option in options if option)
 
     @property
     def run_change(self) -> PipelineRun:

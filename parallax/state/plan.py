@@ -17,6 +17,7 @@ from parallax._compat import mesh_context
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
+from parallax.sharding.expert_parallel import NoExpertsError
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import dims_axes, is_spec
@@ -25,7 +26,7 @@ from parallax.state.pretrained import place_params
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.offload import check_offload, with_memory_kinds
-from parallax.step.run_changes import listed_blocks_hint, with_blocks_marked
+from parallax.step.run_changes import listed_experts_hint, pipelined_blocks, with_blocks_marked
 from parallax.step.train_state import TrainState, as_key, model_rngs
 
 
@@ -166,11 +167,13 @@ def plan_state(
             computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, strategy, rng_streams)
             try:
                 fitted = strategy.fitted_to(computation)
-            except NoStackError as err:
-                hint = listed_blocks_hint(model, example_batch, loss_fn)
-                if not hint:
-                    raise
-                raise NoStackError(f"{err}{hint}") from None
+            except NoStackError as err:  # no stack: the model's one repeated block class, kept in a list, if it has one
+                listed = pipelined_blocks(strategy, model, example_batch, loss_fn, err)
+                computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, listed,
+                                                rng_streams)
+                fitted = listed.fitted_to(computation)
+            except NoExpertsError as err:
+                raise NoExpertsError(f"{err}{listed_experts_hint(model, example_batch, loss_fn)}") from None
         specs = fitted.state_specs(abstract, train_mesh)
         if loss_fn is not None:
             probe_loss(adapter, abstract, specs, example_batch, loss_fn, train_mesh, fitted, rng_streams)

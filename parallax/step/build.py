@@ -18,7 +18,6 @@ global norms (``clip_by_global_norm``, LAMB, ...) see the whole gradient.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -27,22 +26,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import mesh_context
 from parallax.models import LossFn
-from parallax.pricing.choice import Choice, choose, memory_budget
+from parallax.pricing.choice import Choice
 from parallax.pricing.per_example_proof import Proof
 from parallax.sharding.auto import AUTO, as_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
+from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
+from parallax.step.compiled import CompiledPaths
 from parallax.step.batch import (check_batch, check_batch_devices, host_leaves_placed, layout_key, leading_dims,
                                  state_specs_of)
 from parallax.step.jit import jit_gradients
 from parallax.step.mesh_mode import check_jit_only
 from parallax.step.offload import moved, placement, with_memory_kinds
 from parallax.step.options import StepOptions
-from parallax.step.paths import allowed_paths, preferred, read_proof
+from parallax.step.paths import allowed_paths, check_microbatches, preferred, read_proof
 from parallax.step.per_example import is_per_example_loss
 from parallax.step.resharding import Resharding, avoiding, compile_reporting, describe_all
+from parallax.step.run_changes import pipelined_blocks
 from parallax.step.shard_map import shard_map_gradients
 from parallax.step.timed_paths import timed_paths
 from parallax.step.train_state import TrainState
@@ -51,7 +53,7 @@ from parallax.step.update import step_bodies
 log = logging.getLogger("parallax")
 
 
-class Step:
+class Step(CompiledPaths):
     """A step built once per state layout; ``__call__`` checks the batch, then runs it.
 
     Attributes:
@@ -86,6 +88,7 @@ class Step:
         self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
         self.choice: Choice | None = None  # the cost model's pick of the compile path, once made
         self.proof: Proof | None = None  # read from the loss's trace at the first call
+        self._microbatches_proven = False  # grad_accum's microbatches compute the batch's (read at the first call)
         self.auto_strategy = strategy == AUTO
         self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
@@ -144,64 +147,6 @@ class Step:
         found = self.reshardings.get(self.mode(), []) if self.strategy is not None else []
         return (f"; the compiler replicated {len(found)} tensor(s) to reshard them (involuntary full "
                 f"rematerialization): {describe_all(found)}. {avoiding(self.strategy, self.mode(), self._allowed()[0])}") if found else ""
-
-    def choose(self, state: TrainState, batch: Any) -> Choice:
-        """Compiles every path of :meth:`modes` for this state and batch (real or abstract
-        arrays; nothing runs) and prices each with the cost model."""
-        return self.compile_paths(state, batch)[0]
-
-    def compile_paths(self, state: TrainState, batch: Any) -> tuple[Choice, dict[str, Any], dict[str, Any]]:
-        """Reads the loss's proof (:meth:`prove`), then compiles every path of :meth:`modes`
-        ahead of time and prices each (nothing runs).
-
-        Returns:
-            The cost model's :class:`~parallax.pricing.choice.Choice`; per path that compiled,
-            its jitted step (a call with arrays laid out like ``state`` and ``batch`` reuses
-            the program) and its ``jax.stages.Compiled`` program.
-        """
-        mesh, specs = state_specs_of(state)
-        self._check_mode(mesh)
-        with mesh_context(mesh):
-            self.prove(state, batch)
-            parts = self._placed(state)[1]
-            layout = layout_key(state, parts)
-            functions, compiled, failed, params_layout = {}, {}, None, (state.params, specs.params, mesh)
-            for mode in self.modes():
-                if (layout, mode) in self._compiled:  # compiled before for this layout
-                    functions[mode], compiled[mode] = self._compiled[layout, mode]
-                    continue
-                fn = self._function(mode, mesh, specs, parts)
-                try:
-                    compiled[mode], self.reshardings[mode] = compile_reporting(fn.lower(state, batch), *params_layout)
-                except (ValueError, TypeError, NotImplementedError) as err:  # a path may not support this model
-                    log.info("Compile path %s does not apply here (%s); not a candidate.", mode,
-                             str(err).splitlines()[0])
-                    failed = failed or err
-                    continue
-                functions[mode] = fn
-                self._compiled[layout, mode] = fn, compiled[mode]
-        if not compiled:
-            raise failed
-        devices = list(mesh.devices.flat)
-        choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices), topology=self.topology)
-        return choice, {mode: functions[mode] for mode in compiled}, compiled
-
-    def reuse(self, priced: Step | None) -> bool:
-        """Takes over the programs ``priced`` compiled where it is this step (the same loss, strategy,
-        kind and options, the compile path aside: the search prices its pick under ``compile="auto"``,
-        the step that trains it names the path), so a state laid out alike runs them uncompiled
-        again; returns whether it took any (not where they differ, or ``priced`` is ``None``)."""
-        same = (priced is not None and priced.loss_fn is self.loss_fn and priced.train == self.train
-                and priced.replicated_batch == self.replicated_batch and None not in (priced.strategy, self.strategy)
-                and dataclasses.replace(priced.options, compile=self.options.compile) == self.options)
-        taken = False
-        for (layout, mode), program in priced._compiled.items() if same else ():
-            mesh = layout[2]  # the strategies alike on it (``FSDP()`` is ``FSDP(8)`` on 8 devices)
-            if priced.strategy.resolved(mesh) == self.strategy.resolved(mesh):
-                self._compiled.setdefault((layout, mode), program)
-                self.reshardings.setdefault(mode, priced.reshardings.get(mode, []))
-                taken = True
-        return taken
 
     def __call__(self, state: TrainState, batch: Any):
         state, _ = self._placed(state)
@@ -266,8 +211,13 @@ class Step:
                 self._cache[key] = self._compiled[key, self.mode()][0], mesh
             else:
                 function = self._function(self.mode(), mesh, specs, parts)
-                with mesh_context(mesh):  # compiled here to read the compiler's report; the call reuses it
-                    self.reshardings[self.mode()] = compile_reporting(function.lower(state, batch), *params_layout)[1]
+                try:
+                    with mesh_context(mesh):  # compiled here to read the compiler's report; the call reuses it
+                        lowered = function.lower(state, batch)
+                except NoStackError as err:  # a pipeline that names no blocks= over a model with no stack
+                    self.strategy = pipelined_blocks(self.strategy, state.model, batch, self.loss_fn, err)
+                    return self._jitted(state, batch)
+                self.reshardings[self.mode()] = compile_reporting(lowered, *params_layout)[1]
                 self._cache[key] = function, mesh
             if self.reshardings.get(self.mode()):
                 log.warning("Step (%s, %s)%s", self.strategy.describe(mesh), self.mode(), self._resharded())
@@ -282,7 +232,12 @@ class Step:
 
     def prove(self, state: TrainState, batch: Any) -> Proof | None:
         """Reads once, from the loss's trace (nothing compiles or runs), whether a loss as written
-        may run per data shard; afterwards :meth:`modes` is final for this state and batch.
+        may run per data shard; afterwards :meth:`modes` is final for this state and batch. With
+        ``grad_accum > 1``, first whether each microbatch computes what the batch does
+        (:func:`parallax.step.paths.check_microbatches`).
+
+        Raises:
+            ValueError: ``grad_accum`` splits the batch of a loss that is not a mean of per-example terms.
 
         Returns:
             :attr:`proof`: ``None`` where the step has one path whatever the loss (or the loss
@@ -291,6 +246,9 @@ class Step:
         mesh = state_specs_of(state)[0]
         if self.auto_strategy:
             self.strategy = from_mesh(mesh)
+        if self.train and self.options.grad_accum > 1 and not self._microbatches_proven:
+            check_microbatches(self.loss_fn, self.options, state, batch, mesh)
+            self._microbatches_proven = True
         if self.proof is not None or len(self._allowed()[0]) == 1 or is_per_example_loss(self.loss_fn):
             return self.proof
         self.proof = read_proof(self.loss_fn, self.strategy, self.options, self.train, state, batch, mesh)

@@ -93,3 +93,34 @@ def read_proof(loss_fn: Any, strategy: Strategy, options: StepOptions, train: bo
     microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
     return prove_loss(loss, state.params, state.model_state, microbatch, state.rng, strategy.data_shards(mesh),
                       [(axis, mesh.shape[axis]) for axis in data_axes])
+
+
+def check_microbatches(loss_fn: Any, options: StepOptions, state: Any, batch: Any, mesh: Mesh) -> None:
+    """Refuses ``grad_accum`` microbatches that would compute other values than the whole batch.
+
+    Accumulating ``k`` microbatches' gradients is one step on the batch exactly when the loss is
+    a mean of per-example terms: read from the loss's trace at the batch and at one microbatch
+    (:func:`parallax.pricing.per_example_proof.prove_loss`, each per-example random draw read as
+    a per-example value: a microbatch draws its rows' mask from its own key). A loss marked
+    :func:`parallax.per_example_loss` is taken as its author says: each microbatch on its own.
+
+    Raises:
+        ValueError: the loss is not proven a mean of per-example terms, naming what the trace
+            showed, where, and the fixes.
+    """
+    if is_per_example_loss(loss_fn):
+        return
+    run = jit_run(options, mesh, True)
+    loss = loss_closure(adapter_for(state.model), loss_fn, options.rng_streams, run)
+    proof = prove_loss(loss, state.params, state.model_state, batch, state.rng, options.grad_accum, draws=True)
+    if proof:
+        return
+    where = f" (at {proof.where})" if proof.where else ""
+    raise ValueError(
+        f"grad_accum={options.grad_accum} splits each batch into microbatches, but the loss is not a mean of "
+        f"per-example terms: {proof.reason}{where}. Each microbatch would compute it on its own rows (a capacity, a batch "
+        "statistic or a normaliser over fewer examples), another objective than the whole batch's. Compute it within "
+        "each example (route a mixture of experts' tokens in groups of one sequence; normalise a masked mean by a "
+        "count that does not depend on the batch), or train with grad_accum=1 (more devices, or a smaller batch); or, "
+        "if each microbatch computing on its own rows is what you want (as other libraries accumulate), mark the loss "
+        "px.per_example_loss.")

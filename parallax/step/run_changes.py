@@ -13,20 +13,24 @@ compiler places every other axis's collectives around it).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 from jax.sharding import Mesh
 
 from parallax.models import ModelRun
-from parallax.models.blocks import repeated_blocks
+from parallax.models.blocks import listed_siblings, repeated_blocks
 from parallax.models.context_attention import context_parallel
 from parallax.models.expert_dispatch import expert_parallel
 from parallax.models.pipeline_stack import pipelined
 from parallax.models.remat_policy import remat_parts
+from parallax.pricing.per_example_proof.layer import prove_layer
 from parallax.sharding.context_parallel import ContextRun
 from parallax.sharding.expert_parallel import ExpertRun
-from parallax.sharding.pipeline import PipelineRun
+from parallax.sharding.pipeline import NoStackError, PipelineRun, blocks_unnamed, with_found_blocks
 from parallax.sharding.strategy import Strategy
+
+log = logging.getLogger("parallax")
 
 
 def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tuple = ()) -> Callable:
@@ -49,7 +53,7 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
                              microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
-                             params_argnum=0, batch_argnums=(2,), state_argnums=(1,))
+                             params_argnum=0, batch_argnums=(2,), state_argnums=(1,), prove=prove_layer)
         else:
             raise TypeError(f"No step carries out the run change {change!r}.")
     return loss
@@ -70,17 +74,33 @@ def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
     return dataclasses.replace(run, remat=(*marks, *(entry for entry in run.remat if entry not in marks)))
 
 
-def listed_blocks_hint(model: object, example_batch: object, loss_fn: object) -> str:
-    """For a pipeline that found no stack in the model: a sentence naming the block classes the
-    model calls at several places, as ``PipelineParallel(blocks=...)`` takes them ("" if none)."""
+def pipelined_blocks(strategy: Strategy, model: object, example_batch: object, loss_fn: object,
+                     error: NoStackError) -> Strategy:
+    """``strategy`` pipelining the model's one repeated block class, kept in a list, where a
+    :class:`~parallax.PipelineParallel` names no ``blocks=`` and the model has no stack; else
+    ``error`` raised, naming the block classes the model calls at several places, if any."""
     try:
-        found = repeated_blocks(model, example_batch, loss_fn)
+        found = repeated_blocks(model, example_batch, loss_fn) if blocks_unnamed(strategy) else ()
+    except Exception:  # noqa: BLE001 (the error it adds to stands as it is)
+        found = ()
+    if len(found) != 1:
+        hint = (f" The model calls {', '.join(found)} at several places: if those are its blocks, kept in a list, "
+                f"PipelineParallel(blocks={found[0]!r}) pipelines them." if found else "")
+        raise NoStackError(f"{error}{hint}") from None
+    log.info("PipelineParallel: the model stacks no blocks; it calls one block class at several places, %s, "
+             "pipelined as blocks kept in a list (PipelineParallel(blocks=%r) says so).", found[0], found[0])
+    return with_found_blocks(strategy, found[0])
+
+
+def listed_experts_hint(model: object, example_batch: object, loss_fn: object) -> str:
+    """For expert parallelism that found no experts: a sentence naming the module classes the
+    model calls side by side under one module, as ``ExpertParallel(modules=...)`` takes them."""
+    try:
+        found = listed_siblings(model, example_batch, loss_fn)
     except Exception:  # noqa: BLE001 (a hint only: the error it adds to stands as it is)
         return ""
-    if not found:
-        return ""
-    return (f" The model calls {', '.join(found)} at several places: if those are its blocks, kept in a list, "
-            f"PipelineParallel(blocks={found[0]!r}) pipelines them.")
+    return (f" The model calls {', '.join(found)} side by side: if those are its experts, kept in a list, "
+            f"ExpertParallel(modules={found[0]!r}) runs them as one batch split by expert." if found else "")
 
 
 _WHAT = {ContextRun: "splits the model's attention over the sequence",

@@ -92,8 +92,13 @@ class EquivalenceReport:
 
     def __str__(self) -> str:
         verdict = "trains like one device" if self.passed else "does NOT train like one device"
-        lines = [f"parallax.testing: {self.strategy} ({self.mode} path) {verdict}: max difference "
-                 f"{self.max_diff:.3g}, tolerance {self.tolerance:.3g} ({self.tolerance_basis})."]
+        if self.param_allowance:  # what the tolerance held: the params beyond each one's allowance
+            compared = (f"max difference {self.max_held:.3g} (losses, state, and each param beyond its rounding "
+                        f"allowance; {self.max_diff:.3g} before the allowances)")
+        else:
+            compared = f"max difference {self.max_diff:.3g} (losses and final state)"
+        lines = [f"parallax.testing: {self.strategy} ({self.mode} path) {verdict}: {compared}, tolerance "
+                 f"{self.tolerance:.3g} ({self.tolerance_basis})."]
         bad_steps = np.nonzero(self.loss_diffs > self.tolerance)[0]
         if len(bad_steps):
             t = int(bad_steps[0])
@@ -109,9 +114,9 @@ class EquivalenceReport:
                 beyond = " (beyond each one's rounding allowance)" if held is not diffs else ""
                 lines.append(f"  {part} differ: {shown}{more}{beyond}")
             elif held is not diffs:
-                path, allowed = max(self.param_allowance.items(), key=lambda item: item[1])
-                lines.append(f"  {part}: equal within tolerance plus each param's rounding allowance (largest: "
-                             f"{path} {allowed:.2g}, where they differ by {diffs[path]:.2g})")
+                path, most = max(diffs.items(), key=lambda item: item[1])  # the param that differs most
+                lines.append(f"  {part}: equal within tolerance plus each param's rounding allowance (most different: "
+                             f"{path} by {most:.2g}, its allowance {self.param_allowance.get(path, 0.0):.2g})")
             else:
                 lines.append(f"  {part}: equal within tolerance (max {max(diffs.values(), default=0.0):.2g})")
         grads = {p: row for p, row in self.grad_diffs.items() if row[2] > self.tolerance} or self.grad_diffs
@@ -133,6 +138,7 @@ def assert_equivalent(
     tolerance: float | str = "auto",
     rng: Any = 0,
     mesh: Any = None,
+    devices: Sequence[Any] | None = None,
     params: Any = None,
     **step_options: Any,
 ) -> EquivalenceReport:
@@ -152,7 +158,9 @@ def assert_equivalent(
             rounding (:mod:`parallax.testing.rounding`: near-zero gradients under Adam).
         rng: the seed of both runs.
         mesh: the device mesh: the mesh set with ``jax.set_mesh`` around the call, else
-            ``strategy.make_mesh()``.
+            ``strategy.make_mesh(devices)``.
+        devices: the devices the strategy's mesh is made of where no mesh is given (all by
+            default), e.g. ``jax.devices()[:4]`` for ``px.FSDP(4)`` on a machine with 8.
         params: the params both runs start from (a pretrained model's, for a fine-tuning run), as
             :func:`parallax.init_state` takes them: a pytree of host or device arrays, or an orbax
             checkpoint path; the model's initialisation with ``rng`` by default.
@@ -177,7 +185,8 @@ def assert_equivalent(
     if not batches:
         raise ValueError("assert_equivalent needs at least one batch.")
     if strategy != AUTO:  # "auto" searches the devices of a jax.set_mesh in init_state
-        mesh = mesh_or_context(strategy, mesh, None)[0]
+        mesh, devices = mesh_or_context(strategy, mesh, devices)
+        mesh = strategy.make_mesh(devices) if mesh is None and devices is not None else mesh
     step = make_train_step(loss_fn, strategy, **step_options)
     options = step.options
     if strategy != AUTO and is_auto(strategy):  # FSDP(split="auto"): settled as for a run of len(batches) steps
@@ -186,7 +195,8 @@ def assert_equivalent(
         step = found.train_step(loss_fn, options)  # runs the program the search compiled for its pick
         strategy, mesh, options = found.strategy, found.mesh, step.options
     state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
-                       rng_streams=options.rng_streams, options=options, params=params)
+                       devices=devices if strategy == AUTO else None, rng_streams=options.rng_streams,
+                       options=options, params=params)
     initial = jax.device_get(state)
     mesh_of = jax.tree.leaves(state.params)[0].sharding.mesh
     if strategy == AUTO:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
-from parallax.pricing.per_example_proof.interpret import SYNCED, interpret
+from parallax.pricing.per_example_proof.interpret import SYNCED, Entry, interpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +40,19 @@ class Proof:
         proven: computing the loss and every metric per data shard and averaging (the
             ``shard_map`` path) gives the global batch's values, up to float rounding.
         reason: what the trace showed, for ``Step.describe()``.
+        where: the source line of the equation that mixes examples, where the trace says.
     """
 
     proven: bool
     reason: str
+    where: str | None = None
 
     def __bool__(self) -> bool:
         return self.proven
 
 
 def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: Any, shards: int,
-               data_axes: Sequence[tuple[str, int]] = ()) -> Proof:
+               data_axes: Sequence[tuple[str, int]] = (), draws: bool = False) -> Proof:
     """Whether ``loss(params, model_state, batch, key) -> (value, (sums, new_model_state))``
     (the step's loss closure) may run per data shard.
 
@@ -63,6 +65,10 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
             statistics on the ``shard_map`` path). A ``psum`` of a mean over the examples holds
             the whole batch's mean on every shard, so it counts as batch-free; of anything else
             it is refused.
+        draws: read a random draw with the batch's rows leading as per-example values, any
+            other as one value for all (gradient accumulation: each microbatch draws its rows
+            from its own key, a mask of the same distribution); by default a draw is refused
+            (each data shard would draw its own numbers from the one key).
     """
     params, model_state, batch, key = jax.tree.map(_abstract, (params, model_state, batch, key))
     rows = int(jax.tree.leaves(batch)[0].shape[0])
@@ -79,12 +85,13 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
             return Proof(False, f"it does not trace at {where} ({type(err).__name__}: "
                                 f"{str(err).splitlines()[0][:160]})")
         inputs = ([Fixed()] * len(jax.tree.leaves(params)) + [Fixed()] * len(jax.tree.leaves(model_state))
-                  + [PerExample(0)] * len(jax.tree.leaves(this_batch)) + [Random()] * len(jax.tree.leaves(key)))
+                  + [PerExample(0)] * len(jax.tree.leaves(this_batch))
+                  + [Fixed() if draws else Random()] * len(jax.tree.leaves(key)))
         signature: list = []
         try:
-            outputs = interpret(closed, inputs, signature)
+            outputs = interpret(closed, inputs, signature, size if draws else None)
         except NotPerExample as why:
-            return Proof(False, str(why))
+            return Proof(False, str(why), why.where)
         except Exception as err:  # noqa: BLE001 - a rule that trips on an unusual equation proves nothing
             return Proof(False, f"the proof could not read its trace ({type(err).__name__}: {err})")
         value, (sums, new_model_state) = jax.tree.unflatten(jax.tree.structure(shape), outputs)
@@ -104,14 +111,23 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
             if not isinstance(leaf, Fixed):
                 raise NotPerExample("it updates model state (e.g. BatchNorm statistics) from the batch")
     except NotPerExample as why:
-        return Proof(False, str(why))
+        return Proof(False, str(why), why.where)
     try:
         signature, signature_l = _synced_means(signature, size), _synced_means(signature_l, size_l)
     except NotPerExample as why:
         return Proof(False, str(why))
     if signature != signature_l:
-        return Proof(False, "it computes differently at one shard's batch size (it reads the batch size)")
+        return Proof(False, "it computes differently at one shard's batch size (it reads the batch size)",
+                     first_difference(signature, signature_l))
     return Proof(True, "the loss traces as a mean of per-example terms")
+
+
+def first_difference(signature: list, other: list) -> str | None:
+    """Where two traces' signatures first differ: the primitive and its source line."""
+    for a, b in zip(signature, other):
+        if a != b:
+            return a.describe() if isinstance(a, Entry) else None
+    return None
 
 
 def _synced_means(signature: list, size: int) -> list:
@@ -120,7 +136,7 @@ def _synced_means(signature: list, size: int) -> list:
     are the whole batch's, as every shard holds it in the global trace)."""
     out = []
     for entry in signature:
-        if entry[0] != SYNCED:
+        if not isinstance(entry, tuple) or entry[0] != SYNCED:
             out.append(entry)
             continue
         _, scales, offsets = entry

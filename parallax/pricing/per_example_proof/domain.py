@@ -9,7 +9,14 @@ import numpy as np
 
 
 class NotPerExample(Exception):
-    """The trace shows (or cannot rule out) that the loss mixes examples."""
+    """The trace shows (or cannot rule out) that the loss mixes examples.
+
+    Attributes:
+        where: the source of the equation it was found at (``file:line:column (function)``),
+            where the trace says.
+    """
+
+    where: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

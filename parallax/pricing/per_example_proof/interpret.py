@@ -8,12 +8,13 @@ and raises :class:`NotPerExample` on any other: the interpretation proves, never
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 from jax.extend import core
 
-from parallax._compat import scan_counts
+from parallax._compat import scan_counts, source_line
 from parallax.pricing.per_example_proof import rules
 from parallax.pricing.per_example_proof.rules import shape as _shape
 from parallax.pricing.per_example_proof.domain import (
@@ -30,11 +31,16 @@ _EVALUATE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.di
              "convert_element_type": lambda x: x, "copy": lambda x: x, "copy_p": lambda x: x}
 
 
-def interpret(closed: Any, inputs: Sequence[Any], signature: list) -> list:
+def interpret(closed: Any, inputs: Sequence[Any], signature: list, draws: int | None = None) -> list:
     """The abstract values of a (closed) jaxpr's outputs given its inputs'.
 
     ``signature`` gets, per equation, its primitive and the literals it reads on values
     that are not batch-wide sums: two traces of one loss at two batch sizes must agree on it.
+    ``draws``: where given, the trace's batch rows, and a random draw (``random_bits``) whose
+    leading dim is a multiple of them draws per example (a pipeline makes it as one device does;
+    accumulation draws each microbatch's rows from its own key), any other one value for every
+    example; by default a draw is :class:`~.domain.Random`. A :class:`~.domain.NotPerExample`
+    raised names the innermost equation it was raised at (``where``: file, line and function).
     """
     jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, core.ClosedJaxpr) else (closed, ())
     env: dict = {}
@@ -43,7 +49,12 @@ def interpret(closed: Any, inputs: Sequence[Any], signature: list) -> list:
     for var, value in zip(jaxpr.invars, inputs):
         env[var] = value
     for eqn in jaxpr.eqns:
-        outs = _visit(eqn, [_read(env, v) for v in eqn.invars], signature)
+        try:
+            outs = _visit(eqn, [_read(env, v) for v in eqn.invars], signature, draws)
+        except NotPerExample as why:
+            if why.where is None:
+                why.where = source_line(eqn)
+            raise
         for var, value in zip(eqn.outvars, outs):
             env[var] = value
     return [_read(env, v) for v in jaxpr.outvars]
@@ -53,6 +64,20 @@ def _read(env: dict, var: Any) -> Any:
     if isinstance(var, core.Literal):
         return fixed_from_array(np.asarray(var.val))
     return env[var]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One equation's entry in a trace's signature: what must match between two traces (``key``),
+    and the equation (not compared), to say where they differ."""
+
+    key: tuple
+    eqn: Any = dataclasses.field(compare=False, repr=False)
+
+    def describe(self) -> str:
+        """The primitive and, where the trace says, the source line that made it."""
+        where = source_line(self.eqn)
+        return f"{self.key[0]}" + (f" at {where}" if where else "")
 
 
 SYNCED = "psum of a batch-wide sum"  # the signature entry of statistics summed over the data shards
@@ -74,7 +99,7 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
         signature.extend((SYNCED, a.scales, a.offsets) for a in ins)
         return
     if any(isinstance(a, BatchSum) for a in ins):
-        signature.append((name,))
+        signature.append(Entry((name,), eqn))
         return
     literals = tuple(float(np.asarray(v.val).reshape(-1)[0]) for v in eqn.invars
                      if isinstance(v, core.Literal) and np.size(v.val) == 1)
@@ -83,20 +108,23 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
     for var, a in zip(eqn.invars, ins):
         masked = {a.dim} if isinstance(a, PerExample) else set() if summing else set(a.uniform)
         shapes.append(tuple(None if d in masked else size for d, size in enumerate(_shape(var))))
-    signature.append((name, literals, tuple(shapes)))
+    signature.append(Entry((name, literals, tuple(shapes)), eqn))
 
 
-def _visit(eqn: Any, ins: list, signature: list) -> list:
+def _visit(eqn: Any, ins: list, signature: list, draws: int | None) -> list:
     name = eqn.primitive.name
     n_out = len(eqn.outvars)
     if any(isinstance(a, Random) for a in ins):  # no signature: a random value that reaches an output is refused
         return [Random()] * n_out
     _record(eqn, ins, signature)
+    if name == "random_bits" and draws is not None:
+        rows = (tuple(eqn.params["shape"]) or (0,))[0]
+        return [PerExample(0, rows // draws) if rows and rows % draws == 0 else Fixed()]
     if name in ("scan", "while", "cond"):
-        return _control(eqn, ins, signature)
+        return _control(eqn, ins, signature, draws)
     sub = _sub_jaxpr(eqn)
     if sub is not None:
-        return interpret(sub, ins, signature)
+        return interpret(sub, ins, signature, draws)
     if all(isinstance(a, Fixed) for a in ins):
         return _fixed(eqn, ins)
     if _synced(name, ins):  # each shard then holds the whole batch's value, as the global trace
@@ -211,7 +239,7 @@ def _batch_sum(eqn: Any, ins: list) -> BatchSum:
 
 
 
-def _control(eqn: Any, ins: list, signature: list) -> list:
+def _control(eqn: Any, ins: list, signature: list, draws: int | None) -> list:
     """``scan``/``while``: the carry iterated to a fixed point; ``cond``: its branches joined."""
     name, params = eqn.primitive.name, eqn.params
     if name == "cond":
@@ -219,7 +247,7 @@ def _control(eqn: Any, ins: list, signature: list) -> list:
             raise NotPerExample("it branches on a value computed from the batch")
         outs = None
         for branch in params["branches"]:
-            found = interpret(branch, ins[1:], signature)
+            found = interpret(branch, ins[1:], signature, draws)
             outs = found if outs is None else [join(a, b) for a, b in zip(outs, found)]
         return outs
     if name == "scan":
@@ -228,10 +256,10 @@ def _control(eqn: Any, ins: list, signature: list) -> list:
         body = params["jaxpr"]
         sliced = [rules.unstacked(x) for x in xs]
         for _ in range(4):
-            outs = interpret(body, fixed_in + carry + sliced, [])
+            outs = interpret(body, fixed_in + carry + sliced, [], draws)
             joined = [join(a, b) for a, b in zip(carry, outs[:n_carry])]
             if joined == carry:
-                interpret(body, fixed_in + carry + sliced, signature)
+                interpret(body, fixed_in + carry + sliced, signature, draws)
                 return carry + [rules.stacked(y) for y in outs[n_carry:]]
             carry = joined
         raise NotPerExample("a scan's carry does not settle")
@@ -239,16 +267,16 @@ def _control(eqn: Any, ins: list, signature: list) -> list:
     cond_consts, body_consts = ins[:params["cond_nconsts"]], ins[params["cond_nconsts"]:][:params["body_nconsts"]]
     carry = ins[params["cond_nconsts"] + params["body_nconsts"]:]
     for _ in range(4):
-        joined = [join(a, b) for a, b in zip(carry, interpret(body, body_consts + carry, []))]
+        joined = [join(a, b) for a, b in zip(carry, interpret(body, body_consts + carry, [], draws))]
         if joined == carry:
             break
         carry = joined
     else:
         raise NotPerExample("a while loop's carry does not settle")
-    (predicate,) = interpret(cond, cond_consts + carry, signature)
+    (predicate,) = interpret(cond, cond_consts + carry, signature, draws)
     if not isinstance(predicate, Fixed):
         raise NotPerExample("a while loop's condition reads the batch")
-    interpret(body, body_consts + carry, signature)
+    interpret(body, body_consts + carry, signature, draws)
     return carry
 
 

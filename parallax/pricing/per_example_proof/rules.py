@@ -129,6 +129,11 @@ def per_example(eqn: Any, ins: list):
         return _gather(eqn, ins)
     if name == "top_k" and per.dim != len(_shape(eqn.invars[0])) - 1:
         return per
+    if name == "bitcast_convert_type":  # the same elements reinterpreted; a width change adds or drops the last dim
+        source, target = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+        if source == target or per.dim < min(len(source), len(target)) - 1:
+            return per
+        raise NotPerExample("it reinterprets the bits of the example dim (bitcast_convert_type)")
     raise NotPerExample(f"it applies {name}, which the proof does not know, to per-example values")
 
 
