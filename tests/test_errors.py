@@ -232,3 +232,8 @@ def test_a_batch_placed_on_another_mesh_is_named():
     with pytest.raises(ValueError, match=r"batch\['x'\] is placed on a mesh with axes \{'fsdp': 4\}, other devices "
                                          r"than the state's mesh.*to_global"):
         px.make_train_step(classifier_loss, strategy)(state, placed)
+    # FSDP's default split='auto' compiles each split to price it: the batch is named before any compiles.
+    with pytest.raises(ValueError, match=r"batch\['x'\] is placed on a mesh with axes \{'fsdp': 4\}, other devices "
+                                         r"than the state's mesh"):
+        px.testing.assert_equivalent(MLP(), optax.sgd(0.1), classifier_loss, [placed], px.FSDP(4, min_weight_size=0),
+                                     devices=jax.devices()[:4])

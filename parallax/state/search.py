@@ -39,6 +39,7 @@ from parallax.state.more_candidates import more_candidates
 from parallax.state.plan import plan_state
 from parallax.state.search_budget import SearchBudget
 from parallax.state.summary import summarize
+from parallax.step.batch import check_batch_devices
 from parallax.step.build import Step, make_train_step
 from parallax.step.options import StepOptions
 
@@ -198,6 +199,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     start = time.perf_counter()
     options = StepOptions.create(options)
     devices = list(mesh.devices.flat) if mesh is not None else list(devices if devices is not None else jax.devices())
+    check_batch_devices(example_batch, mesh if mesh is not None else devices)  # before anything compiles
     budget = memory_budget(options.memory_budget, devices)
     splitting = strategy != AUTO
     pool = priced_candidates([strategy] if splitting else list(among or candidates(len(devices))), options.compile)

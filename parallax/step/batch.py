@@ -3,7 +3,7 @@ step is specific to."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -48,10 +48,13 @@ def check_batch(batch: Any, strategy: Strategy, mesh: Mesh, grad_accum: int = 1)
     return batch_size
 
 
-def check_batch_devices(batch: Any, mesh: Mesh) -> None:
+def check_batch_devices(batch: Any, mesh: Mesh | Sequence[jax.Device]) -> None:
     """Raises ``ValueError`` for a batch array placed on other devices than the state's mesh (a
-    committed array on a subset of them too: ``jit`` would refuse it)."""
-    mesh_devices = set(mesh.devices.flat)
+    committed array on a subset of them too: ``jit`` would refuse it); ``mesh`` may be the devices
+    a search lays its meshes over, checked before it compiles anything."""
+    mesh_devices = set(mesh.devices.flat) if isinstance(mesh, Mesh) else set(mesh)
+    target = f"the state's mesh {dict(mesh.shape)}" if isinstance(mesh, Mesh) else (
+        f"the {len(mesh_devices)} devices the state is laid out over")
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         sharding = getattr(leaf, "sharding", None)
         devices = set(getattr(sharding, "device_set", ()))
@@ -60,8 +63,8 @@ def check_batch_devices(batch: Any, mesh: Mesh) -> None:
             where = (f"a mesh with axes {dict(sharding.mesh.shape)}" if isinstance(sharding, NamedSharding)
                      else f"{len(sharding.device_set)} device(s)")
             raise ValueError(
-                f"batch{jax.tree_util.keystr(key_path)} is placed on {where}, other devices than the state's mesh "
-                f"{dict(mesh.shape)}. Pass host (numpy) arrays, or place the batch on the state's mesh: "
+                f"batch{jax.tree_util.keystr(key_path)} is placed on {where}, other devices than {target}. "
+                "Pass host (numpy) arrays, or place the batch on the state's mesh: "
                 "px.data.to_global(batch, NamedSharding(mesh, strategy.batch_spec()))."
             )
 
