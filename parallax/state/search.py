@@ -110,6 +110,7 @@ class Resolved:
         the search compiled for it where that is the same step (:meth:`Step.reuse`)."""
         step = make_train_step(loss_fn, self.strategy, self.step_options(options))
         step.reuse(self.step)
+        step.searched = self.choice is not None
         return step
 
     def headline(self) -> str:

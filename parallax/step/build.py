@@ -88,7 +88,8 @@ class Step(CompiledPaths):
         self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
         self.choice: Choice | None = None  # the cost model's pick of the compile path, once made
         self.proof: Proof | None = None  # read from the loss's trace at the first call
-        self._microbatches_proven = False  # grad_accum's microbatches compute the batch's (read at the first call)
+        self._microbatches_proven = False
+        self.searched = False  # its strategy is the pick of a search (FSDP's split='auto', strategy='auto')  # grad_accum's microbatches compute the batch's (read at the first call)
         self.auto_strategy = strategy == AUTO
         self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
@@ -146,7 +147,8 @@ class Step(CompiledPaths):
     def _resharded(self) -> str:
         found = self.reshardings.get(self.mode(), []) if self.strategy is not None else []
         return (f"; the compiler replicated {len(found)} tensor(s) to reshard them (involuntary full "
-                f"rematerialization): {describe_all(found)}. {avoiding(self.strategy, self.mode(), self._allowed()[0])}") if found else ""
+                f"rematerialization): {describe_all(found)}. "
+                f"{avoiding(self.strategy, self.mode(), self._allowed()[0], self.searched)}") if found else ""
 
     def __call__(self, state: TrainState, batch: Any):
         state, _ = self._placed(state)

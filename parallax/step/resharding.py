@@ -183,14 +183,17 @@ def describe_all(reshardings: list[Resharding], limit: int = 3) -> str:
     return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def avoiding(strategy: Any, mode: str, paths: tuple[str, ...]) -> str:
+def avoiding(strategy: Any, mode: str, paths: tuple[str, ...], searched: bool = False) -> str:
     """What lays the step out without such copies, for its warning: the other compile path where the
     loss allows it (``shard_map`` gathers each FSDP param whole before its layer, so no activation is
-    resharded), another FSDP split, the search that prices them.
+    resharded), another FSDP split, the search that prices them (unless it ``searched``: the split is
+    already the pick of FSDP's ``split='auto'``).
 
     Example:
         >>> avoiding(px.FSDP(split="output"), "jit", ("jit", "shard_map"))
         "Exact, but each copy costs memory and time. Laid out without them: compile='shard_map' (each FSDP param gathered whole before its layer); FSDP(split='largest') or split='input' (the params named lie along another dim); or FSDP's default split='auto', which prices every split and path"
+        >>> avoiding(px.FSDP(split="largest"), "jit", ("jit",), searched=True)  # the split search's own pick
+        "Exact, but each copy costs memory and time. Laid out without them: FSDP(split='input') or split='output' (the params named lie along another dim) (FSDP's split='auto' priced them and picked split='largest')"
     """
     ways = []
     if mode == "jit" and "shard_map" in paths:
@@ -201,8 +204,10 @@ def avoiding(strategy: Any, mode: str, paths: tuple[str, ...]) -> str:
         named = ", ".join(f"split={split!r}" for split in others[1:-1])
         ways.append(f"FSDP(split={others[0]!r}){', ' + named if named else ''} or split={others[-1]!r} (the params "
                     "named lie along another dim)")
-        if splits[0] != "auto":
+        if splits[0] != "auto" and not searched:
             ways.append("or FSDP's default split='auto', which prices every split and path")
+        elif searched:
+            ways[-1] += f" (FSDP's split='auto' priced them and picked split={splits[0]!r})"
     if not ways:
         ways.append("another strategy or axis order (strategy='auto' prices every mesh, copies included)")
     return f"Exact, but each copy costs memory and time. Laid out without them: {'; '.join(ways)}"
