@@ -165,3 +165,14 @@ def source_line(eqn: Any) -> str | None:
     except Exception:  # noqa: BLE001 - a location only adds to a message
         return None
     return None if not found or found.startswith("unknown") else found
+
+
+def traced_at(eqn: Any) -> contextlib.AbstractContextManager:
+    """A context in which what is traced records ``eqn``'s source (the user's line) as its own: an
+    equation bound again by a run change keeps pointing at the model's code."""
+    try:
+        from jax._src import source_info_util  # private: no public way sets a traced value's source
+
+        return source_info_util.user_context(eqn.source_info.traceback)
+    except Exception:  # noqa: BLE001 - a location only
+        return contextlib.nullcontext()

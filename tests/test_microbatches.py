@@ -137,3 +137,19 @@ def test_accumulation_of_per_sequence_routing_trains_as_the_whole_batch_on_one_d
         losses.append(float(metrics["loss"]))
     assert np.abs(np.array(losses) - reference.losses).max() <= 1e-5, (losses, reference.losses)
     assert max_diff(jax.device_get(state.params), reference.params) <= 1e-5
+
+
+def test_expert_parallelism_moves_the_tokens_of_a_stack_routed_per_sequence_by_all_to_all():
+    """Under ExpertParallel the dispatched tokens ``[experts, sequences, capacity, d]`` of each
+    scanned block move to their experts' devices by all-to-all and back, instead of every device
+    gathering the whole batch's hidden states (``[16, 8, 16]``, 119 KB of all-gathers a step
+    before): px.plan reads it from the compiled step, beside data parallelism's."""
+    batch = data(1)[0]
+    strategies = [px.DataParallel(8), px.combine(px.ExpertParallel(4), px.DataParallel(2))]
+    rows = px.plan(RoutedStack("sequence"), optax.sgd(0.1), batch, loss_fn=loss_fn, strategies=strategies,
+                   compile="jit").rows
+    moved = [{kind: stat["bytes"] for kind, stat in row["collectives"].items() if stat["count"]} for row in rows]
+    data_parallel, experts = moved
+    assert experts.get("all-gather", 0) <= data_parallel.get("all-gather", 0), moved
+    assert experts.get("all-to-all", 0) > 0, moved
+    assert sum(experts.values()) < sum(data_parallel.values()), moved  # the experts' gradients stay on their devices

@@ -9,8 +9,14 @@ where the experts dim is batched, its other operand: the tokens dispatched to ea
 along the experts dim over the axis, every other dim left to the compiler. Each device then
 computes only its experts' tokens; the tokens reach them as the model dispatches them (an
 all-to-all where the model groups them by expert with a dispatch mask, an all-gather where every
-expert sees every token) and the results come back the same way. What the model computes is
-unchanged: routers, capacities and load-balancing losses are the one device's, over the global batch.
+expert sees every token) and the results come back the same way. Where the dispatched tokens
+still hold the batch's rows (one group per sequence: ``[experts, groups, capacity, d]``), they are
+pinned split along the rows first, as the devices computed them, and then along the experts, so
+that the compiler moves them with an all-to-all rather than gathering every device's tokens; the
+experts' results are pinned back along the rows before the model combines them. A stack of
+blocks (a ``scan``) is opened, so the matmuls of each layer are pinned too. What the model
+computes is unchanged: routers, capacities and load-balancing losses are the one device's, over
+the global batch.
 
 Example:
     >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("expert",))
@@ -29,11 +35,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax.extend import core
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from parallax._tree import path_str
 from parallax.models.listed_experts import holds_modules, run_siblings, schedule
-from parallax.models.rebind import bind_eqn, reshaped_dim
+from parallax.models.follow_dims import Follow, dot_dim, follow_rows, moved, note, split_scan
+from parallax.models.rebind import bind_eqn
 from parallax.sharding.chains import REMAT, call_body, params_within
 from parallax.sharding.expert_parallel import ruled_dims
 from parallax.sharding.siblings import Siblings, find_siblings
@@ -43,7 +50,8 @@ _OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
 
 
 def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tuple[str, int]] = (),
-                    listed: bool = False) -> Callable:
+                    listed: bool = False, batch_argnum: int | None = None,
+                    batch_axes: Sequence[str] | None = None) -> Callable:
     """``fn(params, *rest)`` with every matmul over the experts' weights split along the experts dim.
 
     Args:
@@ -55,14 +63,38 @@ def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tupl
         listed: also run each list of experts (calls of one rematerialised module on their own
             params, :mod:`parallax.sharding.siblings`) as one batch split by expert
             (:mod:`parallax.models.listed_experts`).
+        batch_argnum: the argument holding the batch (its leaves' rows on their leading dim),
+            followed to the dispatched tokens; ``None``: no rows are followed.
+        batch_axes: the mesh axes the batch's rows are split over, in order (``axis`` among
+            them); by default ``axis`` alone.
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
     """
 
-    def pin(x: Any, dim: int) -> Any:
+    every = tuple(batch_axes or (axis,))
+    rest = tuple(name for name in every if name != axis)
+
+    def pin(x: Any, dim: int | None, rows: int | None = None) -> Any:
+        """``x`` split along ``dim`` by expert (its ``rows`` dim over the other batch axes), or
+        with ``dim`` ``None`` along its ``rows`` dim over every batch axis. Where those axes are
+        not automatic in the mesh in context (a trace of shapes alone, or inside a pipeline's
+        stages, where the stage axis is manual), the compiler places ``x`` as it would."""
+        context = jax.sharding.get_abstract_mesh()
+        if context.empty or any(context.axis_types[context.axis_names.index(name)] == AxisType.Manual
+                                for name in context.axis_names):
+            return x
         dims: list[Any] = [PartitionSpec.UNCONSTRAINED] * x.ndim
-        dims[dim] = axis
+        if dim is not None:
+            dims[dim] = (axis,)
+        if rows is not None and rows != dim:
+            dims[rows] = rest if dim is not None else every
+        for at, names in enumerate(dims):
+            if isinstance(names, tuple):
+                size = math.prod(mesh.shape[name] for name in names)
+                if x.shape[at] % size:  # a split the axes do not divide is the compiler's to choose
+                    return x
+                dims[at] = None if not names else names[0] if len(names) == 1 else names
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*dims)))
 
     def run(params: Any, *rest: Any) -> Any:
@@ -70,8 +102,12 @@ def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tupl
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(params, *rest)
         experts = {**expert_dims(closed, paths), **ruled_dims(paths, rules)}
         tracked = {closed.jaxpr.invars[index]: experts[path] for index, path in enumerate(paths) if path in experts}
+        args = (params, *rest)
+        first = len(jax.tree.leaves(args[:batch_argnum])) if batch_argnum is not None else 0
+        count = len(jax.tree.leaves(args[batch_argnum])) if batch_argnum is not None else 0
+        rows = {v: 0 for v in closed.jaxpr.invars[first:first + count] if v.aval.ndim}
         flags = [i < len(paths) for i in range(len(closed.jaxpr.invars))] if listed else None
-        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((params, *rest)), tracked, pin, flags)
+        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), Follow(tracked, rows), pin, flags)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
@@ -98,12 +134,14 @@ def stacked_experts(model: Any, example_batch: Any, loss_fn: Any, rng_streams: S
     return math.gcd(*(int(shapes[paths.index(path)][dim]) for path, dim in found.items()))
 
 
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict, pin: Callable,
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], follow: Follow, pin: Callable,
               param_flags: Sequence[bool] | None = None) -> list[Any]:
-    """Evaluates ``jaxpr``, following the experts dim of ``tracked`` values and pinning the matmuls
-    over it; with ``param_flags`` (which invars are params), each list of experts run as one batch."""
+    """Evaluates ``jaxpr``, following the experts dim, the batch's rows dim and the layout by
+    expert of values (``follow``) and pinning the matmuls over the experts dim; with
+    ``param_flags`` (which invars are params), each list of experts run as one batch."""
     values: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     values.update(zip(jaxpr.invars, args))
+    tracked, rows = follow.tracked, follow.rows
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
     order: list = list(range(len(jaxpr.eqns)))
     params: set = set()
@@ -118,85 +156,129 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: d
             continue
         eqn = jaxpr.eqns[item]
         ins = [read(v) for v in eqn.invars]
-        dims = [None if isinstance(v, core.Literal) else tracked.get(v) for v in eqn.invars]
+        dims, row_dims, laid = follow.at(eqn)
         name = eqn.primitive.name
         if param_flags is not None and holds_modules(eqn):  # a call holding a list of experts: opened
             flags = [not isinstance(v, core.Literal) and v in params for v in eqn.invars]
-            outs, out_dims = _open(eqn, ins, dims, pin, flags)
-            tracked.update({v: d for v, d in zip(eqn.outvars, out_dims) if d is not None})
+            outs = _open(eqn, ins, follow, pin, flags)
         elif all(d is None for d in dims):
             outs = bind_eqn(eqn, ins)
+            follow_rows(eqn, row_dims, rows)
         elif name == "dot_general":
-            outs, out_dim = _matmul(eqn, ins, dims, pin)
+            outs, out_dim, by_expert = _matmul(eqn, ins, dims, row_dims, laid, pin)
             if out_dim is not None:
                 tracked[eqn.outvars[0]] = out_dim
+            if by_expert:
+                follow.laid.add(eqn.outvars[0])
+            follow_rows(eqn, row_dims, rows)
         elif name in _OPENED:
-            outs, out_dims = _open(eqn, ins, dims, pin)
-            tracked.update({v: d for v, d in zip(eqn.outvars, out_dims) if d is not None})
+            outs = _open(eqn, ins, follow, pin)
+        elif name == "scan" and not any(d is not None for d in split_scan(eqn, dims)[1]):
+            outs = _scan(eqn, ins, follow, pin)
         else:
             outs = bind_eqn(eqn, ins)
             for out in eqn.outvars:
-                moved = _moved(eqn, dims, out)
-                if moved is not None:
-                    tracked[out] = moved
+                at = moved(eqn, dims, out)
+                if at is not None:
+                    tracked[out] = at
+                    if any(laid) and tuple(out.aval.shape) in [tuple(v.aval.shape) for v in eqn.invars]:
+                        follow.laid.add(out)  # elementwise of a value laid out by expert
+            follow_rows(eqn, row_dims, rows)
         values.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _open(eqn: Any, ins: list, dims: list, pin: Callable, param_flags: Sequence[bool] | None = None
-          ) -> tuple[list, list]:
+def _scan(eqn: Any, ins: list, follow: Follow, pin: Callable) -> list[Any]:
+    """A ``scan`` reading the experts' weights (a stack of MoE blocks), run with each iteration's
+    matmuls pinned: its carry's rows followed in, its stepped-over values' dims one lower."""
+    body, params = eqn.params["jaxpr"], eqn.params
+    consts, carry, xs = split_scan(eqn, ins)
+    lower = lambda ds: [None if d is None or d == 0 else d - 1 for d in ds]  # noqa: E731
+    dims, row_dims, laid = follow.at(eqn)
+    (c_dims, k_dims, x_dims), (c_rows, k_rows, x_rows) = split_scan(eqn, dims), split_scan(eqn, row_dims)
+    inner_dims, inner_rows = c_dims + k_dims + lower(x_dims), c_rows + k_rows + lower(x_rows)
+
+    def step(state: Any, x: Any) -> Any:
+        inner = follow.inside(body.jaxpr.invars, inner_dims, inner_rows, [False] * len(inner_dims))
+        outs = _evaluate(body.jaxpr, body.consts, [*consts, *state, *x], inner, pin)
+        return outs[:len(carry)], outs[len(carry):]
+
+    final, ys = jax.lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"])
+    note(follow.rows, eqn.outvars, k_rows)  # the activations carried through
+    return [*final, *ys]
+
+
+def _open(eqn: Any, ins: list, follow: Follow, pin: Callable, param_flags: Sequence[bool] | None = None) -> list:
     """A call or checkpoint reading a tracked value (or holding a list of experts), run with its
-    matmuls pinned (a checkpoint kept, with its policy); its results and where their experts dims are."""
+    matmuls pinned (a checkpoint kept, with its policy); its results' dims noted in ``follow``."""
     inner, inner_consts = call_body(eqn)
-    out_dims: list = []
+    dims, row_dims, laid = follow.at(eqn)
+    found: list = []
 
     def opened(*args: Any) -> list[Any]:
-        found = {v: d for v, d in zip(inner.invars, dims) if d is not None}
-        outs = _evaluate(inner, inner_consts, args, found, pin, param_flags)
-        out_dims[:] = [None if isinstance(v, core.Literal) else found.get(v) for v in inner.outvars]
+        inside = follow.inside(inner.invars, dims, row_dims, laid)
+        outs = _evaluate(inner, inner_consts, args, inside, pin, param_flags)
+        found[:] = [inside]
         return outs
 
     call = opened
     if eqn.primitive.name in REMAT:
         call = jax.checkpoint(opened, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-    return list(call(*ins)), out_dims
+    outs = list(call(*ins))
+    follow.outside(found[0], inner.outvars, eqn.outvars)
+    return outs
 
 
-def _matmul(eqn: Any, ins: list, dims: list, pin: Callable) -> tuple[list, int | None]:
-    """A matmul reading a value along its experts dim: pinned, and where the experts dim lands."""
+def _matmul(eqn: Any, ins: list, dims: list, row_dims: list, laid: list,
+            pin: Callable) -> tuple[list, int | None, bool]:
+    """A matmul reading a value along its experts dim, pinned: its result, where the experts dim
+    lands, and whether the result is laid out by expert.
+
+    The experts' weights batched with the tokens dispatched to them: the tokens pinned by expert.
+    Tokens that are still laid out by the batch's rows (one group per sequence) are pinned along
+    the rows first, as the devices computed them, so the compiler moves them with an all-to-all
+    rather than gathering every device's tokens. A value with the experts dim as a free dim: a
+    dispatch (a routing tensor laid out by rows) is computed where its rows are; a router (weights
+    smaller than the tokens) gathers its weights rather than the tokens; the experts of a dense
+    mixture (every expert on every token) are computed where their weights are. A matmul combining
+    the experts' results (contracting the experts dim) takes them back along the rows first."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     shapes = [v.aval.shape for v in eqn.invars]
     free = [[d for d in range(len(shapes[s])) if d not in ((lc, rc)[s] + (lb, rb)[s])] for s in (0, 1)]
     for side, dim in enumerate(dims):
         if dim is None:
             continue
+        other = 1 - side
         batch = (lb, rb)[side]
         if dim in batch:  # the experts' weights batched with the tokens dispatched to them
             k = list(batch).index(dim)
-            other = 1 - side
             ins = list(ins)
-            ins[other] = pin(ins[other], (lb, rb)[other][k])
-            return [pin(bind_eqn(eqn, ins)[0], k)], k
-        if dim in free[side]:  # every expert's outputs (a dense dispatch): split by expert
+            at, held = (lb, rb)[other][k], row_dims[other]
+            if not laid[other] and held is not None and held != at:  # tokens still laid out by rows
+                ins[other] = pin(ins[other], None, held)
+            ins[other] = pin(ins[other], at, held)
+            rows = dot_dim(eqn, other, held) if held is not None else None
+            return [pin(bind_eqn(eqn, ins)[0], k, rows)], k, True
+        if dim in free[side]:
             at = len(lb) + (free[0].index(dim) if side == 0 else len(free[0]) + free[1].index(dim))
-            return [pin(bind_eqn(eqn, ins)[0], at)], at
-    return bind_eqn(eqn, ins), None  # contracted over the experts: combined, the compiler reduces it
+            out = bind_eqn(eqn, ins)[0]
+            mine, theirs = row_dims[side], row_dims[other]
+            rows = (dot_dim(eqn, side, mine) if mine is not None else
+                    dot_dim(eqn, other, theirs) if theirs is not None and _nbytes(ins[side]) <= _nbytes(ins[other])
+                    else None)
+            if rows is not None:  # a dispatch, or a router: computed where the rows are
+                return [pin(out, None, rows)], at, False
+            return [pin(out, at)], at, True  # every expert's outputs (a dense mixture): split by expert
+        held = row_dims[side]
+        if laid[side] and held is not None and held != dim and dim in (lc, rc)[side]:
+            ins = list(ins)  # the experts' results combined: back along the rows first
+            ins[side] = pin(ins[side], None, held)
+            return bind_eqn(eqn, ins), None, False
+    return bind_eqn(eqn, ins), None, False  # contracted over the experts: combined, the compiler reduces it
 
 
-def _moved(eqn: Any, dims: list, out: Any) -> int | None:
-    """Where the experts dim of ``eqn``'s tracked operand is in its result ``out`` (``None``: lost)."""
-    operand, dim = next((i, d) for i, d in enumerate(dims) if d is not None)
-    shape, name = tuple(eqn.invars[operand].aval.shape), eqn.primitive.name
-    out_shape = tuple(getattr(out.aval, "shape", ()))
-    if name == "transpose":
-        return list(eqn.params["permutation"]).index(dim)
-    if name == "broadcast_in_dim":
-        return int(eqn.params["broadcast_dimensions"][dim])
-    if name == "reshape":
-        return reshaped_dim(shape, out_shape, dim)
-    if name in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
-        axes = [int(a) for a in eqn.params["axes"]]
-        return None if dim in axes else dim - sum(a < dim for a in axes)
-    if out_shape == shape or (len(out_shape) == len(shape) and out_shape[dim] == shape[dim]):
-        return dim  # elementwise
-    return None
+def _nbytes(x: Any) -> int:
+    return int(math.prod(jax.numpy.shape(x))) * jax.numpy.dtype(jax.numpy.result_type(x)).itemsize
+
+

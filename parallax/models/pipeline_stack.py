@@ -229,7 +229,8 @@ def _holds_stack(eqn: Any) -> bool:
 def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used: set, stack: Stack,
                body: Any) -> list[Any]:
     """The scan ``eqn`` over ``ins``, run by the pipeline with ``body`` (its layer at a microbatch's
-    shape, and at the batch's traced alike, for the proof): its carry out, then its (unused) per-layer outputs."""
+    shape, and at the batch's traced alike, for the proof): its carry out, then its per-layer outputs
+    (those the model reads combined from the microbatches as the proof says, zeros for the others)."""
     body, whole = body
     params = eqn.params
     consts, carry, xs = _split(eqn, ins)

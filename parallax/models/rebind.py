@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from parallax._compat import traced_at
+
 
 def bind(primitive: Any, params: dict, ins: Sequence[Any]) -> list[Any]:
     """``primitive`` bound on ``ins`` with ``params``; its results as a list."""
@@ -24,8 +26,9 @@ def bind(primitive: Any, params: dict, ins: Sequence[Any]) -> list[Any]:
 
 
 def bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    """``eqn`` bound again on ``ins``, with its own params."""
-    return bind(eqn.primitive, eqn.params, ins)
+    """``eqn`` bound again on ``ins``, with its own params, recording the model's source line as its own."""
+    with traced_at(eqn):
+        return bind(eqn.primitive, eqn.params, ins)
 
 
 def reshaped_dim(old: Sequence[int], new: Sequence[int], dim: int) -> int | None:

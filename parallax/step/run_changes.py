@@ -47,7 +47,9 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         if isinstance(change, ContextRun):
             loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method)
         elif isinstance(change, ExpertRun):
-            loss = expert_parallel(loss, mesh=mesh, axis=change.axis, rules=change.rules,
+            batch = strategy.batch_spec()[0]
+            loss = expert_parallel(loss, mesh=mesh, axis=change.axis, rules=change.rules, batch_argnum=2,
+                                   batch_axes=(batch,) if isinstance(batch, str) else batch,
                                    listed=change.modules is not None)
         elif isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)

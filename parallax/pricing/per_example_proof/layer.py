@@ -34,6 +34,7 @@ from typing import Any, Sequence
 from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, kind_name
 from parallax.pricing.per_example_proof.interpret import Entry, interpret
 
+_PLACING = {"sharding_constraint", "reshard", "mesh_cast", "pvary"}
 ROWS, MEAN, SAME = "rows", "mean", "same"  # how a per-layer output of the microbatches makes the batch's
 
 
@@ -91,12 +92,20 @@ def prove_layer(full: Any, micro: Any, *, per_example: Sequence[bool], rows: int
         kinds = tuple(_combined(outputs[i], outputs_micro[i], rows, micro_rows) for i in per_layer)
     except NotPerExample as why:
         return LayerProof(False, str(why))
+    signature, signature_micro = _computing(signature), _computing(signature_micro)
     if signature != signature_micro:
         where = next((a.describe() for a, b in zip(signature, signature_micro)
                       if a != b and isinstance(a, Entry)), None)
         return LayerProof(False, "it computes differently on a microbatch (it reads the batch's size, e.g. a capacity "
                                  "computed from the number of rows)", where)
     return LayerProof(True, "each example's rows read only that example's rows", outputs=kinds)
+
+
+def _computing(signature: list) -> list:
+    """The entries that compute: where a value is placed (a sharding constraint that expert
+    parallelism pins where the shape divides over the axes) may differ between a batch and a
+    microbatch without changing what is computed."""
+    return [e for e in signature if not (isinstance(e, Entry) and e.key[0] in _PLACING)]
 
 
 def _rows(value: Any, what: str) -> None:

@@ -311,17 +311,19 @@ def expert_dims(closed_jaxpr: Any, param_paths: Sequence[str]) -> dict[str, int]
     """The experts dim of each param that stacks a mixture of experts' weights, by path.
 
     A param dim that a matmul batches over together with activations (the per-expert weights of
-    ``einsum("ecd,edh->ech", dispatched, w_in)``), and the same dim of every other stacked (rank 3
-    or more) param the computation ties to it (``w_in[e]`` whose outputs meet ``w_out[e]``'s); a
-    router's kernel, whose output dim is the experts' logits, stays whole.
+    ``einsum("ecd,edh->ech", dispatched, w_in)``), and the same dim of every other stacked param
+    the computation ties to it, of those weights' rank (``w_in[e]`` whose outputs meet
+    ``w_out[e]``'s); a router's kernel, whose output dim is the experts' logits, stays whole (a
+    matrix, one rank less; in a stack of layers each has one dim more).
     """
     graph, params, _ = _build(closed_jaxpr, len(param_paths))
     experts = [(index, dim) for (index, dim), roles in graph.roles.items() if "expert" in roles]
     roots = {graph.find((id(params[index]), dim)) for index, dim in experts}
+    rank = min((len(_shape(params[index])) for index, _ in experts), default=3)
     found = {}
     for index, (path, var) in enumerate(zip(param_paths, params)):
         for dim in range(len(_shape(var))):
-            if (index, dim) in experts or (len(_shape(var)) >= 3 and graph.find((id(var), dim)) in roots):
+            if (index, dim) in experts or (len(_shape(var)) >= rank and graph.find((id(var), dim)) in roots):
                 found[path] = dim
                 break
     return found
