@@ -129,6 +129,19 @@ def with_axis_types(mesh: Mesh, explicit: bool) -> Mesh:
     return Mesh(mesh.devices, tuple(mesh.axis_names), axis_types=(kind,) * len(mesh.axis_names))
 
 
+def with_unit_axis(mesh: Mesh, name: str) -> Mesh:
+    """``mesh`` with an axis ``name`` of size 1 after its own (of its first axis's type): what a
+    model's own sharding names and no part splits.
+
+    Example:
+        >>> dict(with_unit_axis(build_mesh([("data", -1)]), "tensor").shape)
+        {'data': 8, 'tensor': 1}
+    """
+    types = tuple(getattr(mesh, "axis_types", ())) or (AxisType.Auto,) * len(mesh.axis_names)
+    return Mesh(mesh.devices.reshape(*mesh.devices.shape, 1), (*mesh.axis_names, name),
+                axis_types=(*types, types[0]))
+
+
 def describe_axis_types(mesh: Mesh) -> str:
     """``"fsdp=4 Explicit, tensor=2 Auto"``: each axis's size and type.
 

@@ -28,7 +28,7 @@ from typing import Callable, TypeVar
 from jax.sharding import Mesh
 
 from parallax._compat import mesh_context
-from parallax.sharding.mesh import describe_axis_types, is_explicit, with_axis_types
+from parallax.sharding.mesh import describe_axis_types, is_explicit, with_axis_types, with_unit_axis
 
 log = logging.getLogger("parallax")
 
@@ -63,26 +63,6 @@ def is_mode_error(err: BaseException) -> bool:
     return any(marker in text for marker in _MODE_ERRORS)
 
 
-def unknown_axis_error(err: BaseException, mesh: Mesh) -> ValueError | None:
-    """A readable error for a model whose own sharding names an axis ``mesh`` lacks, else ``None``.
-
-    Example:
-        >>> err = ValueError("Resource axis: tensor of P('fsdp', 'tensor') is not found in mesh: ('fsdp',).")
-        >>> print(unknown_axis_error(err, px.FSDP().make_mesh()))  # doctest: +ELLIPSIS
-        The model's own sharding names mesh axis 'tensor' (in P('fsdp', 'tensor')), which the mesh (fsdp=8) ...
-    """
-    found = _UNKNOWN_AXIS.search(str(err))
-    if not found:
-        return None
-    axis, sizes = found.group("axis"), ", ".join(f"{n}={mesh.shape[n]}" for n in mesh.axis_names)
-    return ValueError(
-        f"The model's own sharding names mesh axis {axis!r} (in {found.group('spec')}), which the mesh ({sizes}) "
-        f"lacks. Give the strategy a part on that axis (e.g. px.combine(px.FSDP(), px.TensorParallel(axis={axis!r})) "
-        f"or rename a part's axis to the model's (e.g. px.FSDP(axis={axis!r})), or pass a mesh that has it with size "
-        f"1 (Trainer(mesh=jax.make_mesh((8, 1), ('fsdp', {axis!r})))."
-    )
-
-
 def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT) -> tuple[Mesh, T, str]:
     """Runs ``attempt(train_mesh)`` under ``jax.set_mesh(train_mesh)`` in the mode asked, or, for
     ``"detect"``, with Auto axes and then, if JAX refuses the model there, Explicit ones.
@@ -96,26 +76,36 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
         ``(train_mesh, attempt's result, note)``: the mesh the state lives on, and one line
         saying which mode the model runs in and why.
 
+    An axis the model's own sharding names (``nn.with_partitioning``) that the mesh lacks is
+    added with size 1, with a warning: its params stay whole along it.
+
     Raises:
-        ValueError: the model names an axis the mesh lacks, or JAX refuses it in every mode tried.
+        ValueError: JAX refuses the model in every mode tried.
     """
     check_sharding_mode(mode)
     order = (AUTO, EXPLICIT) if mode == DETECT else (mode,)
     refused: list[tuple[str, BaseException]] = []
     for tried in order:
         train_mesh = with_axis_types(mesh, explicit=tried == EXPLICIT)
-        try:
-            with mesh_context(train_mesh):
-                result = attempt(train_mesh)
-        except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
-            unknown = unknown_axis_error(err, train_mesh)
-            if unknown is not None:
-                raise unknown from err
-            if not is_mode_error(err):
-                raise
-            refused.append((tried, err))
-            continue
-        return train_mesh, result, _note(mesh, train_mesh, mode, refused)
+        while True:
+            try:
+                with mesh_context(train_mesh):
+                    result = attempt(train_mesh)
+            except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
+                found = _UNKNOWN_AXIS.search(str(err))
+                if found and found.group("axis") not in train_mesh.axis_names:  # kept whole along it
+                    log.warning("The model's own sharding names mesh axis %r (in %s), which the mesh (%s) lacks: its "
+                                "params stay whole along it (the mesh gets a %r axis of size 1). Give the strategy a "
+                                "part on that axis to split them (e.g. px.TensorParallel(axis=%r)).", found.group("axis"),
+                                found.group("spec"), describe_axis_types(train_mesh), found.group("axis"),
+                                found.group("axis"))
+                    train_mesh = with_unit_axis(train_mesh, found.group("axis"))
+                    continue
+                if not is_mode_error(err):
+                    raise
+                refused.append((tried, err))
+                break
+            return train_mesh, result, _note(mesh, train_mesh, mode, refused)
     lines = "; ".join(f"with {tried.capitalize()} axes: {str(err).splitlines()[0][:300]}" for tried, err in refused)
     other = "" if mode == DETECT else f" (sharding_mode={mode!r}; 'detect' also tries the other mode)"
     raise ValueError(
