@@ -476,7 +476,7 @@ def test_a_list_of_blocks_in_an_unmodified_hugging_face_model_trains_like_one_de
         report = px.testing.assert_equivalent(model, tx, third_party.causal_lm_loss, third_party.batches("text", 3),
                                               strategy, mesh=mesh)
     assert report.mode == "jit", report  # held to 1e-5, or twice the drift of plain jit on the mesh
-    if strategy.parts[0].blocks is None:  # the model's one repeated block class, found by init_state and the step
+    if any(getattr(part, "blocks", "") is None for part in strategy.parts):  # the model's one block class, found
         found = f"it calls one block class at several places, {block}, pipelined as blocks kept in a list"
         assert found in caplog.text, caplog.text[-3000:]
         assert f"blocks='{block}'" in report.strategy, report.strategy

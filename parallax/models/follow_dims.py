@@ -21,7 +21,7 @@ from parallax.models.rebind import reshaped_dim
 
 @dataclasses.dataclass
 class Follow:
-    """What :func:`_evaluate` follows through a computation: each value's experts dim
+    """What expert parallelism's evaluation follows through a computation: each value's experts dim
     (``tracked``), its batch rows dim (``rows``), and the values laid out by expert (``laid``: a
     matmul's result pinned along its experts dim, and what elementwise ops make of it)."""
 
@@ -37,8 +37,8 @@ class Follow:
     def inside(self, invars: Sequence[Any], dims: list, rows: list, laid: list) -> "Follow":
         """The same for a call's (or loop body's) own invars."""
         return Follow({v: d for v, d in zip(invars, dims) if d is not None},
-                       {v: d for v, d in zip(invars, rows) if d is not None},
-                       {v for v, flag in zip(invars, laid) if flag})
+                      {v: d for v, d in zip(invars, rows) if d is not None},
+                      {v for v, flag in zip(invars, laid) if flag})
 
     def outside(self, inner: "Follow", inner_outs: Sequence[Any], outvars: Sequence[Any]) -> None:
         """Takes a call's results' dims from what its body's outputs were found to be."""
@@ -54,10 +54,12 @@ class Follow:
 
 
 def dims_of(eqn: Any, found: dict) -> list:
+    """The dim ``found`` holds for each of ``eqn``'s operands (``None`` where it holds none)."""
     return [None if isinstance(v, core.Literal) else found.get(v) for v in eqn.invars]
 
 
 def note(found: dict, outvars: Sequence[Any], dims: Sequence[Any]) -> None:
+    """Records each result's dim, where it has one."""
     found.update({v: d for v, d in zip(outvars, dims) if d is not None})
 
 
@@ -98,6 +100,7 @@ def dot_dim(eqn: Any, side: int, dim: int) -> int | None:
 
 
 def split_scan(eqn: Any, items: Sequence[Any]) -> tuple[list, list, list]:
+    """A ``scan``'s operands (or anything laid out like them) as its consts, carry and stepped-over values."""
     consts, carry = scan_counts(eqn.params)
     return list(items[:consts]), list(items[consts:consts + carry]), list(items[consts + carry:])
 

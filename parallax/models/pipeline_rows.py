@@ -30,7 +30,7 @@ def check_per_example(prove: Callable | None, microbatches: int, full: Any, micr
         return []
     micro_rows = rows // microbatches
     proof = prove(full, micro, per_example=per_example, rows=rows, micro_rows=micro_rows, carry=tuple(carry),
-                        per_layer=tuple(per_layer))
+                  per_layer=tuple(per_layer))
     if proof:
         return list(proof.outputs)
     where = f" (at {proof.where})" if proof.where else ""
