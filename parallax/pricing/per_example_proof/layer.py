@@ -32,6 +32,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, kind_name
+from parallax.pricing.per_example_proof import first_difference
 from parallax.pricing.per_example_proof.interpret import Entry, interpret
 
 _PLACING = {"sharding_constraint", "reshard", "mesh_cast", "pvary"}
@@ -94,10 +95,8 @@ def prove_layer(full: Any, micro: Any, *, per_example: Sequence[bool], rows: int
         return LayerProof(False, str(why))
     signature, signature_micro = _computing(signature), _computing(signature_micro)
     if signature != signature_micro:
-        where = next((a.describe() for a, b in zip(signature, signature_micro)
-                      if a != b and isinstance(a, Entry)), None)
         return LayerProof(False, "it computes differently on a microbatch (it reads the batch's size, e.g. a capacity "
-                                 "computed from the number of rows)", where)
+                                 "computed from the number of rows)", first_difference(signature, signature_micro))
     return LayerProof(True, "each example's rows read only that example's rows", outputs=kinds)
 
 
