@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 try:
     from parallax import distributed, inspect, plan, testing
     from parallax.models.linen import wrap_for_shard_map
+    from parallax.pricing.hardware import Hardware
     from parallax.sharding import specs
     from parallax.sharding.context_parallel import ContextParallel
     from parallax.sharding.expert_parallel import ExpertParallel
@@ -57,7 +58,7 @@ except ImportError as err:  # a file of this package overwritten by another proj
     raise
 
 __all__ = [
-    "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "ContextParallel", "DataParallel", "EarlyStopping", "ExpertParallel", "FitResult",
+    "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "ContextParallel", "DataParallel", "EarlyStopping", "ExpertParallel", "FitResult", "Hardware",
     "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "PipelineParallel", "ProgressBar", "ReplicatedParamError", "StatePlan",
     "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "Topology", "TrainState", "Trainer", "TrainerConfig",
     "callbacks", "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",

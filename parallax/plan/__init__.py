@@ -43,6 +43,8 @@ from parallax.models.blocks import repeated_blocks
 from parallax.models.context_attention import model_has_attention
 from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
+from parallax.plan.target import check_target
+from parallax.pricing.hardware import Hardware, as_hardware
 from parallax.sharding.context import mesh_in_context
 from parallax.sharding.named import parse_strategy
 from parallax.sharding.strategy import Strategy
@@ -77,6 +79,7 @@ class PlanReport:
         fixes: for each budget label no candidate fits (with several device counts, per count:
             ``"16GB on 8 devices"``), the options tried to make the smallest one fit
             (:mod:`parallax.plan.fixes`): the last fits if any does.
+        hardware: the accelerator the rows' ``step`` is priced on (:class:`parallax.Hardware`), if given.
     """
 
     rows: tuple[dict, ...]
@@ -84,6 +87,7 @@ class PlanReport:
     labels: tuple[str, ...]
     target: str
     fixes: dict = dataclasses.field(default_factory=dict)
+    hardware: Hardware | None = None
 
     def fits(self, row: dict, budget: int = 0) -> bool:
         """Whether ``row``'s peak fits budget number ``budget`` (an index into ``budgets``)."""
@@ -110,8 +114,16 @@ class PlanReport:
         if timed:
             notes.append("At the topology's bandwidths, the collectives' bytes take per step: " + "; ".join(timed)
                          + " (bytes over bandwidth, without latency or overlap).")
-        planned_on = sorted({row["backend"] for row in self.rows})
-        if planned_on != [self.target]:
+        if any(row.get("step") for row in self.rows):
+            sources = sorted({row["step"]["source"] for row in self.rows if row.get("step")})
+            notes.append(f"step: predicted on {self.hardware.describe()}: compute and memory by "
+                         f"{' and '.join(sources)} (the compiled program's FLOPs at the dense peak for its matmuls' "
+                         "dtype + its bytes at the memory bandwidth), collectives on the links their device groups "
+                         "span (ring bytes + a start-up latency each); data/FSDP/stage collectives overlap the "
+                         "computation, tensor/context/expert ones wait on it. MFU: the program's FLOPs (with "
+                         "recomputation) per second over the peak.")
+        planned_on = sorted({row["backend"] for row in self.rows if not row.get("error")})
+        if planned_on and planned_on != [self.target]:
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
                          "backend-dependent (fusion, layouts, scheduling): an estimate.")
         return notes
@@ -119,6 +131,7 @@ class PlanReport:
     def as_dict(self) -> dict:
         return {"rows": [dict(row) for row in self.rows], "budgets": dict(zip(self.labels, self.budgets)),
                 "target": self.target, "notes": self.notes,
+                "hardware": None if self.hardware is None else dataclasses.asdict(self.hardware),
                 "fixes": {label: [fix.as_dict() for fix in tried] for label, tried in self.fixes.items()}}
 
     def figure(self, path: str | None = None) -> Any:
@@ -147,9 +160,12 @@ class PlanReport:
     def __str__(self) -> str:
         host = any(row.get("compiled", {}).get("host") for row in self.rows if not row.get("error"))
         links = any(row.get("links") for row in self.rows if not row.get("error"))
+        timed = any(row.get("step") for row in self.rows if not row.get("error"))
         header = ["devices", "strategy", "compile", "params", "opt state", "grads", "model st", "temps", "peak",
                   *(["host"] if host else []), "moved", *(["in host", "across"] if links else []),
-                  *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels)]
+                  *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels),
+                  *(["step", "tok/s/dev" if any((r.get("step") or {}).get("tokens_per_second") for r in self.rows)
+                     else "ex/s/dev", "MFU"] if timed else [])]
         cells, skipped = [], []
         for row in self.rows:
             if row.get("error"):
@@ -163,7 +179,8 @@ class PlanReport:
                 *([format_bytes(row["links"]["inside"]), format_bytes(row["links"]["across"])] if links and
                   row.get("links") else ["-", "-"] if links else []),
                 *(format_bytes(kinds[kind]["bytes"]) if kinds[kind]["count"] else "-" for kind, _ in _KINDS),
-                *("yes" if self.fits(row, i) else "no" for i in range(len(self.budgets)))])
+                *("yes" if self.fits(row, i) else "no" for i in range(len(self.budgets))),
+                *(_step_cells(row["step"]) if timed else [])])
         widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                  for r in [header, *cells]]
@@ -172,11 +189,18 @@ class PlanReport:
                          + [f"note: {n}" for n in self.notes])
 
 
+def _step_cells(step: dict) -> list[str]:
+    rate = step["tokens_per_second"] if step.get("tokens_per_second") is not None else step["examples_per_second"]
+    seconds = step["seconds"]
+    shown = f"{1e3 * seconds:.3g} ms" if seconds < 10 else f"{seconds:.3g} s"
+    return [shown, f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}", f"{100 * step['mfu']:.1f}%"]
+
+
 def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
          strategies: Sequence[str | Strategy] = DEFAULT_STRATEGIES, devices: int | Sequence[int] | None = None,
          memory_budget: int | str | Sequence[int | str] | None = None, target: str | None = None,
          isolate: bool | None = None, rng: Any = 0, topology: Topology | None = None,
-         **step_options: Any) -> PlanReport:
+         hardware: str | Hardware | None = None, **step_options: Any) -> PlanReport:
     """Plans each strategy on each device count without allocating the model.
 
     Args:
@@ -204,6 +228,13 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
             layouts are chosen by the seconds their bytes take on the two links, and each row's
             ``links`` has them (``seconds``). Over several processes the rows report the bytes
             without it.
+        hardware: the accelerator to plan for, by name (``"h100"``, ``"h200"``, ``"a100"``,
+            ``"b200"``, ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``) or a :class:`parallax.Hardware`:
+            each row gets ``step``, the step's predicted time on it with tokens (examples) per second
+            per device and MFU (:mod:`parallax.pricing.step_time`); ``memory_budget`` defaults to its
+            memory and ``topology`` to its hosts (:meth:`parallax.Hardware.topology`). A TPU is
+            compiled by the TPU compiler for a slice of ``devices`` chips (with ``libtpu``
+            installed: ``pip install 'parallax-flax[tpu]'``), a GPU on simulated CPU devices.
         **step_options: :class:`parallax.StepOptions` (``grad_accum``, ``precision``,
             ``remat``, ``compile``...) of the step to plan.
 
@@ -211,6 +242,7 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         A :class:`PlanReport`.
     """
     options = StepOptions.create(**step_options)
+    hardware = as_hardware(hardware)
     around = mesh_in_context()  # a jax.set_mesh around the call: its devices, in its order
     local = list(around.devices.flat) if around is not None else jax.devices()
     if topology is not None and not isinstance(topology, Topology):
@@ -222,10 +254,19 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     if topology is not None and counts != [topology.devices]:
         raise ValueError(f"devices={devices!r} but {topology} has {topology.devices} devices; leave devices out "
                          "or give the topology's count.")
+    topologies = {count: topology if topology is not None or hardware is None else hardware.topology(count)
+                  for count in counts}  # a count the hardware's hosts do not divide fails here
+    for count in counts:
+        check_target(hardware, count)  # a TPU without libtpu, a count no slice has: before anything compiles
     given = [] if memory_budget is None else (
         list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget])
+    if not given and hardware is not None:
+        given = [f"{hardware.memory_gib:g}GiB"]
     budgets = tuple(parse_bytes(b) for b in given)
     parsed = [parse_strategy(s) for s in strategies]  # a bad name fails here, before anything compiles
+    if isolate is False and hardware is not None and hardware.kind == "tpu":
+        raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; leave "
+                         "isolate unset.")
     if isolate is False and max(counts) > len(local):
         raise ValueError(f"devices={max(counts)} but this process has {len(local)}; let it plan in a subprocess "
                          "(isolate=None or True).")
@@ -233,17 +274,20 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
     resolved: dict = {}
 
+    on_tpu = hardware is not None and hardware.kind == "tpu"
+
     def rows_for(strategies: list[Strategy], count: int, opts: StepOptions) -> list[dict]:
-        if isolate or (isolate is None and count > len(local)):
-            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng, "topology": topology},
-                                count)
+        if isolate or on_tpu or (isolate is None and count > len(local)):
+            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng,
+                                 "topology": topologies[count], "hardware": hardware}, count)
         if "model" not in resolved:
             resolved.update({kind: resolve(kind, value) for kind, value in args.items()})
         return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
-                         strategy, local[:count], opts, rng, topology) for strategy in strategies]
+                         strategy, local[:count], opts, rng, topologies[count], hardware) for strategy in strategies]
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
-    report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given), target or jax.default_backend())
+    report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given),
+                        target or (hardware.kind if hardware is not None else jax.default_backend()), hardware=hardware)
     fixes, memo = {}, {}
     for count, (index, (budget, label)) in itertools.product(counts, enumerate(zip(budgets, report.labels))):
         planned = [(row, parsed[i % len(parsed)]) for i, row in enumerate(rows)

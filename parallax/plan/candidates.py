@@ -15,7 +15,9 @@ from jax.sharding import NamedSharding
 
 from parallax import inspect
 from parallax.pricing.timing import closest
+from parallax.pricing.hardware import Hardware
 from parallax.pricing.host_layout import cheapest_layout, link_seconds
+from parallax.pricing.step_time import CRITICAL_KINDS, matmul_dtype, speeds, step_time
 from parallax.sharding.context import mesh_in_context, mesh_on
 from parallax.sharding.strategy import Strategy, combine
 from parallax.sharding.topology import Topology, crossing_axes, hosts_of
@@ -49,7 +51,8 @@ def with_options(strategy: Strategy, **options: Any) -> Strategy:
 
 
 def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strategy: Strategy,
-             devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0, topology: Topology | None = None) -> dict:
+             devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0, topology: Topology | None = None,
+             hardware: Hardware | None = None) -> dict:
     """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply).
 
     Over several hosts (the processes, or ``topology`` as simulated) parallax's own mesh is laid out
@@ -69,8 +72,11 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         totals = summarize(plan, find_frozen=False).totals
         step = make_train_step(loss_fn, plan.strategy, options)
         step.topology = topology  # its compile paths priced on the topology's links
+        if hardware is not None:  # and at the hardware's speeds, not measured on devices that stand in for it
+            step.speeds = speeds(hardware, "bf16" if options.policy.casts else "fp32")
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
-        compiled = step.lower(plan.abstract_arrays(), batch).compile()
+        lowered = step.lower(plan.abstract_arrays(), batch)
+        compiled = lowered.compile()
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": str(err).splitlines()[0]}
     memory = inspect.memory_bytes(compiled)
@@ -107,4 +113,27 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
              f"keeps the faster (these figures are {step.mode()}'s)") if row["timed"] else None
     by_bytes = layout.describe() if layout and layout.inside_first != plan.strategy.inside_first() else None
     row["note"] = "; ".join(n for n in (unsharded_reason(plan), close, by_bytes) if n) or None
+    if hardware is not None:
+        row["step"] = priced_step(compiled, lowered.as_text(), hardware, plan.strategy, laid, hosts, memory["host"],
+                                  example_batch)
     return row
+
+
+def priced_step(compiled: Any, lowered_text: str, hardware: Hardware, strategy: Strategy, mesh: Any, hosts: Any,
+                host_bytes: int, example_batch: Any) -> dict:
+    """A row's ``step``: the predicted step on ``hardware``, examples (and tokens, for a batch of
+    token ids) per second per device, and MFU."""
+    critical = [part.axis for part in strategy.parts if type(part).__name__ in CRITICAL_KINDS]
+    dtype = matmul_dtype(lowered_text)
+    timed = step_time(compiled, hardware, dtype=dtype, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
+                      critical_axes=critical, hosts=hardware.domains(hosts), host_bytes=host_bytes,
+                      backend=mesh.devices.flat[0].platform)
+    devices = mesh.devices.size
+    leaves = jax.tree.leaves(example_batch)
+    examples = int(jax.numpy.shape(leaves[0])[0])
+    tokens = next((examples * int(leaf.shape[1]) for leaf in leaves
+                   if len(leaf.shape) >= 2 and jax.numpy.issubdtype(leaf.dtype, jax.numpy.integer)), None)
+    per_device = 1 / (timed.seconds * devices) if timed.seconds > 0 else 0.0
+    return {**timed.as_dict(), "dtype": dtype, "hardware": hardware.name,
+            "examples_per_second": examples * per_device,
+            "tokens_per_second": None if tokens is None else tokens * per_device}

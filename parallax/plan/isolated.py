@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,27 +25,56 @@ def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list
     import cloudpickle
 
     try:
-        data = cloudpickle.dumps(dict(payload))
+        data = cloudpickle.dumps({**payload, "devices": devices})
     except Exception as err:  # noqa: BLE001 - name the argument that cannot travel
         bad = next((k for k, v in payload.items() if not _picklable(v)), "an argument")
         raise ValueError(f"Planning for {devices} devices runs in a subprocess, and {bad} cannot be sent to it "
                          f"({type(err).__name__}: {err}). Pass it as a 'package.module:name' string the subprocess "
                          "can import instead.") from None
     flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+    hardware = payload.get("hardware")
+    simulated = 1 if hardware is not None and hardware.kind == "tpu" else devices  # a TPU's devices are the compiler's
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={simulated}".strip(),
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
     with tempfile.TemporaryDirectory(prefix="parallax-plan-") as folder:
         source, target = os.path.join(folder, "payload.pkl"), os.path.join(folder, "rows.json")
         with open(source, "wb") as f:
             f.write(data)
-        proc = subprocess.run([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        where = (f"a {hardware.name} slice of {devices} chips (the TPU compiler)" if simulated != devices
+                 else f"{devices} simulated CPU devices")
+        try:
+            proc = subprocess.run([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"Planning on {where} took over {timeout:.0f} s in its subprocess and was stopped. Plan "
+                               "fewer strategies or device counts per call.") from None
         if proc.returncode != 0:
-            raise RuntimeError(f"Planning on {devices} simulated CPU devices failed in its subprocess "
-                               f"(exit status {proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise RuntimeError(died(proc.returncode, proc.stderr, where))
         with open(target) as f:
             return json.load(f)
+
+
+def died(status: int, stderr: str, where: str) -> str:
+    """Why a planning subprocess ended with ``status``, from its stderr, and what to try."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    checks = [line for line in lines if "Check failed" in line or re.match(r"^F\d{4} ", line)]
+    if "MemoryError" in stderr or "RESOURCE_EXHAUSTED" in stderr or status == -signal.SIGKILL:
+        why = ("it ran out of this machine's memory" + (" (killed by the system)" if status == -signal.SIGKILL else "")
+               + f": compiling for {where} holds the whole program per device")
+        fix = ("Plan fewer devices at once (one device count per call), a stacked (nn.scan) model instead of a list of "
+               "blocks, or a TPU target (hardware='v5p'), whose compiler is lighter here")
+    elif status < 0:
+        name = signal.Signals(-status).name if -status in signal.Signals._value2member_map_ else f"signal {-status}"
+        why = f"the compiler aborted ({name})" + (f": {checks[-1].strip()}" if checks else "")
+        fix = ("This is XLA's own check failing, not your model: try another device count or strategy, or report it "
+               "with the line above")
+    else:
+        last = next((line for line in reversed(lines) if re.match(r"^\w*(Error|Exception)\b", line)), None)
+        why = f"exit status {status}" + (f": {last.strip()}" if last else "")
+        fix = "The lines below are the subprocess's own"
+    tail = "\n".join(lines[-20:])
+    return f"Planning on {where} failed in its subprocess: {why}. {fix}.\n--- its last lines:\n{tail}"
 
 
 def _picklable(value: Any) -> bool:
@@ -66,12 +96,16 @@ def main(argv: list[str]) -> None:
     from parallax.plan.candidates import evaluate
     from parallax.sharding.named import parse_strategy
     from parallax.plan.refs import resolve
+    from parallax.plan.target import tpu_devices
 
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
     args = {kind: resolve(kind, payload[kind]) for kind in ("model", "optimizer", "batch", "loss_fn")}
+    hardware = payload.get("hardware")
+    devices = (tpu_devices(hardware, payload["devices"]) if hardware is not None and hardware.kind == "tpu"
+               else jax.devices())
     rows = [evaluate(args["model"], args["optimizer"], args["batch"], args["loss_fn"], parse_strategy(strategy),
-                     jax.devices(), payload["options"], payload["rng"], payload.get("topology"))
+                     devices, payload["options"], payload["rng"], payload.get("topology"), hardware)
             for strategy in payload["strategies"]]
     with open(argv[1], "w") as f:
         json.dump(rows, f)

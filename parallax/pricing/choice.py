@@ -15,7 +15,7 @@ import jax
 
 from parallax import _multihost
 from parallax._units import format_bytes, parse_bytes
-from parallax.pricing.cost import Estimate, calibrate, estimate
+from parallax.pricing.cost import DeviceSpeeds, Estimate, calibrate, estimate
 from parallax.sharding.topology import Topology
 
 
@@ -84,7 +84,7 @@ def memory_budget(given: int | str | None, devices: Sequence[jax.Device]) -> int
 
 
 def choose(compiled: Mapping[str, Any], devices: Sequence[jax.Device], budget: int | None = None, *,
-           what: str = "compile path", topology: Topology | None = None) -> Choice:
+           what: str = "compile path", topology: Topology | None = None, speeds: DeviceSpeeds | None = None) -> Choice:
     """The fastest of ``compiled`` (label -> ``jax.stages.Compiled``) on ``devices`` that fits ``budget``
     (bytes per device, see :func:`memory_budget`; ``None``: no limit).
 
@@ -93,9 +93,10 @@ def choose(compiled: Mapping[str, Any], devices: Sequence[jax.Device], budget: i
     runs over (:func:`parallax.pricing.cost.estimate`).
 
     When none fits, the one with the smallest peak is taken (and the choice says every
-    candidate was over).
+    candidate was over). ``speeds``: the devices' (a named hardware's, whose devices are not in
+    hand); measured on ``devices`` by default (:func:`parallax.pricing.cost.calibrate`).
     """
-    speeds = calibrate(devices)
+    speeds = speeds or calibrate(devices)
     estimates = {label: estimate(program, speeds, devices, topology) for label, program in compiled.items()}
     return rank(estimates, budget, what=what)
 

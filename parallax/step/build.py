@@ -96,6 +96,7 @@ class Step(CompiledPaths):
         self.reshardings: dict[str, list[Resharding]] = {}
         self.prefer = prefer
         self.topology = topology
+        self.speeds = None  # the compile paths priced at these (a named hardware's), else measured on the devices
         self._compiled: dict[tuple, tuple[Any, Any]] = {}  # (layout, path) -> jitted step, program (reuse())
 
     def modes(self) -> tuple[str, ...]:

@@ -58,7 +58,8 @@ class CompiledPaths:
         if not compiled:
             raise failed
         devices = list(mesh.devices.flat)
-        choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices), topology=self.topology)
+        choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices), topology=self.topology,
+                        speeds=self.speeds)
         return choice, {mode: functions[mode] for mode in compiled}, compiled
 
     def reuse(self, priced: CompiledPaths | None) -> bool:

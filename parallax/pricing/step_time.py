@@ -1,0 +1,199 @@
+"""The time of one compiled training step on a named accelerator (:class:`parallax.Hardware`).
+
+Read from the compiled program, priced at the data sheet's figures:
+
+- **compute and memory**: the program's FLOPs (``cost_analysis()``, plus the matmuls its loops
+  run after their first iteration: a scanned stack, a pipeline's schedule, accumulation) at the
+  dense peak for the step's compute dtype, plus its bytes accessed at the memory bandwidth
+  (the roofline's two terms, added: matmuls and the memory-bound ops between them take turns).
+  Where the TPU compiler compiled the step its own estimate (``optimal_seconds``) is used.
+- **collectives**, each on the link its device groups run over (inside a fast domain: NVLink,
+  ICI; across: the network), as a ring moves them: an all-gather or reduce-scatter of ``S``
+  bytes over ``g`` devices takes ``(g-1)/g · S`` per device, an all-reduce twice that, an
+  all-to-all ``(g-1)/g · S``, a permute ``S``; plus one start-up latency per call.
+- **what overlaps**: collectives over the data, FSDP and pipeline axes (gradients reduced,
+  params gathered, stages' activations sent) run asynchronously beside the computation and cost
+  only what exceeds it; those over the tensor, context and expert axes carry the activations
+  every layer waits for and sit on the critical path.
+- **offload**: the state kept in host memory crosses the host link (PCIe) in and out each step.
+
+A pipeline's bubble and accumulation's microbatches are in the program itself (its loops' FLOPs).
+
+Example:
+    >>> compiled = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((256, 256))).compile()
+    >>> timed = step_time(compiled, px.Hardware("h100"), dtype="fp32")
+    >>> timed.flops >= 2 * 256**3, 0 < timed.seconds < 1e-3
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+import numpy as np
+
+from parallax import inspect
+from parallax.pricing.cost import KINDS, DeviceSpeeds
+from parallax.pricing.hardware import Hardware
+
+__all__ = ["CRITICAL_KINDS", "StepTime", "matmul_dtype", "speeds", "step_time"]
+
+CRITICAL_KINDS = ("TensorParallel", "ContextParallel", "ExpertParallel")  # activations every layer waits for
+_RING = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "all-reduce": 2.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One step's predicted time on a hardware, per device, and what it is made of.
+
+    Attributes:
+        seconds: the step: ``max(compute + memory, overlapped) + exposed + offload``.
+        compute: seconds of FLOPs at the dense peak.
+        memory: seconds of bytes accessed at the memory bandwidth.
+        exposed: seconds of collectives on the critical path (tensor, context, expert axes).
+        overlapped: seconds of collectives that run beside the computation (data, FSDP, stages).
+        offload: seconds of host-memory transfers.
+        flops: FLOPs per device per step.
+        bytes_accessed: device-memory bytes per device per step.
+        source: how compute and memory were priced (``"roofline"`` or ``"TPU compiler"``).
+        peak_flops: the dense peak used, FLOP/s.
+    """
+
+    seconds: float
+    compute: float
+    memory: float
+    exposed: float
+    overlapped: float
+    offload: float
+    flops: float
+    bytes_accessed: float
+    source: str
+    peak_flops: float
+
+    @property
+    def mfu(self) -> float:
+        """The program's FLOPs per second over the peak (with remat, hardware FLOPs: recomputation counts)."""
+        return self.flops / self.seconds / self.peak_flops if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "mfu": self.mfu}
+
+
+def _costs(compiled: Any) -> dict:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else {}
+    return dict(analysis or {})
+
+
+def _axes_of(group: Sequence[int], shape: tuple[int, ...]) -> set[int]:
+    """The mesh dims (indices) along which a device group's positions differ."""
+    coords = np.array(np.unravel_index(np.asarray(group, dtype=np.int64), shape)).T
+    return {dim for dim in range(len(shape)) if len(set(coords[:, dim].tolist())) > 1}
+
+
+def collective_seconds(text: str, hardware: Hardware, mesh_shape: dict[str, int] | None = None,
+                       critical_axes: Sequence[str] = (), hosts: Sequence[int] | None = None) -> tuple[float, float]:
+    """``(exposed, overlapped)`` seconds of the program's collectives on ``hardware``'s links.
+
+    Args:
+        text: the compiled program's text.
+        hardware: the accelerator.
+        mesh_shape: the mesh's axis sizes in order (positions in a group are its ``devices.flat``).
+        critical_axes: the mesh axes whose collectives sit on the critical path.
+        hosts: the fast domain of each position; all in one where ``None``.
+    """
+    shape = tuple((mesh_shape or {}).values()) or (1,)
+    names = tuple((mesh_shape or {}).keys())
+    count = int(np.prod(shape))
+    exposed = overlapped = 0.0
+    for kind, runs, moved, groups in inspect.collective_groups(text, count):
+        size = max((len(g) for g in groups), default=count) if groups else count
+        if size <= 1:
+            continue
+        across = hosts is not None and any(len({hosts[i] for i in g}) > 1 for g in groups)
+        bandwidth, latency = ((hardware.inter_bandwidth, hardware.inter_latency_us) if across
+                              else (hardware.intra_bandwidth, hardware.intra_latency_us))
+        share = _RING.get(kind, 0.0) * (size - 1) / size if kind in _RING else 1.0  # a permute sends it all
+        seconds = runs * latency * 1e-6 + moved * share / bandwidth
+        axes = set().union(*(_axes_of(g, shape) for g in groups)) if groups and names else set()
+        if any(names[a] in critical_axes for a in axes) or kind == "all-to-all":
+            exposed += seconds
+        else:
+            overlapped += seconds
+    return exposed, overlapped
+
+
+def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_shape: dict[str, int] | None = None,
+              critical_axes: Sequence[str] = (), hosts: Sequence[int] | None = None, host_bytes: int = 0,
+              backend: str | None = None) -> StepTime:
+    """The predicted time of one step of ``compiled`` on ``hardware`` (see the module).
+
+    Args:
+        compiled: the step, a ``jax.stages.Compiled`` (for this backend or the target's).
+        hardware: the accelerator (:class:`parallax.Hardware`).
+        dtype: the matmuls' compute dtype (``"bf16"`` under ``precision="bf16"``, else ``"fp32"``).
+        mesh_shape: the step's mesh, axis name to size, in order.
+        critical_axes: the axes whose collectives carry activations (tensor, context, expert).
+        hosts: each mesh position's fast domain (host or slice), in ``devices.flat`` order.
+        host_bytes: bytes of state kept in host memory (offload), moved in and out each step.
+        backend: what ``compiled`` was compiled for: ``"tpu"`` uses the TPU compiler's own estimate.
+    """
+    costs = _costs(compiled)
+    text = compiled.as_text()
+    flops = float(costs.get("flops", 0.0)) + inspect.loop_dot_flops(text)
+    accessed = float(costs.get("bytes accessed", 0.0))
+    peak = hardware.peak_flops(dtype)
+    optimal = costs.get("optimal_seconds")
+    if backend == "tpu" and optimal and optimal > 0:
+        source = "TPU compiler"
+        compute = float(optimal)
+        memory = 0.0
+    else:
+        source = "roofline"
+        compute = flops / peak
+        memory = accessed / (hardware.memory_tbps * 1e12)
+    exposed, overlapped = collective_seconds(text, hardware, mesh_shape, critical_axes, hosts)
+    offload = 2 * host_bytes / (hardware.host_link_gbps * 1e9 / 8)
+    seconds = max(compute + memory, overlapped) + exposed + offload
+    return StepTime(seconds=seconds, compute=compute, memory=memory, exposed=exposed, overlapped=overlapped,
+                    offload=offload, flops=flops, bytes_accessed=accessed, source=source, peak_flops=peak)
+
+
+_DOT = re.compile(r"dot_general.*?:\s*\((?P<types>[^)]*)\)")
+_ELEMENT = re.compile(r"tensor<[^>]*?x?(?P<dtype>bf16|f16|f32|f64|f8E\w+|i8)>")
+_NAMES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "f64": "fp32", "i8": "fp8"}
+
+
+def matmul_dtype(lowered_text: str, default: str = "fp32") -> str:
+    """The compute dtype most of a lowered program's matmuls run in (its StableHLO's ``dot_general``
+    operands, before a backend converts them: the CPU compiler computes bf16 matmuls in float32).
+
+    Example:
+        >>> matmul_dtype("%0 = stablehlo.dot_general %a, %b : (tensor<4x8xbf16>, tensor<8x2xbf16>) -> tensor<4x2xf32>")
+        'bf16'
+    """
+    votes: dict[str, int] = {}
+    for match in _DOT.finditer(lowered_text):
+        kinds = [m.group("dtype") for m in _ELEMENT.finditer(match.group("types"))]
+        if kinds:
+            name = "fp8" if any(k.startswith("f8") for k in kinds) else _NAMES.get(min(kinds, key=_width), default)
+            votes[name] = votes.get(name, 0) + 1
+    return max(votes, key=votes.get) if votes else default
+
+
+def _width(kind: str) -> int:
+    return 8 if kind.startswith("f8") or kind == "i8" else int(kind[1:])
+
+
+def speeds(hardware: Hardware, dtype: str = "fp32") -> DeviceSpeeds:
+    """``hardware``'s figures as the compile-path cost model's :class:`DeviceSpeeds` (for ranking
+    the paths of a step compiled for a target whose devices are not in hand)."""
+    per_byte = 1 / hardware.intra_bandwidth
+    latency = hardware.intra_latency_us * 1e-6
+    return DeviceSpeeds(key=f"hardware:{hardware.name}:{dtype}", seconds_per_flop=1 / hardware.peak_flops(dtype),
+                        seconds_per_byte=1 / (hardware.memory_tbps * 1e12),
+                        seconds_per_layout_byte=2 / (hardware.memory_tbps * 1e12),
+                        collectives={kind: (latency, _RING.get(kind, 1.0) * per_byte) for kind in KINDS})
