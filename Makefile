@@ -49,7 +49,14 @@ setup-latest: $(STAMP_LATEST)
 test: $(STAMP)
 	$(PY) -m pytest --tier core $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+# The wide tier also plans a TPU slice with the TPU compiler: libtpu, as the `tpu` extra installs it
+# (jax[tpu] at the installed jax's version, so pip changes nothing else).
+TPU_STAMP := $(VENV)/.tpu-installed
+$(TPU_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet "jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	touch $@
+
+test-all: $(STAMP) $(TPU_STAMP)
 	$(PY) -m pytest --tier all $(PYTEST_ARGS)
 
 test-latest: $(STAMP_LATEST)

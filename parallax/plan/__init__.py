@@ -254,10 +254,12 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     if topology is not None and counts != [topology.devices]:
         raise ValueError(f"devices={devices!r} but {topology} has {topology.devices} devices; leave devices out "
                          "or give the topology's count.")
-    topologies = {count: topology if topology is not None or hardware is None else hardware.topology(count)
-                  for count in counts}  # a count the hardware's hosts do not divide fails here
-    for count in counts:
-        check_target(hardware, count)  # a TPU without libtpu, a count no slice has: before anything compiles
+    def topology_for(count: int) -> Topology | None:  # the hardware's hosts, where no topology is given
+        return topology if topology is not None or hardware is None else hardware.topology(count)
+
+    for count in counts:  # a count the hardware's hosts do not divide, a TPU without libtpu: before compiling
+        topology_for(count)
+        check_target(hardware, count)
     given = [] if memory_budget is None else (
         list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget])
     if not given and hardware is not None:
@@ -279,11 +281,11 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     def rows_for(strategies: list[Strategy], count: int, opts: StepOptions) -> list[dict]:
         if isolate or on_tpu or (isolate is None and count > len(local)):
             return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng,
-                                 "topology": topologies[count], "hardware": hardware}, count)
+                                 "topology": topology_for(count), "hardware": hardware}, count)
         if "model" not in resolved:
             resolved.update({kind: resolve(kind, value) for kind, value in args.items()})
         return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
-                         strategy, local[:count], opts, rng, topologies[count], hardware) for strategy in strategies]
+                         strategy, local[:count], opts, rng, topology_for(count), hardware) for strategy in strategies]
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given),

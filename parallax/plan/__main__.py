@@ -14,6 +14,7 @@ import sys
 from parallax.models.remat_policy import NAMED_POLICIES, named_policy
 from parallax.plan import plan
 from parallax.plan.candidates import DEFAULT_STRATEGIES, with_options
+from parallax.pricing.hardware import known
 from parallax.sharding.named import parse_strategy
 
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default=None, help="comma-separated device counts (default: this machine's)")
     parser.add_argument("--budget", default=None, help="comma-separated memory budgets per device, e.g. 16GB,80GB")
     parser.add_argument("--target", default=None, help="the backend the plan is for: gpu, tpu or cpu")
+    parser.add_argument("--hardware", default=None,
+                        help=f"the accelerator to plan for ({', '.join(known())}): step time, tokens/s, MFU per row; "
+                             "its memory is the default budget and its hosts the topology; a TPU is compiled by the "
+                             "TPU compiler (needs libtpu: pip install 'parallax-flax[tpu]')")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="also draw the plan (mesh and bytes per device by part) to PATH (.png, .svg); needs matplotlib")
@@ -67,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             step_options["compile"] = args.compile
         report = plan(args.model, args.optimizer, args.batch, loss_fn=args.loss, strategies=strategies, devices=devices,
                       memory_budget=None if args.budget is None else args.budget.split(","), target=args.target,
-                      **step_options)
+                      hardware=args.hardware, **step_options)
     except ValueError as err:
         print(f"python -m parallax.plan: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # a planning subprocess that died: why, and what to try
+        print(f"python -m parallax.plan: {err}", file=sys.stderr)
+        return 1
     print(json.dumps(report.as_dict(), indent=1) if args.json else report)
     if args.plot:
         try:

@@ -185,7 +185,7 @@ def matmul_dtype(lowered_text: str, default: str = "fp32") -> str:
 
 
 def _width(kind: str) -> int:
-    return 8 if kind.startswith("f8") or kind == "i8" else int(kind[1:])
+    return 8 if kind.startswith("f8") or kind == "i8" else int(kind.lstrip("bfi"))
 
 
 def speeds(hardware: Hardware, dtype: str = "fp32") -> DeviceSpeeds:

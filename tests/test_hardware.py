@@ -1,0 +1,179 @@
+"""Named hardware: the profiles, a step's time priced on them, and ``px.plan(hardware=...)``.
+
+The step's time is checked term by term against the figures computed here by hand from the data
+sheet's numbers and the compiled program's own FLOPs and collectives (an independent count, not
+the planner's); a TPU plan is compiled by the TPU compiler where ``libtpu`` is installed (the
+wide tier's setup installs it: ``make test-all``).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import parallax as px
+from parallax.inspect import collective_bytes
+from parallax.plan import isolated, target
+from parallax.pricing.hardware import PROFILES, known
+from parallax.pricing.step_time import collective_seconds, matmul_dtype, step_time
+from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
+
+pytestmark = pytest.mark.core
+
+
+def test_the_profiles_hold_the_data_sheets_figures_and_every_field_overrides():
+    assert known() == ["a100", "b200", "h100", "h200", "v4", "v5e", "v5p", "v6e"]
+    h100 = px.Hardware("h100")
+    assert (h100.peak_flops("bf16"), h100.peak_flops("float32"), h100.memory_gib, h100.memory_tbps) == (
+        989e12, 494e12, 80, 3.35)
+    assert (h100.intra_bandwidth, h100.inter_bandwidth) == (450e9, 50e9)  # NVLink 900 GB/s both ways; 400 Gb/s NIC
+    v5p = px.Hardware("TPU-v5p")  # an alias, any case
+    assert (v5p.name, v5p.kind, v5p.peak_flops("bf16"), v5p.memory_gib, v5p.memory_tbps) == ("v5p", "tpu", 459e12, 95,
+                                                                                            2.765)
+    slower = px.Hardware("h100", inter_host_gbps=200, peak_tflops={"fp8": 1500})
+    assert slower.inter_bandwidth == 25e9 and slower.peak_flops("fp8") == 1500e12 and slower.peak_flops("bf16") == 989e12
+    assert px.Hardware("h100") == h100 and slower != h100
+    custom = px.Hardware("my-gpu", kind="gpu", peak_tflops={"bf16": 400}, memory_gib=64, memory_tbps=2.0,
+                         devices_per_host=4, intra_host_gbps=1600, inter_host_gbps=200)
+    assert custom.fast_domain == 4 and custom.topology(16).hosts == 4 and custom.intra_latency_us > 0
+    for name, profile in PROFILES.items():  # each profile complete and cited
+        hardware = px.Hardware(name)
+        assert hardware.sources and hardware.memory_bytes > 0 and hardware.peak_flops("fp32") > 0, name
+        assert profile["kind"] == hardware.kind
+
+
+def test_the_topology_of_a_hardware_is_its_hosts_and_links():
+    assert px.Hardware("h200").topology(256) == px.Topology(32, 8, host_bandwidth=450e9, cross_host_bandwidth=50e9)
+    assert px.Hardware("h100").topology(4) == px.Topology(1, 4, host_bandwidth=450e9, cross_host_bandwidth=50e9)
+    one_slice = px.Hardware("v5p").topology(512)  # 128 hosts of 4 chips, all on the slice's ICI
+    assert (one_slice.hosts, one_slice.devices_per_host, one_slice.cross_host_bandwidth) == (128, 4, 600e9)
+    two_pods = px.Hardware("v6e").topology(512)  # beyond a 256-chip pod: the data-center network between them
+    assert two_pods.cross_host_bandwidth == px.Hardware("v6e").inter_bandwidth
+    assert px.Hardware("v6e").domains([0, 63, 64, 127]) == [0, 0, 1, 1]  # 4 chips per host, 256 per slice
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: px.Hardware("h10"), r"Hardware\('h10'\) is not a known accelerator \(did you mean 'h100'\?\): known are \['a100'"),
+    (lambda: px.Hardware("mine", kind="gpu", memory_gib=8), r"needs peak_tflops, memory_tbps, devices_per_host"),
+    (lambda: px.Hardware("h100", memory_gib=-1), r"memory_gib=-1\): give a positive number"),
+    (lambda: px.Hardware("h100", kind="npu"), r"kind='npu'\): give 'gpu' or 'tpu'"),
+    (lambda: px.Hardware("a100").peak_flops("fp8"), r"no peak for 'fp8': it lists \['bf16', 'fp16', 'fp32'\]"),
+    (lambda: px.Hardware("h100").topology(12), r"devices=12 on h100: a host holds 8 devices.*e\.g\. 8 or 16"),
+    (lambda: target.slice_shape(px.Hardware("v5p"), 48), r"power-of-two number of chips \(e\.g\. 32 or 64\)"),
+], ids=["unknown", "custom-incomplete", "negative", "kind", "dtype", "hosts", "slice"])
+def test_bad_hardware_is_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_a_steps_time_is_its_flops_and_bytes_at_the_peaks_and_its_collectives_on_their_links():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
+    x = jnp.ones((512, 512), jnp.float32)
+    compiled = jax.jit(lambda a: (a @ a.T).sum()).lower(x).compile()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    h100 = px.Hardware("h100")
+    timed = step_time(compiled, h100, dtype="fp32")
+    assert timed.flops == analysis["flops"] >= 2 * 512**3
+    assert timed.compute == pytest.approx(analysis["flops"] / 494e12, rel=1e-12)
+    assert timed.memory == pytest.approx(analysis["bytes accessed"] / 3.35e12, rel=1e-12)
+    assert timed.exposed == timed.overlapped == timed.offload == 0 and timed.seconds == timed.compute + timed.memory
+    assert timed.mfu == pytest.approx(timed.flops / timed.seconds / 494e12) and timed.source == "roofline"
+
+    def reduce_over(axis):  # one all-reduce of a 64 KiB block over one mesh axis
+        body = jax.shard_map(lambda a: jax.lax.psum(a, axis), mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        return jax.jit(body).lower(jnp.ones((128, 128), jnp.float32)).compile().as_text()
+
+    for axis, size in (("tensor", 4), ("data", 2)):
+        text = reduce_over(axis)
+        stat = collective_bytes(text)["all-reduce"]
+        assert (stat.count, stat.bytes) == (1, 128 * 128 * 4)
+        by_hand = 10e-6 + 2 * (size - 1) / size * stat.bytes / 450e9  # a ring all-reduce on NVLink + its start-up
+        exposed, overlapped = collective_seconds(text, h100, dict(mesh.shape), critical_axes=("tensor",))
+        assert (exposed, overlapped) == ((pytest.approx(by_hand), 0.0) if axis == "tensor" else (0.0, pytest.approx(by_hand)))
+        # the same groups across hosts (one device per host): the network's bandwidth and start-up
+        across, _ = collective_seconds(text, h100, dict(mesh.shape), critical_axes=(axis,), hosts=list(range(8)))
+        assert across == pytest.approx(20e-6 + 2 * (size - 1) / size * stat.bytes / 50e9)
+
+
+def test_the_compute_dtype_is_read_from_the_lowered_matmuls():
+    f = jax.jit(lambda a, b: a @ b)
+    bf16, f32 = jnp.ones((8, 8), jnp.bfloat16), jnp.ones((8, 8), jnp.float32)
+    assert matmul_dtype(f.lower(bf16, bf16).as_text()) == "bf16"
+    assert matmul_dtype(f.lower(f32, f32).as_text()) == "fp32"
+    assert matmul_dtype(jax.jit(lambda a: a + 1).lower(f32).as_text()) == "fp32"  # no matmul: the default
+
+
+@pytest.fixture(scope="module")
+def h100_plan():
+    return px.plan(TinyLM(), optax.adamw(1e-3), batches("lm", 1, 16)[0], loss_fn=px.per_example_loss(lm_loss),
+                   strategies=["dp", "fsdp+tp2"], devices=8, hardware="h100", precision="bf16", compile="jit")
+
+
+def test_a_plan_for_a_named_gpu_prices_each_row_on_it(h100_plan):
+    report = h100_plan
+    assert report.labels == ("80GiB",) and report.budgets == (80 * 2**30,) and report.target == "gpu"
+    dp, hybrid = report.rows
+    batch = batches("lm", 1, 16)[0]
+    tokens = int(np.prod(jax.tree.leaves(batch)[0].shape[:2]))
+    for row in report.rows:
+        step = row["step"]
+        assert step["dtype"] == "bf16" and step["hardware"] == "h100" and step["source"] == "roofline"
+        assert step["seconds"] == pytest.approx(max(step["compute"] + step["memory"], step["overlapped"])
+                                                + step["exposed"] + step["offload"])
+        assert step["compute"] == pytest.approx(step["flops"] / 989e12)
+        assert step["tokens_per_second"] == pytest.approx(tokens / step["seconds"] / 8)
+        assert 0 < step["mfu"] < 1
+    assert dp["step"]["exposed"] == 0 and dp["step"]["overlapped"] > 0  # gradients all-reduced beside the backward
+    assert hybrid["step"]["exposed"] > 0  # the tensor axis's activations wait
+    text = str(report)
+    assert "step" in text.splitlines()[0] and "tok/s/dev" in text and "MFU" in text
+    assert "note: step: predicted on h100 (gpu)" in text and report.as_dict()["hardware"]["name"] == "h100"
+
+
+def test_a_plan_for_hardware_refuses_what_cannot_be_planned_before_compiling(monkeypatch):
+    args = (MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0])
+    with pytest.raises(ValueError, match="devices=12 on h100: a host holds 8 devices"):
+        px.plan(*args, loss_fn=classifier_loss, devices=12, hardware="h100")
+    with pytest.raises(ValueError, match="hardware=7: give a name"):
+        px.plan(*args, loss_fn=classifier_loss, devices=8, hardware=7)
+    monkeypatch.setattr(target, "libtpu_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"hardware='v5p' is a TPU: .* pip install 'parallax-flax\[tpu\]'"):
+        px.plan(*args, loss_fn=classifier_loss, devices=8, hardware="v5p")
+
+
+@pytest.mark.parametrize("status, stderr, says", [
+    (-6, "W0000 something\nF0000 00:00 spmd_partitioner.cc:1 Check failed: sharding.IsTiled()\n",
+     "the compiler aborted (SIGABRT): F0000 00:00 spmd_partitioner.cc:1 Check failed: sharding.IsTiled()"),
+    (-9, "", "it ran out of this machine's memory (killed by the system)"),
+    (1, "Traceback...\nMemoryError\n", "it ran out of this machine's memory: compiling for 512 simulated"),
+    (1, "Traceback...\nValueError: bad\n", "exit status 1: ValueError: bad"),
+], ids=["abort", "killed", "memory", "error"])
+def test_a_planning_subprocess_that_dies_says_why(status, stderr, says):
+    message = isolated.died(status, stderr, "512 simulated CPU devices")
+    assert says in message and "--- its last lines:" in message
+    if status == -signal.SIGKILL:
+        assert "one device count per call" in message
+
+
+@pytest.mark.skipif(not target.libtpu_installed(), reason="libtpu is not installed (pip install 'parallax-flax[tpu]'; "
+                    "make test-all installs it)")
+def test_a_plan_for_a_tpu_slice_is_compiled_by_the_tpu_compiler():
+    report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
+                     strategies=["dp", px.FSDP(min_weight_size=0)], devices=8, hardware="v5p")
+    here = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
+                   strategies=["dp", px.FSDP(min_weight_size=0)], devices=8, compile="jit")
+    assert report.target == "tpu" and report.labels == ("95GiB",)
+    for tpu, cpu in zip(report.rows, here.rows):
+        assert tpu["backend"] == "tpu" and tpu["step"]["source"] == "TPU compiler" and tpu["step"]["seconds"] > 0
+        assert tpu["state"] == cpu["state"]  # the state is planned from the specs alike
+        # the TPU compiler's own program: its arrays padded to the TPU's (8, 128) tiles, its own temporaries
+        assert tpu["compiled"]["arguments"] > cpu["compiled"]["arguments"]
+        assert tpu["compiled"]["temporaries"] != cpu["compiled"]["temporaries"]
+    assert "compiled for" not in str(report)  # the peak is the target's own, not an estimate
