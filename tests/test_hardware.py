@@ -177,3 +177,34 @@ def test_a_plan_for_a_tpu_slice_is_compiled_by_the_tpu_compiler():
         assert tpu["compiled"]["arguments"] > cpu["compiled"]["arguments"]
         assert tpu["compiled"]["temporaries"] != cpu["compiled"]["temporaries"]
     assert "compiled for" not in str(report)  # the peak is the target's own, not an estimate
+
+
+def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter():
+    """The step as ``px.plan(hardware="h200")`` prices a GPU it has not got (FLOPs at the dense peak, the
+    jaxpr's fused bytes at the memory bandwidth) against the step times measured on an H200
+    (``benchmarks/results/gpu.json``; ``python -m benchmarks.plan_hardware`` plans them end to end)."""
+    import json
+    import os
+
+    from benchmarks.gpu import MEMORY_CONFIGS, build
+    from benchmarks.plan_hardware import RESULTS, measured
+    from parallax.pricing.fused_bytes import dot_flops, fused_bytes
+    from parallax.state.search import abstract_batch
+    from jax.sharding import NamedSharding
+
+    with open(os.path.join(RESULTS, "gpu.json")) as f:
+        truth = measured(json.load(f))
+    model, loss_fn, example, _, shape = build(False)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
+    h200 = px.Hardware("h200")
+    for config, dtype in (("fp32", "fp32"), ("bf16", "bf16")):
+        strategy = px.DataParallel()
+        mesh = strategy.make_mesh(jax.devices()[:1])
+        plan = px.plan_state(model, optax.adamw(3e-4), shapes, strategy=strategy, loss_fn=loss_fn, mesh=mesh)
+        step = px.make_train_step(loss_fn, strategy, compile="jit", **MEMORY_CONFIGS[config])
+        jaxpr = step.trace(plan.abstract_arrays(), abstract_batch(shapes, NamedSharding(mesh, P()))).jaxpr.jaxpr
+        flops = dot_flops(jaxpr)
+        assert flops == pytest.approx(6 * (8 * 12 * 1024**2 + 1024 * 32000) * 16 * 1024 + 12 * 8 * 16 * 1024**2 * 1024,
+                                      rel=0.02)  # 6 × matmul params × tokens + attention: benchmarks/gpu.py's count
+        predicted = flops / h200.peak_flops(dtype) + fused_bytes(jaxpr).total / (h200.memory_tbps * 1e12)
+        assert abs(predicted / truth[config]["step_s"] - 1) < 0.25, (config, predicted, truth[config]["step_s"])

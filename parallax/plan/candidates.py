@@ -75,7 +75,8 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         if hardware is not None:  # and at the hardware's speeds, not measured on devices that stand in for it
             step.speeds = speeds(hardware, "bf16" if options.policy.casts else "fp32")
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
-        lowered = step.lower(plan.abstract_arrays(), batch)
+        traced = step.trace(plan.abstract_arrays(), batch)
+        lowered = traced.lower()
         compiled = lowered.compile()
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": str(err).splitlines()[0]}
@@ -114,20 +115,24 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     by_bytes = layout.describe() if layout and layout.inside_first != plan.strategy.inside_first() else None
     row["note"] = "; ".join(n for n in (unsharded_reason(plan), close, by_bytes) if n) or None
     if hardware is not None:
+        shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(plan.abstract_arrays())]
+        fraction = totals["total"]["per_device"] / max(totals["total"]["global"], 1)
         row["step"] = priced_step(compiled, lowered.as_text(), hardware, plan.strategy, laid, hosts, memory["host"],
-                                  example_batch)
+                                  example_batch, traced.jaxpr.jaxpr, shapes, fraction)
     return row
 
 
 def priced_step(compiled: Any, lowered_text: str, hardware: Hardware, strategy: Strategy, mesh: Any, hosts: Any,
-                host_bytes: int, example_batch: Any) -> dict:
+                host_bytes: int, example_batch: Any, jaxpr: Any = None, state_shapes: Any = (),
+                state_fraction: float = 1.0) -> dict:
     """A row's ``step``: the predicted step on ``hardware``, examples (and tokens, for a batch of
     token ids) per second per device, and MFU."""
     critical = [part.axis for part in strategy.parts if type(part).__name__ in CRITICAL_KINDS]
     dtype = matmul_dtype(lowered_text)
     timed = step_time(compiled, hardware, dtype=dtype, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
                       critical_axes=critical, hosts=hardware.domains(hosts), host_bytes=host_bytes,
-                      backend=mesh.devices.flat[0].platform)
+                      backend=mesh.devices.flat[0].platform, jaxpr=jaxpr, state_shapes=state_shapes,
+                      state_fraction=state_fraction)
     devices = mesh.devices.size
     leaves = jax.tree.leaves(example_batch)
     examples = int(jax.numpy.shape(leaves[0])[0])

@@ -36,6 +36,7 @@ import numpy as np
 
 from parallax import inspect
 from parallax.pricing.cost import KINDS, DeviceSpeeds
+from parallax.pricing.fused_bytes import dot_flops, fused_bytes
 from parallax.pricing.hardware import Hardware
 
 __all__ = ["CRITICAL_KINDS", "StepTime", "matmul_dtype", "speeds", "step_time"]
@@ -57,7 +58,8 @@ class StepTime:
         offload: seconds of host-memory transfers.
         flops: FLOPs per device per step.
         bytes_accessed: device-memory bytes per device per step.
-        source: how compute and memory were priced (``"roofline"`` or ``"TPU compiler"``).
+        source: how compute and memory were priced: ``"roofline"`` (the program's bytes),
+            ``"roofline, bytes from the jaxpr"`` (a GPU planned on another backend) or ``"TPU compiler"``.
         peak_flops: the dense peak used, FLOP/s.
     """
 
@@ -128,7 +130,8 @@ def collective_seconds(text: str, hardware: Hardware, mesh_shape: dict[str, int]
 
 def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_shape: dict[str, int] | None = None,
               critical_axes: Sequence[str] = (), hosts: Sequence[int] | None = None, host_bytes: int = 0,
-              backend: str | None = None) -> StepTime:
+              backend: str | None = None, jaxpr: Any = None, state_shapes: Sequence[tuple[int, ...]] = (),
+              state_fraction: float = 1.0) -> StepTime:
     """The predicted time of one step of ``compiled`` on ``hardware`` (see the module).
 
     Args:
@@ -140,6 +143,11 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
         hosts: each mesh position's fast domain (host or slice), in ``devices.flat`` order.
         host_bytes: bytes of state kept in host memory (offload), moved in and out each step.
         backend: what ``compiled`` was compiled for: ``"tpu"`` uses the TPU compiler's own estimate.
+        jaxpr: the step's jaxpr: for a GPU planned on another backend, its bytes are read from it as a
+            GPU compiler fuses (:func:`parallax.pricing.fused_bytes.fused_bytes`), not from the other
+            backend's program; the state's bytes per device by ``state_fraction`` (its leaves' shapes
+            are ``state_shapes``), the rest by the program's FLOPs over the jaxpr's.
+        state_fraction: the train state's bytes per device over its global bytes.
     """
     costs = _costs(compiled)
     text = compiled.as_text()
@@ -153,6 +161,11 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
         memory = 0.0
     else:
         source = "roofline"
+        if jaxpr is not None and hardware.kind == "gpu" and backend != "gpu":
+            source = "roofline, bytes from the jaxpr"
+            moved, whole = fused_bytes(jaxpr, state_shapes), dot_flops(jaxpr)
+            share = flops / whole if whole > 0 else 1.0  # the jaxpr's shapes are global under jit
+            accessed = moved.state * state_fraction + (moved.total - moved.state) * min(share, 1.0)
         compute = flops / peak
         memory = accessed / (hardware.memory_tbps * 1e12)
     exposed, overlapped = collective_seconds(text, hardware, mesh_shape, critical_axes, hosts)

@@ -164,6 +164,13 @@ class Step(CompiledPaths):
         with mesh_context(mesh):
             return function.lower(state, self._taken(batch, mesh))
 
+    def trace(self, state: TrainState, batch: Any):
+        """``jax.jit(...).trace`` of the step: its jaxpr (``.jaxpr``), and ``.lower()``."""
+        state, _ = self._placed(state)
+        function, mesh = self._jitted(state, batch)
+        with mesh_context(mesh):
+            return function.trace(state, self._taken(batch, mesh))
+
     def _taken(self, batch: Any, mesh: Mesh) -> Any:
         """``batch`` as the step takes it, its host leaves placed: every program of the step is compiled
         for placed arrays and called with them (one program, whether the caller placed them or not)."""
