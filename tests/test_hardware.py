@@ -124,7 +124,7 @@ def test_a_plan_for_a_named_gpu_prices_each_row_on_it(h100_plan):
     tokens = int(np.prod(jax.tree.leaves(batch)[0].shape[:2]))
     for row in report.rows:
         step = row["step"]
-        assert step["dtype"] == "bf16" and step["hardware"] == "h100" and step["source"] == "roofline"
+        assert step["dtype"] == "bf16" and step["hardware"] == "h100" and step["source"] == "roofline, from the jaxpr"
         assert step["seconds"] == pytest.approx(max(step["compute"] + step["memory"], step["overlapped"])
                                                 + step["exposed"] + step["offload"])
         assert step["compute"] == pytest.approx(step["flops"] / 989e12)
@@ -171,7 +171,7 @@ def test_a_plan_for_a_tpu_slice_is_compiled_by_the_tpu_compiler():
                    strategies=["dp", px.FSDP(min_weight_size=0)], devices=8, compile="jit")
     assert report.target == "tpu" and report.labels == ("95GiB",)
     for tpu, cpu in zip(report.rows, here.rows):
-        assert tpu["backend"] == "tpu" and tpu["step"]["source"] == "TPU compiler" and tpu["step"]["seconds"] > 0
+        assert tpu["backend"] == "tpu" and tpu["step"]["source"] == "roofline, from the jaxpr" and tpu["step"]["seconds"] > 0
         assert tpu["state"] == cpu["state"]  # the state is planned from the specs alike
         # the TPU compiler's own program: its arrays padded to the TPU's (8, 128) tiles, its own temporaries
         assert tpu["compiled"]["arguments"] > cpu["compiled"]["arguments"]
@@ -203,8 +203,8 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
         plan = px.plan_state(model, optax.adamw(3e-4), shapes, strategy=strategy, loss_fn=loss_fn, mesh=mesh)
         step = px.make_train_step(loss_fn, strategy, compile="jit", **MEMORY_CONFIGS[config])
         jaxpr = step.trace(plan.abstract_arrays(), abstract_batch(shapes, NamedSharding(mesh, P()))).jaxpr.jaxpr
-        flops = dot_flops(jaxpr)
-        assert flops == pytest.approx(6 * (8 * 12 * 1024**2 + 1024 * 32000) * 16 * 1024 + 12 * 8 * 16 * 1024**2 * 1024,
-                                      rel=0.02)  # 6 × matmul params × tokens + attention: benchmarks/gpu.py's count
+        flops, local = dot_flops(jaxpr)
+        assert local == 0 and flops == 6 * (8 * 12 * 1024**2 + 1024 * 32000) * 16 * 1024 + 12 * 8 * 16 * 1024**2 * 1024
+        # ^ 6 × matmul params × tokens + attention's two matmuls: benchmarks/gpu.py's count, exactly
         predicted = flops / h200.peak_flops(dtype) + fused_bytes(jaxpr).total / (h200.memory_tbps * 1e12)
         assert abs(predicted / truth[config]["step_s"] - 1) < 0.25, (config, predicted, truth[config]["step_s"])

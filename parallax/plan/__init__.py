@@ -117,8 +117,9 @@ class PlanReport:
         if any(row.get("step") for row in self.rows):
             sources = sorted({row["step"]["source"] for row in self.rows if row.get("step")})
             notes.append(f"step: predicted on {self.hardware.describe()}: compute and memory by "
-                         f"{' and '.join(sources)} (the compiled program's FLOPs at the dense peak for its matmuls' "
-                         "dtype + its bytes at the memory bandwidth), collectives on the links their device groups "
+                         f"{' and '.join(sources)} (the step's FLOPs at the dense peak for its matmuls' dtype + its "
+                         "bytes at the memory bandwidth; from the jaxpr, every loop iteration's matmuls and the bytes "
+                         "as the target's compiler fuses), collectives on the links their device groups "
                          "span (ring bytes + a start-up latency each); data/FSDP/stage collectives overlap the "
                          "computation, tensor/context/expert ones wait on it. MFU: the program's FLOPs (with "
                          "recomputation) per second over the peak.")

@@ -8,6 +8,7 @@ bytes and collectives are those of the step that would run.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 import jax
@@ -80,6 +81,10 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         compiled = lowered.compile()
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": str(err).splitlines()[0]}
+    except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program its device cannot hold
+        if "RESOURCE_EXHAUSTED" not in str(err) or "totals" not in locals():
+            raise
+        return over_memory(row, str(err), totals, plan.strategy.describe(mesh))
     memory = inspect.memory_bytes(compiled)
     text = compiled.as_text()
     traffic = inspect.collective_bytes(text)
@@ -122,6 +127,33 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     return row
 
 
+def over_memory(row: dict, message: str, totals: dict, strategy: str) -> dict:
+    """The row of a candidate the TPU compiler would not compile because its device cannot hold it:
+    the state exact, the temporaries the compiler said it needs, no collectives read."""
+    found = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    temporaries = int(float(found.group(1)) * scale[found.group(2)]) if found else 0
+    state = totals["total"]["per_device"] - totals["total"]["host"]
+    said = re.sub(r"\s+", " ", message[message.index("RESOURCE_EXHAUSTED"):]).split(". ")[0][:300]
+    return {**row, "strategy": strategy, "compile": "jit", "error": None,
+            "state": {"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
+                      "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
+                      "other": totals["other"]["per_device"], "total": totals["total"]["per_device"],
+                      "host": totals["total"]["host"]},
+            "compiled": {"arguments": state, "outputs": state, "temporaries": temporaries, "aliased": state, "host": 0},
+            "peak": state + temporaries, "collective_bytes": 0, "params": totals["params"]["count"], "timed": [],
+            "collectives": {kind: {"count": 0, "bytes": 0} for kind in
+                            ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")},
+            "note": f"does not fit: the {row['backend'].upper()} compiler stopped ({said}); the peak is the state + the "
+                    "temporaries it said it needs, and nothing else was read"}
+
+
+def _runs_on(mesh: Any) -> str:
+    """The platform the mesh's devices run programs on: ``"none"`` for a TPU slice described deviceless."""
+    platform = mesh.devices.flat[0].platform
+    return platform if platform == jax.default_backend() else "none"
+
+
 def priced_step(compiled: Any, lowered_text: str, hardware: Hardware, strategy: Strategy, mesh: Any, hosts: Any,
                 host_bytes: int, example_batch: Any, jaxpr: Any = None, state_shapes: Any = (),
                 state_fraction: float = 1.0) -> dict:
@@ -131,7 +163,7 @@ def priced_step(compiled: Any, lowered_text: str, hardware: Hardware, strategy: 
     dtype = matmul_dtype(lowered_text)
     timed = step_time(compiled, hardware, dtype=dtype, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
                       critical_axes=critical, hosts=hardware.domains(hosts), host_bytes=host_bytes,
-                      backend=mesh.devices.flat[0].platform, jaxpr=jaxpr, state_shapes=state_shapes,
+                      backend=_runs_on(mesh), jaxpr=jaxpr, state_shapes=state_shapes,
                       state_fraction=state_fraction)
     devices = mesh.devices.size
     leaves = jax.tree.leaves(example_batch)

@@ -43,16 +43,23 @@ class Moved:
         total: all of them.
         state: of them, those of values shaped like a leaf of the train state (params, gradients,
             optimizer state): what a sharded state divides.
+        local: of them, those inside a ``shard_map``'s body, whose shapes are one device's already.
     """
 
     total: float = 0.0
     state: float = 0.0
+    local: float = 0.0
 
     def __add__(self, other: "Moved") -> "Moved":
-        return Moved(self.total + other.total, self.state + other.state)
+        return Moved(self.total + other.total, self.state + other.state, self.local + other.local)
 
     def times(self, count: float) -> "Moved":
-        return Moved(self.total * count, self.state * count)
+        return Moved(self.total * count, self.state * count, self.local * count)
+
+    def per_device(self, devices: int, state_fraction: float) -> float:
+        """One device's bytes: the state's by the fraction a device holds, a ``shard_map`` body's as
+        they are, the rest (activations at the jaxpr's global shapes) split over the devices."""
+        return self.state * state_fraction + self.local + (self.total - self.state - self.local) / max(devices, 1)
 
 
 def _nbytes(var: Any) -> int:
@@ -121,7 +128,8 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
     for eqn in jaxpr.eqns:
         inner = _inner(eqn)
         if inner:  # a call, a remat, a scan's body (once per iteration), a shard_map's body
-            total = total + max((fused_bytes(j, shapes) for j in inner), key=lambda m: m.total).times(_runs(eqn))
+            body = max((fused_bytes(j, shapes) for j in inner), key=lambda m: m.total).times(_runs(eqn))
+            total = total + (Moved(body.total, 0.0, body.total) if eqn.primitive.name == "shard_map" else body)
             continue
         for var in eqn.outvars:
             if not isinstance(var, jcore.DropVar) and materialised(var):
@@ -135,16 +143,21 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
     return total
 
 
-def dot_flops(jaxpr: Any) -> float:
-    """The FLOPs of ``jaxpr``'s matmuls (``dot_general``; a scan's body once per iteration) at the
-    shapes the jaxpr has: global under ``jit``, a device's inside a ``shard_map``."""
-    flops = 0.0
+def dot_flops(jaxpr: Any) -> tuple[float, float]:
+    """The FLOPs of ``jaxpr``'s matmuls (``dot_general``; a scan's body once per iteration):
+    ``(at global shapes, inside shard_map bodies at one device's)``."""
+    whole = local = 0.0
     for eqn in jaxpr.eqns:
         inner = _inner(eqn)
         if inner:
-            flops += _runs(eqn) * max(dot_flops(j) for j in inner)
+            body = max((dot_flops(j) for j in inner), key=sum)
+            runs = _runs(eqn)
+            if eqn.primitive.name == "shard_map":
+                local += runs * sum(body)
+            else:
+                whole, local = whole + runs * body[0], local + runs * body[1]
         elif eqn.primitive.name == "dot_general":
             (contracting, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
-            flops += 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(np.prod([lhs[d] for d in contracting]))
-    return flops
+            whole += 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(np.prod([lhs[d] for d in contracting]))
+    return whole, local

@@ -6,7 +6,9 @@ Read from the compiled program, priced at the data sheet's figures:
   run after their first iteration: a scanned stack, a pipeline's schedule, accumulation) at the
   dense peak for the step's compute dtype, plus its bytes accessed at the memory bandwidth
   (the roofline's two terms, added: matmuls and the memory-bound ops between them take turns).
-  Where the TPU compiler compiled the step its own estimate (``optimal_seconds``) is used.
+  A program compiled on other devices than the hardware's (a GPU planned on CPU devices, a TPU
+  slice compiled without one) is read from its jaxpr instead: every loop iteration's matmuls, and
+  the bytes as a GPU or TPU compiler fuses (:mod:`parallax.pricing.fused_bytes`).
 - **collectives**, each on the link its device groups run over (inside a fast domain: NVLink,
   ICI; across: the network), as a ring moves them: an all-gather or reduce-scatter of ``S``
   bytes over ``g`` devices takes ``(g-1)/g · S`` per device, an all-reduce twice that, an
@@ -58,8 +60,8 @@ class StepTime:
         offload: seconds of host-memory transfers.
         flops: FLOPs per device per step.
         bytes_accessed: device-memory bytes per device per step.
-        source: how compute and memory were priced: ``"roofline"`` (the program's bytes),
-            ``"roofline, bytes from the jaxpr"`` (a GPU planned on another backend) or ``"TPU compiler"``.
+        source: how compute and memory were priced: ``"roofline"`` (the compiled program's FLOPs and
+            bytes) or ``"roofline, from the jaxpr"`` (planned on other devices than the hardware's).
         peak_flops: the dense peak used, FLOP/s.
     """
 
@@ -142,11 +144,14 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
         critical_axes: the axes whose collectives carry activations (tensor, context, expert).
         hosts: each mesh position's fast domain (host or slice), in ``devices.flat`` order.
         host_bytes: bytes of state kept in host memory (offload), moved in and out each step.
-        backend: what ``compiled`` was compiled for: ``"tpu"`` uses the TPU compiler's own estimate.
-        jaxpr: the step's jaxpr: for a GPU planned on another backend, its bytes are read from it as a
-            GPU compiler fuses (:func:`parallax.pricing.fused_bytes.fused_bytes`), not from the other
-            backend's program; the state's bytes per device by ``state_fraction`` (its leaves' shapes
-            are ``state_shapes``), the rest by the program's FLOPs over the jaxpr's.
+        backend: the platform ``compiled`` runs on (its devices'): where it is not ``hardware``'s kind
+            (a GPU planned on CPU devices, a TPU slice compiled without one), FLOPs and bytes are read
+            from ``jaxpr``.
+        jaxpr: the step's jaxpr: its matmuls' FLOPs (every iteration of its loops: the compilers' cost
+            analyses count a loop's body once) and its bytes as a GPU or TPU compiler fuses them
+            (:func:`parallax.pricing.fused_bytes.fused_bytes`); values at global shapes split over the
+            devices, the state's by ``state_fraction`` (its leaves' shapes are ``state_shapes``), a
+            ``shard_map`` body's as they are.
         state_fraction: the train state's bytes per device over its global bytes.
     """
     costs = _costs(compiled)
@@ -154,20 +159,15 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
     flops = float(costs.get("flops", 0.0)) + inspect.loop_dot_flops(text)
     accessed = float(costs.get("bytes accessed", 0.0))
     peak = hardware.peak_flops(dtype)
-    optimal = costs.get("optimal_seconds")
-    if backend == "tpu" and optimal and optimal > 0:
-        source = "TPU compiler"
-        compute = float(optimal)
-        memory = 0.0
-    else:
-        source = "roofline"
-        if jaxpr is not None and hardware.kind == "gpu" and backend != "gpu":
-            source = "roofline, bytes from the jaxpr"
-            moved, whole = fused_bytes(jaxpr, state_shapes), dot_flops(jaxpr)
-            share = flops / whole if whole > 0 else 1.0  # the jaxpr's shapes are global under jit
-            accessed = moved.state * state_fraction + (moved.total - moved.state) * min(share, 1.0)
-        compute = flops / peak
-        memory = accessed / (hardware.memory_tbps * 1e12)
+    source = "roofline"
+    if jaxpr is not None and backend != hardware.kind:  # not this hardware's own program: read the jaxpr
+        devices = int(np.prod(list((mesh_shape or {"": 1}).values())))
+        whole, local = dot_flops(jaxpr)  # a compiler's cost analysis counts a loop's body once (the TPU's too)
+        flops = max(flops, whole / devices + local)
+        accessed = fused_bytes(jaxpr, state_shapes).per_device(devices, state_fraction)
+        source = "roofline, from the jaxpr"
+    compute = flops / peak
+    memory = accessed / (hardware.memory_tbps * 1e12)
     exposed, overlapped = collective_seconds(text, hardware, mesh_shape, critical_axes, hosts)
     offload = 2 * host_bytes / (hardware.host_link_gbps * 1e9 / 8)
     seconds = max(compute + memory, overlapped) + exposed + offload

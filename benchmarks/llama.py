@@ -1,0 +1,118 @@
+"""Llama 3.1–shaped transformers written as users write them, for planning at scale without the model.
+
+Two ways users write the same model in Flax linen: a scanned stack (``nn.scan`` over one block, as
+MaxText does) and a Hugging Face–style list of blocks (``FlaxLlamaModel``'s ``layers_{i}``).
+Grouped-query attention, SwiGLU, RMSNorm, bf16 compute over float32 params, untied head. Shapes
+from Meta's Llama 3.1 configs (``SHAPES``); nothing here allocates them: ``px.plan`` plans from
+shapes (``batch(...)`` returns ``jax.ShapeDtypeStruct`` s).
+
+Example:
+    >>> model = Llama(SHAPES["8b"]._replace(layers=2, dim=64, ffn=128, heads=4, kv_heads=2, vocab=256))
+    >>> tokens = jnp.zeros((2, 9), jnp.int32)
+    >>> jax.eval_shape(lambda: model.init(jax.random.key(0), tokens[:, :-1]))["params"]["head"]["kernel"].shape
+    (64, 256)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class Shape(NamedTuple):
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int = 128_256
+
+
+SHAPES = {  # Llama 3.1 (Meta's model cards / configs)
+    "8b": Shape(layers=32, dim=4096, ffn=14_336, heads=32, kv_heads=8),
+    "70b": Shape(layers=80, dim=8192, ffn=28_672, heads=64, kv_heads=8),
+    "405b": Shape(layers=126, dim=16_384, ffn=53_248, heads=128, kv_heads=8),
+}
+
+
+class RMSNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+        return (normed * scale).astype(x.dtype)
+
+
+class Block(nn.Module):
+    shape: Shape
+
+    @nn.compact
+    def __call__(self, x):
+        s, head = self.shape, self.shape.dim // self.shape.heads
+        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.bfloat16, name=name)  # noqa: E731
+        h = RMSNorm(name="attention_norm")(x)
+        q = dense((s.heads, head), "wq")(h)
+        k = dense((s.kv_heads, head), "wk")(h)
+        v = dense((s.kv_heads, head), "wv")(h)
+        k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
+        mask = nn.make_causal_mask(x[..., 0])
+        out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16)
+        x = x + nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.bfloat16, name="wo")(out)
+        h = RMSNorm(name="ffn_norm")(x)
+        gated = nn.silu(dense(s.ffn, "w1")(h)) * dense(s.ffn, "w3")(h)
+        return x + dense(s.dim, "w2")(gated)
+
+
+class ScanBlock(nn.Module):
+    shape: Shape
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(self.shape, name="block")(x), None
+
+
+class Llama(nn.Module):
+    """The scanned stack: one block's params stacked over the layers (``nn.scan``)."""
+
+    shape: Shape
+    remat: bool = True  # full activation checkpointing, as the published large runs use
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.bfloat16)
+        block = nn.remat(ScanBlock) if self.remat else ScanBlock
+        x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=self.shape.layers)(self.shape, name="layers")(x, None)
+        x = RMSNorm(name="norm")(x)
+        return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.bfloat16, name="head")(x)
+
+
+class ListedLlama(nn.Module):
+    """The Hugging Face–style list of blocks (``layers_0``, ``layers_1``...)."""
+
+    shape: Shape
+    remat: bool = True
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.bfloat16)
+        block = nn.remat(Block) if self.remat else Block
+        for i in range(self.shape.layers):
+            x = block(self.shape, name=f"layers_{i}")(x)
+        x = RMSNorm(name="norm")(x)
+        return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.bfloat16, name="head")(x)
+
+
+def loss_fn(model, batch):
+    logits = model(batch["tokens"][:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
+def batch(global_batch: int, sequence: int) -> dict:
+    """One global batch of token ids, as shapes (``sequence`` tokens predicted per row)."""
+    return {"tokens": jax.ShapeDtypeStruct((global_batch, sequence + 1), jnp.int32)}
