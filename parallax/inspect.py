@@ -39,6 +39,21 @@ _PARAM = re.compile(r"%?(?P<name>[\w.\-]+):\s*(?P<dtype>\w+)\[(?P<dims>[\d,]*)\]
 _DOT = re.compile(r"\sdot\(%?(?P<lhs>[\w.\-]+),.*?lhs_contracting_dims=\{(?P<contracting>[\d,]*)\}")
 
 
+_BOUND = re.compile(r"compare\(%?[\w.-]+, %?(?P<name>[\w.-]+)\), direction=LT")
+
+
+def _condition_bound(bodies: dict[str, list[str]], condition: str | None) -> int:
+    """A loop's trip count from its condition where XLA printed none (the TPU compiler): the
+    constant its counter is compared below (a scan's counter starts at 0); 1 where not read."""
+    lines = bodies.get(condition or "", [])
+    compare = next((m for m in map(_BOUND.search, lines) if m), None)
+    if compare is None:
+        return 1
+    constant = re.compile(rf"%?{re.escape(compare.group('name'))} = s32\[\][^ ]* constant\((\d+)\)")
+    found = next((m for m in map(constant.search, lines) if m), None)
+    return int(found.group(1)) if found else 1
+
+
 def lines_with_runs(hlo_text: str) -> list[tuple[str, int, int]]:
     """Each line of a compiled program with how many times it runs per call of the program and
     at how many places it is called: a ``while`` loop's body (with the trip count XLA proved,
@@ -69,14 +84,16 @@ def lines_with_runs(hlo_text: str) -> list[tuple[str, int, int]]:
         return [(line, 1, 1) for line in loose]
     runs: dict[str, int] = {computations[-1][0]: 1}  # the entry computation is printed last
     sites: dict[str, int] = {computations[-1][0]: 1}
+    bodies = dict(computations)
     for name, lines in reversed(computations):  # callers are printed after their callees
         for line in lines[1:]:
-            trip = _TRIP.search(line)
             callees = [(m.group("role"), m.group("name")) for m in _CALLEE.finditer(line)]
+            trip = _TRIP.search(line)
+            count = int(trip.group(1)) if trip else _condition_bound(bodies, dict(callees).get("condition"))
             for group in _BRANCHES.finditer(line):
                 callees += [("branch", n.strip().lstrip("%")) for n in group.group("names").split(",") if n.strip()]
             for role, callee in callees:
-                factor = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+                factor = count if role in ("body", "condition") else 1
                 runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * factor
                 sites[callee] = sites.get(callee, 0) + sites.get(name, 0)
     return [(line, runs.get(name, 0), sites.get(name, 0)) for name, lines in computations for line in lines]
