@@ -208,3 +208,35 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
         # ^ 6 × matmul params × tokens + attention's two matmuls: benchmarks/gpu.py's count, exactly
         predicted = flops / h200.peak_flops(dtype) + fused_bytes(jaxpr).total / (h200.memory_tbps * 1e12)
         assert abs(predicted / truth[config]["step_s"] - 1) < 0.25, (config, predicted, truth[config]["step_s"])
+
+
+def test_a_loop_the_compiler_printed_without_a_trip_count_runs_as_its_condition_says():
+    from parallax.inspect import collective_bytes
+
+    text = """%cond (p: (s32[], f32[8])) -> pred[] {
+  %constant.53 = s32[]{:T(128)} constant(126)
+  %p = (s32[], f32[8]) parameter(0)
+  %gte = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt.10 = pred[]{:T(512)} compare(%gte, %constant.53), direction=LT
+}
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[32]{0} all-gather(f32[8]{0} %x), replica_groups=[1,4]<=[4], dimensions={0}
+}
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body
+}"""
+    assert collective_bytes(text)["all-gather"].count == 126  # the TPU compiler prints no known_trip_count
+
+
+def test_a_candidate_the_compiler_refuses_for_memory_is_a_row_that_does_not_fit():
+    from parallax.plan.candidates import over_memory
+
+    totals = {"params": {"per_device": 10, "count": 40}, "opt_state": {"per_device": 20}, "model_state": {"per_device": 0},
+              "other": {"per_device": 0}, "total": {"per_device": 30, "host": 0}}
+    row = over_memory({"devices": 8, "backend": "tpu"}, "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in "
+                      "memory space hbm. the total memory required for HLO temporaries (152.62G) exceeds available HBM "
+                      "(95.74G).", totals, "FSDP(fsdp=8)")
+    assert row["peak"] == 30 + int(152.62 * 2**30) and row["compiled"]["temporaries"] == int(152.62 * 2**30)
+    assert row["error"] is None and row["note"].startswith("does not fit: the TPU compiler stopped (RESOURCE_EXHAUSTED")
+    report = px.plan.PlanReport((row,), (95 * 2**30,), ("95GiB",), "tpu")
+    assert not report.fits(row) and "does not fit" in str(report)

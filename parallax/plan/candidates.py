@@ -78,7 +78,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
         traced = step.trace(plan.abstract_arrays(), batch)
         lowered = traced.lower()
-        compiled = lowered.compile()
+        compiled = step.program(plan.abstract_arrays(), batch)  # the program the step compiled, not a second one
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": str(err).splitlines()[0]}
     except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program its device cannot hold

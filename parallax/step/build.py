@@ -171,6 +171,16 @@ class Step(CompiledPaths):
         with mesh_context(mesh):
             return function.trace(state, self._taken(batch, mesh))
 
+    def program(self, state: TrainState, batch: Any) -> Any:
+        """The compiled program of the step for ``state``'s layout and ``batch``: compiled (once) to
+        read the compiler's report or to price the paths, so a plan need not compile it again."""
+        state, parts = self._placed(state)
+        self._jitted(state, batch)
+        key = layout_key(state, parts)
+        mode = self.choice.picked if self.choice is not None else self.mode()
+        found = self._compiled.get((key, mode))
+        return found[1] if found is not None else self.lower(state, batch).compile()
+
     def _taken(self, batch: Any, mesh: Mesh) -> Any:
         """``batch`` as the step takes it, its host leaves placed: every program of the step is compiled
         for placed arrays and called with them (one program, whether the caller placed them or not)."""
@@ -227,7 +237,8 @@ class Step(CompiledPaths):
                 except NoStackError as err:  # a pipeline that names no blocks= over a model with no stack
                     self.strategy = pipelined_blocks(self.strategy, state.model, batch, self.loss_fn, err)
                     return self._jitted(state, batch)
-                self.reshardings[self.mode()] = compile_reporting(lowered, *params_layout)[1]
+                program, self.reshardings[self.mode()] = compile_reporting(lowered, *params_layout)
+                self._compiled[key, self.mode()] = function, program
                 self._cache[key] = function, mesh
             if self.reshardings.get(self.mode()):
                 log.warning("Step (%s, %s)%s", self.strategy.describe(mesh), self.mode(), self._resharded())
