@@ -193,7 +193,7 @@ class PlanReport:
 def _step_cells(step: dict) -> list[str]:
     rate = step["tokens_per_second"] if step.get("tokens_per_second") is not None else step["examples_per_second"]
     seconds = step["seconds"]
-    shown = f"{1e3 * seconds:.3g} ms" if seconds < 10 else f"{seconds:.3g} s"
+    shown = f"{1e3 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
     return [shown, f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}", f"{100 * step['mfu']:.1f}%"]
 
 
