@@ -80,7 +80,7 @@ FILE_SECONDS = {
         "test_context_parallel.py": 175, "test_offload.py": 134, "test_expert_parallel.py": 134, "test_auto.py": 128,
         "test_third_party.py": 128, "test_nnx.py": 121, "test_examples.py": 116, "test_faults.py": 109,
         "test_zoo.py": 103, "test_your_mesh.py": 100, "test_plan.py": 95, "test_step.py": 83, "test_trainer.py": 79,
-        "test_microbatches.py": 70, "test_hardware.py": 50,
+        "test_microbatches.py": 70, "test_hardware.py": 130,
         "test_benchmarks.py": 66, "test_resharding.py": 66, "test_testing.py": 64, "test_losses.py": 61,
         "test_grain.py": 54, "test_fsdp.py": 50, "test_docs.py": 43, "test_per_example_proof.py": 42,
         "test_topology.py": 40, "test_elastic.py": 28, "test_tp_layout.py": 27, "test_model_habits.py": 17,
