@@ -148,6 +148,20 @@ def test_a_plan_for_hardware_refuses_what_cannot_be_planned_before_compiling(mon
         px.plan(*args, loss_fn=classifier_loss, devices=8, hardware="v5p")
 
 
+def test_the_cli_plans_for_named_hardware_and_names_the_known_ones(capsys):
+    from parallax.plan.__main__ import main
+
+    args = ["tests.test_plan:cli_model", "--batch", "tests.test_plan:cli_batch", "--loss", "tests.models:classifier_loss",
+            "--devices", "8", "--strategies", "dp", "--compile", "jit"]
+    assert main([*args, "--hardware", "a100"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert header[-5:] == ["fits", "80GiB", "step", "ex/s/dev", "MFU"]  # the A100's memory is the budget
+    assert "note: step: predicted on a100 (gpu)" in out
+    assert main([*args, "--hardware", "a10"]) == 2
+    assert "Hardware('a10') is not a known accelerator (did you mean 'a100'?)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("status, stderr, says", [
     (-6, "W0000 something\nF0000 00:00 spmd_partitioner.cc:1 Check failed: sharding.IsTiled()\n",
      "the compiler aborted (SIGABRT): F0000 00:00 spmd_partitioner.cc:1 Check failed: sharding.IsTiled()"),

@@ -255,6 +255,7 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     if topology is not None and counts != [topology.devices]:
         raise ValueError(f"devices={devices!r} but {topology} has {topology.devices} devices; leave devices out "
                          "or give the topology's count.")
+
     def topology_for(count: int) -> Topology | None:  # the hardware's hosts, where no topology is given
         return topology if topology is not None or hardware is None else hardware.topology(count)
 
