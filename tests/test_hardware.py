@@ -260,19 +260,17 @@ def test_a_candidate_the_compiler_refuses_for_memory_is_a_row_that_does_not_fit(
 
 
 @needs_libtpu
-@pytest.mark.wide("a 405B plan compiled by the TPU compiler for 512 chips: about 60 s cold, over the core's 30")
+@pytest.mark.wide("a 405B plan compiled by the TPU compiler for 512 chips: about 60-80 s cold, over the core's 30")
+@pytest.mark.budget(150, "issue 69's limit for a 405B-class plan on this machine is 300 s; 57-81 s measured")
 def test_a_405b_llama_is_planned_for_512_tpu_chips_on_this_machine_in_minutes():
     """Llama 3.1 405B as users write it (a scanned stack, bf16), FSDP 64 × TP 8 on a v5p slice of 512 chips,
-    compiled by the TPU compiler on this CPU without allocating anything (about a minute here)."""
-    import time
-
+    compiled by the TPU compiler on this CPU without allocating anything (about a minute here; its time is the
+    budget marker's, reported by the run's summary, not asserted)."""
     from benchmarks.llama import SHAPES, Llama, batch, loss_fn
 
     shape = SHAPES["405b"]
-    start = time.perf_counter()
     report = px.plan(Llama(shape), optax.adamw(3e-4), batch(64, 2048), loss_fn=loss_fn, strategies=["fsdp+tp8"],
                      devices=512, hardware="v5p", compile="jit")
-    took = time.perf_counter() - start
     row = report.rows[0]
     d, head = shape.dim, shape.dim // shape.heads
     per_layer = d * shape.heads * head * 2 + d * shape.kv_heads * head * 2 + 3 * d * shape.ffn + 2 * d
@@ -286,4 +284,3 @@ def test_a_405b_llama_is_planned_for_512_tpu_chips_on_this_machine_in_minutes():
     assert step["flops"] > 6 * row["params"] * tokens / 512  # every layer's matmuls, and the remat's recompute
     assert 0 < step["mfu"] < 1 and step["tokens_per_second"] == pytest.approx(tokens / step["seconds"] / 512)
     assert row["collectives"]["all-reduce"]["count"] > shape.layers  # counted per layer of the scan's loop
-    assert took < 300, took  # the issue's budget: five minutes for a 405B-class plan on this machine
