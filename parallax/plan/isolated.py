@@ -1,9 +1,12 @@
-"""Planning for more devices than this process has: a child process with N simulated CPU devices.
+"""Planning for more devices than this process has: a child process with N simulated CPU devices,
+or, for a TPU hardware, the abstract devices of a TPU slice the TPU compiler compiles for
+(:mod:`parallax.plan.target`; the TPU compiler stays out of the caller's process).
 
 The parent sends the model, optimizer, batch, loss and strategies with ``cloudpickle`` (by
 reference where they are importable, by value otherwise: a model class defined in a script
 or a notebook works) or as ``module:attr`` strings the child imports; the child plans every
-candidate on its devices and writes the rows back as JSON.
+candidate on its devices and writes the rows back as JSON. A child that dies is explained
+(:func:`died`): the compiler's failed check, or the machine's memory, and what to try.
 """
 
 from __future__ import annotations
