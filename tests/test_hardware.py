@@ -21,7 +21,8 @@ import parallax as px
 from parallax.inspect import collective_bytes
 from parallax.plan import isolated, target
 from parallax.pricing.hardware import PROFILES, known
-from parallax.pricing.step_time import collective_seconds, matmul_dtype, step_time
+from parallax.pricing.fused_bytes import matmul_dtype
+from parallax.pricing.step_time import collective_seconds, step_time
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
 pytestmark = pytest.mark.core
@@ -102,12 +103,12 @@ def test_a_steps_time_is_its_flops_and_bytes_at_the_peaks_and_its_collectives_on
         assert across == pytest.approx(20e-6 + 2 * (size - 1) / size * stat.bytes / 50e9)
 
 
-def test_the_compute_dtype_is_read_from_the_lowered_matmuls():
+def test_the_compute_dtype_is_read_from_the_jaxprs_matmuls():
     f = jax.jit(lambda a, b: a @ b)
     bf16, f32 = jnp.ones((8, 8), jnp.bfloat16), jnp.ones((8, 8), jnp.float32)
-    assert matmul_dtype(f.lower(bf16, bf16).as_text()) == "bf16"
-    assert matmul_dtype(f.lower(f32, f32).as_text()) == "fp32"
-    assert matmul_dtype(jax.jit(lambda a: a + 1).lower(f32).as_text()) == "fp32"  # no matmul: the default
+    assert matmul_dtype(jax.make_jaxpr(f)(bf16, bf16).jaxpr) == "bf16"  # inside the jit's call, too
+    assert matmul_dtype(jax.make_jaxpr(f)(f32, f32).jaxpr) == "fp32"
+    assert matmul_dtype(jax.make_jaxpr(lambda a: a + 1)(f32).jaxpr) == "fp32"  # no matmul: the default
 
 
 @pytest.fixture(scope="module")

@@ -268,7 +268,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         given = [f"{hardware.memory_gib:g}GiB"]
     budgets = tuple(parse_bytes(b) for b in given)
     parsed = [parse_strategy(s) for s in strategies]  # a bad name fails here, before anything compiles
-    if isolate is False and hardware is not None and hardware.kind == "tpu":
+    on_tpu = hardware is not None and hardware.kind == "tpu"
+    if isolate is False and on_tpu:
         raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; leave "
                          "isolate unset.")
     if isolate is False and max(counts) > len(local):
@@ -277,8 +278,6 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     model = unwrap_pretrained(model)[0]  # a Hugging Face model object: its module (a plan needs no params)
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
     resolved: dict = {}
-
-    on_tpu = hardware is not None and hardware.kind == "tpu"
 
     def rows_for(strategies: list[Strategy], count: int, opts: StepOptions) -> list[dict]:
         if isolate or on_tpu or (isolate is None and count > len(local)):

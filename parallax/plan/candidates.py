@@ -18,7 +18,8 @@ from parallax import inspect
 from parallax.pricing.timing import closest
 from parallax.pricing.hardware import Hardware
 from parallax.pricing.host_layout import cheapest_layout, link_seconds
-from parallax.pricing.step_time import CRITICAL_KINDS, matmul_dtype, speeds, step_time
+from parallax.pricing.fused_bytes import matmul_dtype
+from parallax.pricing.step_time import speeds, step_time
 from parallax.sharding.context import mesh_in_context, mesh_on
 from parallax.sharding.strategy import Strategy, combine
 from parallax.sharding.topology import Topology, crossing_axes, hosts_of
@@ -76,9 +77,8 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         if hardware is not None:  # and at the hardware's speeds, not measured on devices that stand in for it
             step.speeds = speeds(hardware, "bf16" if options.policy.casts else "fp32")
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
-        traced = step.trace(plan.abstract_arrays(), batch)
-        lowered = traced.lower()
         compiled = step.program(plan.abstract_arrays(), batch)  # the program the step compiled, not a second one
+        jaxpr = step.trace(plan.abstract_arrays(), batch).jaxpr.jaxpr if hardware is not None else None
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": str(err).splitlines()[0]}
     except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program its device cannot hold
@@ -103,11 +103,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
                         "crossing": list(crossing_axes(laid, topology))}
         row["links"]["seconds"] = link_seconds(row["links"]["inside"], row["links"]["across"], topology)
     row.update(
-        strategy=plan.strategy.describe(mesh), compile=step.mode(), error=None,
-        state={"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
-               "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
-               "other": totals["other"]["per_device"], "total": totals["total"]["per_device"],
-               "host": totals["total"]["host"]},
+        strategy=plan.strategy.describe(mesh), compile=step.mode(), error=None, state=state_bytes(totals),
         compiled=memory,
         peak=inspect.peak_bytes(memory),
         collectives={kind: {"count": stat.count, "bytes": stat.bytes} for kind, stat in traffic.items()},
@@ -122,9 +118,17 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     if hardware is not None:
         shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(plan.abstract_arrays())]
         fraction = totals["total"]["per_device"] / max(totals["total"]["global"], 1)
-        row["step"] = priced_step(compiled, lowered.as_text(), hardware, plan.strategy, laid, hosts, memory["host"],
-                                  example_batch, traced.jaxpr.jaxpr, shapes, fraction)
+        row["step"] = priced_step(compiled, jaxpr, hardware, plan.strategy, laid, hosts, memory["host"],
+                                  example_batch, shapes, fraction)
     return row
+
+
+def state_bytes(totals: dict) -> dict:
+    """A row's ``state``: per-device bytes by part of the train state (:func:`parallax.summarize`'s totals)."""
+    return {"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
+            "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
+            "other": totals["other"]["per_device"], "total": totals["total"]["per_device"],
+            "host": totals["total"]["host"]}
 
 
 def over_memory(row: dict, message: str, totals: dict, strategy: str) -> dict:
@@ -135,15 +139,10 @@ def over_memory(row: dict, message: str, totals: dict, strategy: str) -> dict:
     temporaries = int(float(found.group(1)) * scale[found.group(2)]) if found else 0
     state = totals["total"]["per_device"] - totals["total"]["host"]
     said = re.sub(r"\s+", " ", message[message.index("RESOURCE_EXHAUSTED"):]).split(". ")[0][:300]
-    return {**row, "strategy": strategy, "compile": "jit", "error": None,
-            "state": {"params": totals["params"]["per_device"], "opt_state": totals["opt_state"]["per_device"],
-                      "gradients": totals["params"]["per_device"], "model_state": totals["model_state"]["per_device"],
-                      "other": totals["other"]["per_device"], "total": totals["total"]["per_device"],
-                      "host": totals["total"]["host"]},
+    return {**row, "strategy": strategy, "compile": "jit", "error": None, "state": state_bytes(totals),
             "compiled": {"arguments": state, "outputs": state, "temporaries": temporaries, "aliased": state, "host": 0},
             "peak": state + temporaries, "collective_bytes": 0, "params": totals["params"]["count"], "timed": [],
-            "collectives": {kind: {"count": 0, "bytes": 0} for kind in
-                            ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")},
+            "collectives": {kind: {"count": 0, "bytes": 0} for kind in inspect.COLLECTIVES},
             "note": f"does not fit: the {row['backend'].upper()} compiler stopped ({said}); the peak is the state + the "
                     "temporaries it said it needs, and nothing else was read"}
 
@@ -154,13 +153,12 @@ def _runs_on(mesh: Any) -> str:
     return platform if platform == jax.default_backend() else "none"
 
 
-def priced_step(compiled: Any, lowered_text: str, hardware: Hardware, strategy: Strategy, mesh: Any, hosts: Any,
-                host_bytes: int, example_batch: Any, jaxpr: Any = None, state_shapes: Any = (),
-                state_fraction: float = 1.0) -> dict:
+def priced_step(compiled: Any, jaxpr: Any, hardware: Hardware, strategy: Strategy, mesh: Any, hosts: Any,
+                host_bytes: int, example_batch: Any, state_shapes: Any = (), state_fraction: float = 1.0) -> dict:
     """A row's ``step``: the predicted step on ``hardware``, examples (and tokens, for a batch of
     token ids) per second per device, and MFU."""
-    critical = [part.axis for part in strategy.parts if type(part).__name__ in CRITICAL_KINDS]
-    dtype = matmul_dtype(lowered_text)
+    critical = [part.axis for part in strategy.parts if part.critical_path]
+    dtype = matmul_dtype(jaxpr)
     timed = step_time(compiled, hardware, dtype=dtype, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
                       critical_axes=critical, hosts=hardware.domains(hosts), host_bytes=host_bytes,
                       backend=_runs_on(mesh), jaxpr=jaxpr, state_shapes=state_shapes,

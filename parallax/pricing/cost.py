@@ -125,12 +125,16 @@ class Estimate:
                 f"peak {self.peak / 2**20:.1f} MiB)")
 
 
-def _costs(compiled: Any) -> tuple[float, float]:
+def program_costs(compiled: Any, text: str) -> tuple[float, float]:
+    """``(FLOPs, bytes accessed)`` per device of ``compiled`` (its text is ``text``): XLA's
+    ``cost_analysis()``, plus the matmuls its loops run after their first iteration, which it leaves
+    out (a scanned stack, a pipeline)."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else {}
     analysis = analysis or {}
-    return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    return (float(analysis.get("flops", 0.0)) + inspect.loop_dot_flops(text),
+            float(analysis.get("bytes accessed", 0.0)))
 
 
 def estimate(compiled: Any, speeds: DeviceSpeeds, devices: Sequence[jax.Device] | None = None,
@@ -145,9 +149,8 @@ def estimate(compiled: Any, speeds: DeviceSpeeds, devices: Sequence[jax.Device] 
             (:meth:`DeviceSpeeds.across`), each collective is priced on the links it runs over.
         topology: the hosts as simulated, with their links' bandwidths (:class:`parallax.Topology`).
     """
-    flops, accessed = _costs(compiled)
     text = compiled.as_text()
-    flops += inspect.loop_dot_flops(text)  # cost_analysis counts a loop's body once (a scanned stack, a pipeline)
+    flops, accessed = program_costs(compiled, text)
     transposed = inspect.layout_bytes(text)
     traffic = inspect.collective_bytes(text)
     across = speeds.across(topology) if devices is not None else None
@@ -261,7 +264,8 @@ def _measure_on(mesh: Mesh, start: float) -> DeviceSpeeds:
     for fn, inputs in programs:
         placed = [jnp.ones(shape, jnp.float32, device=sharding) for shape, sharding in inputs]
         elapsed, compiled = _timed(fn, *placed)
-        features.append([*_costs(compiled), inspect.layout_bytes(compiled.as_text()), 1.0])
+        text = compiled.as_text()  # loop-free programs: their costs are cost_analysis()'s
+        features.append([*program_costs(compiled, text), inspect.layout_bytes(text), 1.0])
         seconds.append(elapsed)
     seconds_per_flop, seconds_per_byte, per_layout_byte, overhead = _nonnegative_fit(np.array(features),
                                                                                       np.array(seconds))

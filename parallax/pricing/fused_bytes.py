@@ -7,7 +7,9 @@ ops (and the reductions that consume them) are grouped as XLA's GPU and TPU comp
 each group reads the values it takes from outside once and writes what leaves it once; a matmul,
 a gather, a collective or a loop reads materialised inputs and writes its outputs; a scan's body
 counts once per iteration. Measured against an H200 (``benchmarks/results/gpu.md``): the step
-times this predicts are within 7 % (float32) and 21 % (bf16) of the measured ones.
+times this predicts are within 7 % (float32) and 21 % (bf16) of the measured ones. The jaxpr's
+matmuls too: their FLOPs, every loop iteration's (:func:`dot_flops`), and the dtype most of them
+run in (:func:`matmul_dtype`).
 
 Example:
     >>> jaxpr = jax.make_jaxpr(lambda x: jnp.exp(x * 2).sum())(jnp.ones((1024,), jnp.float32))
@@ -23,7 +25,7 @@ from typing import Any, Iterable
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Moved", "dot_flops", "fused_bytes"]
+__all__ = ["Moved", "dot_flops", "fused_bytes", "matmul_dtype"]
 
 _ELEMENTWISE = frozenset("""
     abs add and atan2 broadcast_in_dim ceil clamp convert_element_type copy copy_p cos cumsum cummax cumlogsumexp
@@ -161,3 +163,33 @@ def dot_flops(jaxpr: Any) -> tuple[float, float]:
             lhs = eqn.invars[0].aval.shape
             whole += 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(np.prod([lhs[d] for d in contracting]))
     return whole, local
+
+
+_WIDTHS = {"bfloat16": ("bf16", 16), "float16": ("fp16", 16), "float32": ("fp32", 32), "float64": ("fp32", 64),
+           "int8": ("fp8", 8)}
+
+
+def matmul_dtype(jaxpr: Any, default: str = "fp32") -> str:
+    """The compute dtype most of ``jaxpr``'s matmuls run in: each ``dot_general``'s narrowest operand
+    (the jaxpr's, before a backend converts them).
+
+    Example:
+        >>> bf16 = jnp.ones((4, 8), jnp.bfloat16)
+        >>> matmul_dtype(jax.make_jaxpr(lambda a: a @ a.T)(bf16).jaxpr)
+        'bf16'
+    """
+    votes: dict[str, int] = {}
+
+    def walk(inner: Any) -> None:
+        for eqn in inner.eqns:
+            for body in _inner(eqn):
+                walk(body)
+            if eqn.primitive.name == "dot_general":
+                kinds = [str(var.aval.dtype) for var in eqn.invars]
+                known = [_WIDTHS[k] for k in kinds if k in _WIDTHS]
+                name = ("fp8" if any(k.startswith("float8") for k in kinds)
+                        else min(known, key=lambda pair: pair[1])[0] if known else default)
+                votes[name] = votes.get(name, 0) + 1
+
+    walk(jaxpr)
+    return max(votes, key=votes.get) if votes else default

@@ -31,19 +31,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Sequence
 
 import numpy as np
 
 from parallax import inspect
-from parallax.pricing.cost import KINDS, DeviceSpeeds
+from parallax.pricing.cost import KINDS, DeviceSpeeds, program_costs
 from parallax.pricing.fused_bytes import dot_flops, fused_bytes
 from parallax.pricing.hardware import Hardware
 
-__all__ = ["CRITICAL_KINDS", "StepTime", "matmul_dtype", "speeds", "step_time"]
+__all__ = ["StepTime", "speeds", "step_time"]
 
-CRITICAL_KINDS = ("TensorParallel", "ContextParallel", "ExpertParallel")  # activations every layer waits for
 _RING = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "all-reduce": 2.0}
 
 
@@ -83,13 +81,6 @@ class StepTime:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "mfu": self.mfu}
-
-
-def _costs(compiled: Any) -> dict:
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
-        analysis = analysis[0] if analysis else {}
-    return dict(analysis or {})
 
 
 def _axes_of(group: Sequence[int], shape: tuple[int, ...]) -> set[int]:
@@ -154,10 +145,8 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
             ``shard_map`` body's as they are.
         state_fraction: the train state's bytes per device over its global bytes.
     """
-    costs = _costs(compiled)
     text = compiled.as_text()
-    flops = float(costs.get("flops", 0.0)) + inspect.loop_dot_flops(text)
-    accessed = float(costs.get("bytes accessed", 0.0))
+    flops, accessed = program_costs(compiled, text)
     peak = hardware.peak_flops(dtype)
     source = "roofline"
     if jaxpr is not None and backend != hardware.kind:  # not this hardware's own program: read the jaxpr
@@ -173,32 +162,6 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
     seconds = max(compute + memory, overlapped) + exposed + offload
     return StepTime(seconds=seconds, compute=compute, memory=memory, exposed=exposed, overlapped=overlapped,
                     offload=offload, flops=flops, bytes_accessed=accessed, source=source, peak_flops=peak)
-
-
-_DOT = re.compile(r"dot_general.*?:\s*\((?P<types>[^)]*)\)")
-_ELEMENT = re.compile(r"tensor<[^>]*?x?(?P<dtype>bf16|f16|f32|f64|f8E\w+|i8)>")
-_NAMES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "f64": "fp32", "i8": "fp8"}
-
-
-def matmul_dtype(lowered_text: str, default: str = "fp32") -> str:
-    """The compute dtype most of a lowered program's matmuls run in (its StableHLO's ``dot_general``
-    operands, before a backend converts them: the CPU compiler computes bf16 matmuls in float32).
-
-    Example:
-        >>> matmul_dtype("%0 = stablehlo.dot_general %a, %b : (tensor<4x8xbf16>, tensor<8x2xbf16>) -> tensor<4x2xf32>")
-        'bf16'
-    """
-    votes: dict[str, int] = {}
-    for match in _DOT.finditer(lowered_text):
-        kinds = [m.group("dtype") for m in _ELEMENT.finditer(match.group("types"))]
-        if kinds:
-            name = "fp8" if any(k.startswith("f8") for k in kinds) else _NAMES.get(min(kinds, key=_width), default)
-            votes[name] = votes.get(name, 0) + 1
-    return max(votes, key=votes.get) if votes else default
-
-
-def _width(kind: str) -> int:
-    return 8 if kind.startswith("f8") or kind == "i8" else int(kind.lstrip("bfi"))
 
 
 def speeds(hardware: Hardware, dtype: str = "fp32") -> DeviceSpeeds:

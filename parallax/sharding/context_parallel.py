@@ -66,6 +66,7 @@ class ContextParallel(Strategy):
     gathers_params = False
     placement_priority = 40  # places no param
     link_rank = 35  # keys and values of every attention, each step: inside a host before data parallelism
+    critical_path = True
 
     def __post_init__(self):
         check_axis("ContextParallel", self.size, self.axis)

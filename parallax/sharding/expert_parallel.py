@@ -88,6 +88,7 @@ class ExpertParallel(Strategy):
     gathers_params = False
     placement_priority = 5  # the experts dim first: the other parts split the dims left
     link_rank = 15  # tokens to their experts and back at every MoE layer: inside a host, after TP
+    critical_path = True
     uses_computation = True
 
     def __post_init__(self):

@@ -201,7 +201,7 @@ class TensorParallel(Strategy):
     splits_batch = False
     gathers_params = False
     placement_priority = 10
-    link_rank = 10  # activations at every layer: inside a host first
+    link_rank, critical_path = 10, True  # activations every layer waits for: inside a host first
 
     def __post_init__(self):
         check_axis("TensorParallel", self.size, self.axis)

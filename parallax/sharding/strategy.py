@@ -55,6 +55,10 @@ class Strategy:
     # Over several hosts, parts of lower rank are laid out inside a host first: what their axis
     # moves per step, most first (parallax.sharding.topology). A part may declare its own.
     link_rank = 50
+    # Whether its axis's collectives carry the activations each layer waits for (tensor, context and
+    # expert parallelism), on the step's critical path, rather than running beside the computation
+    # (gradients reduced, params gathered, stages' activations sent): parallax.pricing.step_time.
+    critical_path = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
