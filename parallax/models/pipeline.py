@@ -1,10 +1,14 @@
 """A stack of identical layers run as a pipeline over a mesh axis of stages.
 
-The layers ``0 … N-1`` of a stack (``N = repeats · stages · per_stage``) are split over the
-``axis`` of ``stages`` devices: with ``repeats=1`` (GPipe) stage ``s`` holds the contiguous
-layers ``s·L … (s+1)·L-1``; with ``repeats=R`` (circular) it holds ``R`` groups of ``L``, layer
-``(r·S + s)·L + j`` being its group ``r``'s ``j``-th, and each microbatch goes round the stages
-``R`` times. The batch is split into ``microbatches`` (strided: microbatch ``m`` is rows
+The layers ``0 … N-1`` of a stack are split over the ``axis`` of ``stages`` devices in ``R·S``
+groups of consecutive layers (``repeats=R``): with ``R=1`` (GPipe) stage ``s`` holds group ``s``;
+with ``R>1`` (circular) it holds groups ``s, S+s, 2S+s, …`` and each microbatch goes round the
+stages ``R`` times. Where ``R·S`` divides ``N`` every group holds ``L = N/(R·S)`` layers, layer
+``(r·S + s)·L + j`` being stage ``s``'s group ``r``'s ``j``-th. Where it does not (126 layers over
+8 stages), the first ``N mod R·S`` groups hold one layer more (:func:`parallax.sharding.pipeline.split_layers`)
+and every group runs ``L = ⌈N/(R·S)⌉`` layer slots, a shorter group's last slot passing its input
+on unchanged (``where``, its layer's result and gradient cut out): the stages stay in step, each
+taking the time of ``L`` layers. The batch is split into ``microbatches`` (strided: microbatch ``m`` is rows
 ``m, m+M, m+2M, …``, so each keeps its share of every data shard), and one loop of
 ``T = R·M + S - 1`` iterations runs every stage at once on a different microbatch, passing
 activations to the next stage with ``ppermute``. The bubble, the iterations where a stage has
@@ -33,9 +37,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from parallax import _compat
+from parallax.sharding.pipeline import split_layers
 
 ITERATION_INPUT = "parallax_pipeline_iteration_input"  # the one value each iteration keeps for the backward pass
 
@@ -58,7 +64,8 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
         mesh: the mesh; only ``axis`` is made manual, every other axis keeps its automatic layout.
         axis: the stage axis (``S`` devices).
         microbatches: ``M``; divides ``B``; with ``repeats > 1`` at least ``S``.
-        repeats: ``R``: each stage holds ``R`` non-adjacent groups of layers (circular).
+        repeats: ``R``: each stage holds ``R`` non-adjacent groups of layers (circular). ``N``
+            need not be a multiple of ``R·S``; it must be at least ``R·S``.
         policy: what each iteration keeps for the backward pass besides the stage's input (a
             ``jax.checkpoint`` policy, e.g. ``dots_saveable``: the matmuls' outputs, not
             recomputed); by default the stage's input alone.
@@ -76,9 +83,13 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
     rows = {int(leaf.shape[0]) for leaf in jax.tree.leaves((inputs, constants))}
     check(stages, microbatches, repeats, layers, rows)
     (count,), (batch,) = layers, rows
-    per_stage = count // (stages * repeats)
-    # Layer (r·S + s)·L + j goes to stage s as its (r·L + j)-th: each stage's layers contiguous.
-    stage_major = jax.tree.map(lambda w: _swap_leading(w, (repeats, stages, per_stage)), weights)
+    per_stage, slots, real = _slots(count, stages, repeats)
+    uneven = not real.all()
+    if uneven:  # each group's L slots: its layers, then (a shorter group) its last layer again, passed over
+        weights = jax.tree.map(lambda w: w[slots], weights)
+    # Slot (r·S + s)·L + j goes to stage s as its (r·L + j)-th: each stage's layers contiguous.
+    swap = lambda w: _swap_leading(w, (repeats, stages, per_stage))  # noqa: E731
+    stage_major = (jax.tree.map(swap, weights), swap(jnp.asarray(real)) if uneven else None)
     split = lambda x: jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)  # noqa: E731
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:])  # noqa: E731
     layer = body if per_layer is not None else (lambda w, h, c, s: (body(w, h, c, s), []))
@@ -89,9 +100,11 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
     outputs = jax.tree.map(lambda y: merge(y.reshape(stages, microbatches, *y.shape[1:])[stages - 1]), outputs)
     if per_layer is None:
         return outputs
-    # Each stage's [R, M, L, ...] of its groups' layers: layer (r·S + s)·L + j first, then the microbatches combined.
+    # Each stage's [R, M, L, ...] of its groups' slots: slot (r·S + s)·L + j first, then the microbatches combined.
     by_layer = [jnp.moveaxis(y.reshape(stages, repeats, microbatches, per_stage, *y.shape[3:]), 2, 3)
-                .swapaxes(0, 1).reshape(count, microbatches, *y.shape[3:]) for y in ys]
+                .swapaxes(0, 1).reshape(len(slots), microbatches, *y.shape[3:]) for y in ys]
+    if uneven:  # the layers' slots, in order
+        by_layer = [y[np.flatnonzero(real)] for y in by_layer]
     return outputs, [_combined(y, kind, batch) for y, kind in zip(by_layer, per_layer, strict=True)]
 
 
@@ -113,15 +126,33 @@ def check(stages: int, microbatches: int, repeats: int, layers: set[int], rows: 
     if len(rows) != 1:
         raise ValueError(f"The pipelined activations do not share one batch dim: their leading dims are {sorted(rows)}.")
     (count,), (batch,) = layers, rows
-    if repeats < 1 or count % (stages * repeats):
-        raise ValueError(f"The stack has {count} layers, which {stages} stages × repeats={repeats} do not divide: "
-                         f"use a number of stages (and repeats) whose product divides {count}.")
+    if repeats < 1 or count < stages * repeats:
+        raise ValueError(f"The stack has {count} layers, fewer than {stages} stages × repeats={repeats} groups of "
+                         f"layers: use at most {count} stages × repeats.")
     if microbatches < 1 or batch % microbatches:
         raise ValueError(f"microbatches={microbatches} does not divide the batch of {batch} rows: use a divisor of "
                          f"{batch}, e.g. {max(d for d in range(1, min(batch, 4 * stages) + 1) if batch % d == 0)}.")
     if repeats > 1 and microbatches < stages:
         raise ValueError(f"A circular pipeline (repeats={repeats}) needs at least one microbatch per stage: "
                          f"microbatches={microbatches} < {stages} stages; use microbatches >= {stages}.")
+
+
+def _slots(count: int, stages: int, repeats: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """Each group's slot count ``L``, and for every slot ``q·L + j`` (group ``q``, in layer order)
+    the layer it runs and whether it is that layer's (``False``: a shorter group's extra slot,
+    which runs its group's last layer again and passes its input on).
+
+    Example:
+        >>> _slots(5, 2, 1)
+        (3, array([0, 1, 2, 3, 4, 4]), array([ True,  True,  True,  True,  True, False]))
+    """
+    sizes = split_layers(count, stages * repeats)
+    starts = np.cumsum([0, *sizes[:-1]])
+    per_stage = max(sizes)
+    j = np.arange(per_stage)
+    slots = np.concatenate([start + np.minimum(j, size - 1) for start, size in zip(starts, sizes)])
+    real = np.concatenate([j < size for size in sizes])
+    return per_stage, slots, real
 
 
 def _swap_leading(w: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
@@ -156,7 +187,14 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
 
     def local(weights: Any, inputs: Any, constants: Any, shared: Any) -> Any:
         stage = jax.lax.axis_index(axis)
-        grouped = jax.tree.map(lambda w: w.reshape(R, L, *w.shape[1:]), weights)
+        grouped = jax.tree.map(lambda w: w.reshape(R, L, *w.shape[1:]), weights)  # (params, real slots or None)
+
+        def layer_slot(h: Any, weights: Any, c: Any, s: Any) -> tuple[Any, Any]:
+            w, real = weights
+            out, ys = body(w, h, c, s)
+            if real is not None:  # a shorter group's extra slot passes its input on
+                out = jax.tree.map(lambda o, x: jnp.where(real, o, x), out, h)
+            return out, ys
 
         def iteration(carry, t):
             received, stored = carry
@@ -175,7 +213,7 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
             w = _keep(valid, jax.tree.map(lambda a: a[group], grouped))
             c = _keep(valid, jax.tree.map(lambda a: a[microbatch], constants))
             s = _keep(valid, shared)
-            out, ys = jax.lax.scan(lambda hh, wl: body(wl, hh, c, s), h, w)
+            out, ys = jax.lax.scan(lambda hh, wl: layer_slot(hh, wl, c, s), h, w)
             return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), (out, ys)
 
         iteration = jax.checkpoint(iteration, prevent_cse=False, policy=_keeping(policy))

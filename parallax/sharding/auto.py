@@ -88,8 +88,8 @@ def pipeline_candidates(device_count: int, *, data: DataParallel = DataParallel(
                         pipeline: PipelineParallel = PipelineParallel()) -> list[Strategy]:
     """The meshes with a stage axis ``strategy="auto"`` adds for a model that stacks its blocks:
     for each stage count ``S`` that divides the devices, the pipeline alone (``S`` = all of
-    them), or with DP or FSDP over the rest. A stage count the stack's layers do not divide is
-    skipped when it is planned, naming why.
+    them), or with DP or FSDP over the rest. A stage count the stack's layers do not divide splits
+    them unevenly (the first stages one layer more), priced as it runs.
 
     Example:
         >>> [s.describe() for s in pipeline_candidates(4)]  # doctest: +NORMALIZE_WHITESPACE

@@ -18,6 +18,40 @@ from parallax.sharding.strategy import Combined, Strategy
 SCHEDULES = ("gpipe", "circular")
 
 
+def split_layers(count: int, groups: int) -> list[int]:
+    """How many of a stack's ``count`` layers each of ``groups`` groups of consecutive layers holds
+    (a stage's, or with ``repeats`` a stage's group's): as even as they can be, the first ones one
+    more where ``groups`` does not divide ``count``.
+
+    Example:
+        >>> split_layers(126, 8), split_layers(8, 4)
+        ([16, 16, 16, 16, 16, 16, 15, 15], [2, 2, 2, 2])
+    """
+    if groups < 1 or count < groups:
+        raise ValueError(f"The stack has {count} layers, fewer than its {groups} groups of layers (stages × repeats): "
+                         f"use at most {count} stages × repeats.")
+    base, extra = divmod(count, groups)
+    return [base + 1] * extra + [base] * (groups - extra)
+
+
+def describe_split(count: int, stages: int, repeats: int) -> str:
+    """A sentence on how a stack's layers go to the stages, where they do not divide evenly.
+
+    Example:
+        >>> describe_split(126, 8, 1)
+        '126 layers over 8 stages: 6 stages hold 16 layers, 2 hold 15; each stage runs 16 layer slots per microbatch, a shorter one passing its input on in its last (2 of 128 slots, 1.6%, idle besides the bubble)'
+    """
+    sizes = split_layers(count, stages * repeats)
+    longer, per_group = sizes.count(sizes[0]), sizes[0]
+    slots = per_group * len(sizes)
+    groups = "stages" if repeats == 1 else "groups"
+    per = "per microbatch" if repeats == 1 else f"per group and microbatch ({repeats} groups a stage)"
+    return (f"{count} layers over {stages} stages{'' if repeats == 1 else f' × repeats={repeats}'}: {longer} {groups} hold "
+            f"{per_group} layers, {len(sizes) - longer} hold {per_group - 1}; each {groups[:-1]} runs {per_group} layer "
+            f"slots {per}, a shorter one passing its input on in its last ({slots - count} of {slots} slots, "
+            f"{100 * (slots - count) / slots:.1f}%, idle besides the bubble)")
+
+
 class NoStackError(ValueError):
     """A :class:`PipelineParallel` with no ``blocks=`` found no stack in the model (the planner adds
     which repeated block class to name, where the model has one)."""
@@ -94,6 +128,10 @@ class PipelineParallel(Strategy):
         stacked: the stacked params' layer dims, by path (set when the state is planned).
         chained: the listed blocks' params, by path: the dim split over the stage axis (set
             when the state is planned).
+        layers: the stack's layer count, or the list's block count (set when the state is
+            planned). ``stages × repeats`` need not divide it: the first groups then hold one
+            layer more (:func:`split_layers`), a stack's params are split over the stages along
+            another dim, as listed blocks are, and the step regroups them by stage.
 
     Example:
         >>> px.PipelineParallel(2).describe(), px.PipelineParallel(2).model_axes
@@ -108,6 +146,7 @@ class PipelineParallel(Strategy):
     blocks: str | type | None = None
     stacked: Any = dataclasses.field(default=None, compare=False, repr=False)
     chained: Any = dataclasses.field(default=None, compare=False, repr=False)
+    layers: int | None = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = False
     gathers_params = False
@@ -166,7 +205,8 @@ class PipelineParallel(Strategy):
                     f"calls of {name} that compute the same thing on their own params, each on the activations the one "
                     "before returned. Name the class of the model's repeated block, or leave blocks=None for a "
                     "model that stacks its blocks.")
-            return dataclasses.replace(self, chained=dict.fromkeys(chained))
+            blocks = len({layer for chain, layer in chained.values() if chain == min(c for c, _ in chained.values())})
+            return dataclasses.replace(self, chained=dict.fromkeys(chained), layers=blocks)
         scanned = computation.scanned_dims()
         if not scanned:
             raise NoStackError(
@@ -174,23 +214,33 @@ class PipelineParallel(Strategy):
                 "Stack the repeated blocks (linen nn.scan with variable_axes={'params': 0}, NNX nnx.vmap + nnx.scan, "
                 "or a lax.scan over stacked weights), or name the class of blocks kept in a list: "
                 "PipelineParallel(blocks=...).")
-        return dataclasses.replace(self, stacked={path: dims[0] for path, dims in scanned.items()})
+        stacked = {path: dims[0] for path, dims in scanned.items()}
+        shapes = dict(zip(computation.param_paths, computation.param_shapes))
+        counts = {shapes[path][dim] for path, dim in stacked.items() if path in shapes}
+        return dataclasses.replace(self, stacked=stacked, layers=max(counts) if counts else None)
+
+    def layout_report(self) -> str | None:
+        """How the layers go to the stages, where ``stages × repeats`` does not divide them."""
+        stages = self.stages if self.stages > 0 else None
+        if self.layers is None or stages is None or self.layers % (stages * self.repeats) == 0:
+            return None
+        return f"PipelineParallel({self.axis}): {describe_split(self.layers, stages, self.repeats)}."
 
     def place(self, path, shape, dims, axis_sizes):
         stages = axis_sizes[self.axis]
-        if path in (self.chained or {}):  # a listed block's param: its largest dim the stages divide
-            free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % stages == 0]
+        dim = (self.stacked or {}).get(path)
+        if path in (self.chained or {}) or (dim is not None and shape[dim] % (stages * self.repeats)):
+            # A listed block's param, or a stack's whose layers the groups do not divide: its largest other dim
+            # the stages divide (the step regroups the layers by stage).
+            if dim is not None:
+                split_layers(shape[dim], stages * self.repeats)  # at least one layer a group, or the error naming it
+            free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % stages == 0 and d != dim]
             if not free:
                 return dims
             dim = max(free, key=lambda d: (shape[d], -d))
             return [*dims[:dim], self.axis, *dims[dim + 1:]]
-        dim = (self.stacked or {}).get(path)
         if dim is None:
             return dims
-        if shape[dim] % (stages * self.repeats):
-            raise ValueError(f"The stack has {shape[dim]} layers ({path}), which {stages} stages × repeats="
-                             f"{self.repeats} do not divide: use a number of stages (and repeats) whose product "
-                             f"divides {shape[dim]}.")
         return [*dims[:dim], self.axis, *dims[dim + 1:]]
 
     def why_whole(self, path, shape, axis_sizes) -> str:
