@@ -11,8 +11,9 @@ everything before and after it on the whole batch as before.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
+from parallax.sharding.specs import dims_axes, entry_size
 from parallax.sharding.strategy import Combined, Strategy
 
 SCHEDULES = ("gpipe", "circular")
@@ -226,22 +227,38 @@ class PipelineParallel(Strategy):
             return None
         return f"PipelineParallel({self.axis}): {describe_split(self.layers, stages, self.repeats)}."
 
-    def place(self, path, shape, dims, axis_sizes):
-        stages = axis_sizes[self.axis]
+    def _regrouped(self, path: str, shape: tuple[int, ...], axis_sizes: Mapping[str, int]) -> bool:
+        """Whether the step stacks (or regroups) this param's layers by stage, its state split over the
+        stages along another dim: a listed block's param, or a stack's whose layers the groups do not divide."""
         dim = (self.stacked or {}).get(path)
-        if path in (self.chained or {}) or (dim is not None and shape[dim] % (stages * self.repeats)):
-            # A listed block's param, or a stack's whose layers the groups do not divide: its largest other dim
-            # the stages divide (the step regroups the layers by stage).
-            if dim is not None:
-                split_layers(shape[dim], stages * self.repeats)  # at least one layer a group, or the error naming it
-            free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % stages == 0 and d != dim]
-            if not free:
-                return dims
-            dim = max(free, key=lambda d: (shape[d], -d))
-            return [*dims[:dim], self.axis, *dims[dim + 1:]]
-        if dim is None:
-            return dims
+        if dim is not None and shape[dim] % (axis_sizes[self.axis] * self.repeats):
+            split_layers(shape[dim], axis_sizes[self.axis] * self.repeats)  # at least one layer a group, or the error
+            return True
+        return path in (self.chained or {})
+
+    def place(self, path, shape, dims, axis_sizes):
+        dim = (self.stacked or {}).get(path)
+        if dim is None or self._regrouped(path, shape, axis_sizes):
+            return dims  # a regrouped param takes the stage axis last, on a dim the other parts leave
         return [*dims[:dim], self.axis, *dims[dim + 1:]]
+
+    def place_last(self, path, shape, dims, axis_sizes):
+        """A regrouped param's stage axis: on its largest free dim the stages divide, else beside the axes
+        already on a dim (FSDP's first) whose shards the stages divide, else nowhere (whole on each stage)."""
+        if not self._regrouped(path, shape, axis_sizes):
+            return dims
+        stages, layer = axis_sizes[self.axis], (self.stacked or {}).get(path)
+        free = [d for d in range(len(shape)) if dims[d] is None and d != layer and shape[d] % stages == 0]
+        if free:
+            d = max(free, key=lambda d: (shape[d], -d))
+            return [*dims[:d], self.axis, *dims[d + 1:]]
+        taken = [d for d in range(len(shape)) if dims[d] is not None and d != layer
+                 and shape[d] % (entry_size(dims[d], axis_sizes) * stages) == 0]
+        if not taken:
+            return dims
+        d = max(taken, key=lambda d: ("fsdp" in dims_axes([dims[d]]), shape[d], -d))
+        entry = dims[d] if isinstance(dims[d], tuple) else (dims[d],)
+        return [*dims[:d], (*entry, self.axis), *dims[d + 1:]]
 
     def why_whole(self, path, shape, axis_sizes) -> str:
         if self.chained is not None:

@@ -8,7 +8,10 @@ A placer is any object with
 
 * ``placement_priority: int`` — lower places first (tensor rules before FSDP), and
 * ``place(path, shape, dims, axis_sizes) -> dims`` — returns the per-dim mesh axes of a
-  param, given what earlier placers (and the model's own annotations) already chose.
+  param, given what earlier placers (and the model's own annotations) already chose; and
+  optionally ``place_last(...)``, the same, called once every placer has placed (for an axis
+  that can go on any dim and should take what the others leave: a pipeline's stage axis on
+  listed blocks).
 """
 
 from __future__ import annotations
@@ -115,8 +118,12 @@ def place_param(
         ('fsdp',)
     """
     dims = annotation_dims(box, shape, axis_sizes)
-    for placer in sorted(placers, key=lambda p: p.placement_priority):
+    ordered = sorted(placers, key=lambda p: p.placement_priority)
+    for placer in ordered:
         dims = placer.place(path, shape, list(dims), axis_sizes)
+    for placer in ordered:
+        if hasattr(placer, "place_last"):
+            dims = placer.place_last(path, shape, list(dims), axis_sizes)
     while dims and dims[-1] is None:
         dims = dims[:-1]
     return PartitionSpec(*dims)
