@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import parallax as px
 from parallax.inspect import collective_bytes
@@ -226,6 +226,26 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
         # ^ 6 × matmul params × tokens + attention's two matmuls: benchmarks/gpu.py's count, exactly
         predicted = flops / h200.peak_flops(dtype) + fused_bytes(jaxpr).total / (h200.memory_tbps * 1e12)
         assert abs(predicted / truth[config]["step_s"] - 1) < 0.25, (config, predicted, truth[config]["step_s"])
+
+
+def test_a_body_manual_over_some_axes_is_priced_per_device_as_the_compiler_counts_it():
+    """A pipeline's shard_map is manual over the stages only: its body's shapes are one stage's, whole over the
+    FSDP axis the compiler still splits. Its FLOPs and bytes per device are the body's over that axis's devices
+    (a 405B plan under PP 8 × FSDP 8 × TP 8 counted each stage's whole: 1.2e17 FLOPs a device, 75 × too many)."""
+    from parallax._compat import shard_map
+    from parallax.pricing.fused_bytes import dot_flops, fused_bytes
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("stage", "fsdp"))
+    layer = shard_map(lambda x, w: jnp.tanh(x @ w), mesh=mesh, in_specs=(P("stage"), P()), out_specs=P("stage"),
+                      manual_axes={"stage"})
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P(("stage", "fsdp"))))
+    w = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
+    compiled = jax.jit(layer).lower(x, w).compile()
+    flops, local = dot_flops(jax.make_jaxpr(layer)(x, w).jaxpr)
+    assert flops == 0 and local == 2 * 64 * 128 * 128 / 8 == compiled.cost_analysis()["flops"]  # the compiler's
+    jaxpr = jax.make_jaxpr(layer)(x, w).jaxpr
+    moved, body = fused_bytes(jaxpr), fused_bytes(jaxpr.eqns[0].params["jaxpr"])
+    assert moved.per_device(8, 1.0) == moved.local == body.total / 4 > 0  # one stage's body over the 4 FSDP devices
 
 
 def test_a_loop_the_compiler_printed_without_a_trip_count_runs_as_its_condition_says():

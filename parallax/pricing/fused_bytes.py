@@ -131,7 +131,9 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
         inner = _inner(eqn)
         if inner:  # a call, a remat, a scan's body (once per iteration), a shard_map's body
             body = max((fused_bytes(j, shapes) for j in inner), key=lambda m: m.total).times(_runs(eqn))
-            total = total + (Moved(body.total, 0.0, body.total) if eqn.primitive.name == "shard_map" else body)
+            if eqn.primitive.name == "shard_map":  # one device's: its shapes are one manual shard's, over the rest
+                body = Moved(body.total / _sharing(eqn), 0.0, body.total / _sharing(eqn))
+            total = total + body
             continue
         for var in eqn.outvars:
             if not isinstance(var, jcore.DropVar) and materialised(var):
@@ -145,9 +147,22 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
     return total
 
 
+def _sharing(eqn: Any) -> int:
+    """How many devices share one body of a ``shard_map`` equation: its shapes are one shard's along
+    its manual axes, and whole along the mesh's others (a pipeline's body: manual over the stages
+    only, the FSDP and tensor axes still automatic inside it)."""
+    mesh = eqn.params.get("mesh")
+    manual = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))
+    if mesh is None or not manual:
+        return 1
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return max(int(np.prod(list(sizes.values()))) // int(np.prod([sizes[a] for a in manual])), 1)
+
+
 def dot_flops(jaxpr: Any) -> tuple[float, float]:
     """The FLOPs of ``jaxpr``'s matmuls (``dot_general``; a scan's body once per iteration):
-    ``(at global shapes, inside shard_map bodies at one device's)``."""
+    ``(at global shapes, inside shard_map bodies at one device's)`` (a body manual over some axes
+    only is divided over the devices of the others, which its shapes span)."""
     whole = local = 0.0
     for eqn in jaxpr.eqns:
         inner = _inner(eqn)
@@ -155,7 +170,7 @@ def dot_flops(jaxpr: Any) -> tuple[float, float]:
             body = max((dot_flops(j) for j in inner), key=sum)
             runs = _runs(eqn)
             if eqn.primitive.name == "shard_map":
-                local += runs * sum(body)
+                local += runs * sum(body) / _sharing(eqn)
             else:
                 whole, local = whole + runs * body[0], local + runs * body[1]
         elif eqn.primitive.name == "dot_general":
