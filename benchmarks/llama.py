@@ -30,6 +30,7 @@ class Shape(NamedTuple):
     heads: int
     kv_heads: int
     vocab: int = 128_256
+    chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
 
 
 SHAPES = {  # Llama 3.1 (Meta's model cards / configs)
@@ -48,6 +49,36 @@ class RMSNorm(nn.Module):
         return (normed * scale).astype(x.dtype)
 
 
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+    """Causal attention one chunk of queries at a time, each chunk rematerialised: the scores held are
+    ``chunk × sequence`` a head, not ``sequence²`` (Rabe & Staats' memory-efficient attention, what a
+    flash-attention kernel holds at most, as plain JAX a planner can compile on any backend). The same
+    FLOPs as the whole attention (masked tiles are computed, as XLA's attention computes them).
+
+    Example:
+        >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+        >>> mask = nn.make_causal_mask(jnp.ones((1, 8)))
+        >>> bool(jnp.allclose(chunked_attention(q, k, v, 4), nn.dot_product_attention(q, k, v, mask=mask), atol=1e-6))
+        True
+    """
+    b, n, h, d = q.shape
+    if n % chunk:
+        raise ValueError(f"chunk={chunk} must divide the sequence of {n} tokens.")
+    keys = jnp.arange(n)
+
+    @jax.checkpoint
+    def one(args):
+        queries, start = args
+        scores = jnp.einsum("bqhd,bkhd->bhqk", queries, k).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+        causal = (start + jnp.arange(chunk))[:, None] >= keys[None, :]
+        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+
+    chunks = jnp.moveaxis(q.reshape(b, n // chunk, chunk, h, d), 1, 0)
+    out = jax.lax.map(one, (chunks, jnp.arange(n // chunk) * chunk))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n, h, d)
+
+
 class Block(nn.Module):
     shape: Shape
 
@@ -60,8 +91,11 @@ class Block(nn.Module):
         k = dense((s.kv_heads, head), "wk")(h)
         v = dense((s.kv_heads, head), "wv")(h)
         k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
-        mask = nn.make_causal_mask(x[..., 0])
-        out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16)
+        if s.chunk:
+            out = chunked_attention(q, k, v, s.chunk)
+        else:
+            mask = nn.make_causal_mask(x[..., 0])
+            out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16)
         x = x + nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.bfloat16, name="wo")(out)
         h = RMSNorm(name="ffn_norm")(x)
         gated = nn.silu(dense(s.ffn, "w1")(h)) * dense(s.ffn, "w3")(h)

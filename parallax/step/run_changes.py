@@ -19,6 +19,7 @@ from typing import Callable
 from jax.sharding import Mesh
 
 from parallax.models import ModelRun
+from parallax.models.batch_pins import batch_pinned
 from parallax.models.blocks import listed_siblings, repeated_blocks
 from parallax.models.context_attention import context_parallel
 from parallax.models.expert_dispatch import expert_parallel
@@ -27,6 +28,7 @@ from parallax.models.remat_policy import remat_parts
 from parallax.pricing.per_example_proof.layer import prove_layer
 from parallax.sharding.context_parallel import ContextRun
 from parallax.sharding.expert_parallel import ExpertRun
+from parallax.sharding.mesh import is_explicit
 from parallax.sharding.pipeline import NoStackError, PipelineRun, blocks_unnamed, with_found_blocks
 from parallax.sharding.strategy import Strategy
 
@@ -37,6 +39,12 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
     pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs."""
     policy = remat_parts(remat)[1]
+    batch = strategy.batch_spec()[0] if strategy.batch_spec() else None
+    if batch and not strategy.run_changes and not is_explicit(mesh):
+        # The batch's split kept through the model's loops (a scanned stack), which the compiler may
+        # otherwise gather to keep the weights where they are (parallax.models.batch_pins).
+        loss = batch_pinned(loss, mesh=mesh, batch_axes=(batch,) if isinstance(batch, str) else tuple(batch),
+                            batch_argnum=2)
     rings = [c for c in strategy.run_changes if isinstance(c, ContextRun) and c.method == "ring"]
     if rings and any(isinstance(c, PipelineRun) for c in strategy.run_changes):
         raise ValueError(f"{strategy.describe()}: the ring method does not run inside a pipeline's stages (its "
