@@ -248,6 +248,24 @@ def test_a_body_manual_over_some_axes_is_priced_per_device_as_the_compiler_count
     assert moved.per_device(8, 1.0) == moved.local == body.total / 4 > 0  # one stage's body over the 4 FSDP devices
 
 
+def test_a_pipelined_bf16_llama_is_planned_for_a_gpu_without_the_cpu_compiler_aborting():
+    """XLA's CPU compiler (jaxlib 0.10 and 0.12) aborts in its all-reduce promotion on a bf16 Llama under
+    PipelineParallel × FSDP ("Invalid binary instruction opcode copy"; the 405B plan for 512 H100s died so, with
+    no reason given: the step's compile had the compiler's stderr in a file the abort took with it). The
+    planning subprocess leaves that pass out, and a compiler that aborts is named by its own check line."""
+    from benchmarks.llama import SHAPES, Llama, batch, loss_fn
+
+    model = Llama(SHAPES["8b"]._replace(layers=5, dim=64, ffn=128, heads=4, kv_heads=2, vocab=256))
+    report = px.plan(model, optax.adamw(3e-4), batch(16, 32), loss_fn=loss_fn, devices=8, hardware="h100",
+                     strategies=[px.combine(px.PipelineParallel(2), px.FSDP(4))], compile="jit", isolate=True)
+    row = report.rows[0]
+    assert row["error"] is None and report.fits(row) and row["step"]["seconds"] > 0, row
+    from parallax.plan.isolated import died
+
+    said = "noise\nF1129 02:50:41.137119    5813 hlo_instruction.cc:1615] Invalid binary instruction opcode copy\n"
+    assert "aborted (SIGABRT): F1129" in died(-6, said, "8 simulated CPU devices")
+
+
 def test_a_loop_the_compiler_printed_without_a_trip_count_runs_as_its_condition_says():
     from parallax.inspect import collective_bytes
 

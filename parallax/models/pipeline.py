@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from parallax import _compat

@@ -21,6 +21,11 @@ import tempfile
 from typing import Any, Mapping
 
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+# XLA's CPU compiler (jaxlib 0.10 and 0.12) aborts in its all-reduce promotion pass on some pipelined bf16
+# steps ("Invalid binary instruction opcode copy" in CloneAllReduce: the reduction of a bf16 psum the
+# partitioner annotated, in a Llama under PipelineParallel × FSDP); the pass widens small all-reduces for the
+# CPU's own runtime, which a plan never runs. The TPU compiler planned the same 405B step unaided.
+CPU_PLANNING_FLAGS = "--xla_disable_hlo_passes=all-reduce-promotion"
 
 
 def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list[dict]:
@@ -37,11 +42,17 @@ def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list
     flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
     hardware = payload.get("hardware")
     simulated = 1 if hardware is not None and hardware.kind == "tpu" else devices  # a TPU's devices are the compiler's
-    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={simulated}".strip(),
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+    if simulated == devices and "--xla_disable_hlo_passes" not in flags:
+        flags += f" {CPU_PLANNING_FLAGS}"
     with tempfile.TemporaryDirectory(prefix="parallax-plan-") as folder:
         source, target = os.path.join(folder, "payload.pkl"), os.path.join(folder, "rows.json")
+        # What the compiler writes while a step compiles goes to this file (parallax.step.resharding): kept
+        # here, it says why a compiler that aborted did.
+        compiler = os.path.join(folder, "compiler-stderr")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
+                   XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={simulated}".strip(),
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+                   PARALLAX_COMPILER_STDERR=compiler)
         with open(source, "wb") as f:
             f.write(data)
         where = (f"a {hardware.name} slice of {devices} chips (the TPU compiler)" if simulated != devices
@@ -53,7 +64,8 @@ def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list
             raise RuntimeError(f"Planning on {where} took over {timeout:.0f} s in its subprocess and was stopped. Plan "
                                "fewer strategies or device counts per call.") from None
         if proc.returncode != 0:
-            raise RuntimeError(died(proc.returncode, proc.stderr, where))
+            said = open(compiler, errors="replace").read() if os.path.exists(compiler) else ""
+            raise RuntimeError(died(proc.returncode, proc.stderr + "\n" + said, where))
         with open(target) as f:
             return json.load(f)
 

@@ -160,7 +160,8 @@ def compile_reporting(lowered: Any, params: Any = None, specs: Any = None,
     partitioned again and reports nothing.
     """
     with _LOCK, tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "stderr")
+        # A planning subprocess names a file of its parent's, which outlives a compiler that aborts.
+        path = os.environ.get("PARALLAX_COMPILER_STDERR") or os.path.join(folder, "stderr")
         try:
             with _stderr_to(path):
                 compiled = lowered.compile()
