@@ -262,21 +262,20 @@ def test_layers_the_stages_do_not_divide_train_like_one_device_each_stage_holdin
     # held to 1e-5 (GPT-2: or twice the drift of plain jit on the mesh, as the other listed blocks)
     assert report.mode == "jit" and (model == "gpt2" or report.max_diff <= 1e-5), report
     if (model, layout, optimizer) == ("stack", "pp4-fsdp2", "adam"):
-        plan = px.plan_state(net, tx, batches[0], strategy=strategy, loss_fn=loss)
-        assert ("PipelineParallel(stage): 10 layers over 4 stages: 2 stages hold 3 layers, 2 hold 2; each stage runs "
-                "3 layer slots per microbatch") in plan.describe_layout(), plan.describe_layout()
-        state = px.init_state(net, tx, batches[0], strategy=strategy, loss_fn=loss)
-        kernel = state.params["blocks"]["Dense_0"]["kernel"]  # (10 layers, 4, 8): the stages split its 8
-        assert kernel.sharding.spec[0] != "stage" and "stage" in kernel.sharding.spec, kernel.sharding
-        assert kernel.addressable_shards[0].data.size == kernel.size // 8
-        # Each stage runs 3 layer slots: the step's matmuls per device are 12 layers' over 4 stages, as px.plan
-        # prices them (the jaxpr's FLOPs, pricing.fused_bytes.dot_flops).
         from parallax.pricing.fused_bytes import dot_flops
         from parallax.state.search import abstract_batch
 
+        plans = {layers: px.plan_state(Stacked(layers), tx, batches[0], strategy=strategy, loss_fn=loss)
+                 for layers in (10, 12)}
+        assert ("PipelineParallel(stage): 10 layers over 4 stages: 2 stages hold 3 layers, 2 hold 2; each stage runs "
+                "3 layer slots per microbatch") in plans[10].describe_layout(), plans[10].describe_layout()
+        kernel = plans[10].abstract_arrays().params["blocks"]["Dense_0"]["kernel"]  # (10 layers, 4, 8)
+        assert kernel.sharding.spec[0] != "stage" and "stage" in kernel.sharding.spec, kernel.sharding
+        assert np.prod(kernel.sharding.shard_shape(kernel.shape)) == np.prod(kernel.shape) // 8  # the stages split its 8
+        # Each stage runs 3 layer slots: the step's matmuls per device are 12 layers' over 4 stages, as px.plan
+        # prices them (the jaxpr's FLOPs, pricing.fused_bytes.dot_flops).
         flops = {}
-        for layers in (10, 12):
-            built = px.plan_state(Stacked(layers), tx, batches[0], strategy=strategy, loss_fn=loss)
+        for layers, built in plans.items():
             step = px.make_train_step(loss, built.strategy)
             batch = abstract_batch(batches[0], NamedSharding(built.mesh, P(built.strategy.batch_spec()[0])))
             flops[layers] = dot_flops(step.trace(built.abstract_arrays(), batch).jaxpr.jaxpr)[1]
