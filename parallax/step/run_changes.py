@@ -37,7 +37,10 @@ log = logging.getLogger("parallax")
 
 def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tuple = ()) -> Callable:
     """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
-    pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs."""
+    pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs. A
+    strategy that only places arrays and splits the batch (data parallelism, FSDP, with tensor
+    parallelism) keeps the batch's split through the model's loops
+    (:mod:`parallax.models.batch_pins`)."""
     policy = remat_parts(remat)[1]
     batch = strategy.batch_spec()[0] if strategy.batch_spec() else None
     if batch and not strategy.run_changes and not is_explicit(mesh):
