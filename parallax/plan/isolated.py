@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -64,7 +65,7 @@ def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list
             raise RuntimeError(f"Planning on {where} took over {timeout:.0f} s in its subprocess and was stopped. Plan "
                                "fewer strategies or device counts per call.") from None
         if proc.returncode != 0:
-            said = open(compiler, errors="replace").read() if os.path.exists(compiler) else ""
+            said = pathlib.Path(compiler).read_text(errors="replace") if os.path.exists(compiler) else ""
             raise RuntimeError(died(proc.returncode, proc.stderr + "\n" + said, where))
         with open(target) as f:
             return json.load(f)

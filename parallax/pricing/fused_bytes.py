@@ -132,7 +132,8 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
         if inner:  # a call, a remat, a scan's body (once per iteration), a shard_map's body
             body = max((fused_bytes(j, shapes) for j in inner), key=lambda m: m.total).times(_runs(eqn))
             if eqn.primitive.name == "shard_map":  # one device's: its shapes are one manual shard's, over the rest
-                body = Moved(body.total / _sharing(eqn), 0.0, body.total / _sharing(eqn))
+                mine = body.total / _sharing(eqn)
+                body = Moved(mine, 0.0, mine)
             total = total + body
             continue
         for var in eqn.outvars:
@@ -155,8 +156,7 @@ def _sharing(eqn: Any) -> int:
     manual = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))
     if mesh is None or not manual:
         return 1
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return max(int(np.prod(list(sizes.values()))) // int(np.prod([sizes[a] for a in manual])), 1)
+    return max(int(mesh.size) // int(np.prod([mesh.shape[a] for a in manual])), 1)
 
 
 def dot_flops(jaxpr: Any) -> tuple[float, float]:

@@ -206,7 +206,8 @@ class PipelineParallel(Strategy):
                     f"calls of {name} that compute the same thing on their own params, each on the activations the one "
                     "before returned. Name the class of the model's repeated block, or leave blocks=None for a "
                     "model that stacks its blocks.")
-            blocks = len({layer for chain, layer in chained.values() if chain == min(c for c, _ in chained.values())})
+            first = min(chain for chain, _ in chained.values())
+            blocks = len({layer for chain, layer in chained.values() if chain == first})
             return dataclasses.replace(self, chained=dict.fromkeys(chained), layers=blocks)
         scanned = computation.scanned_dims()
         if not scanned:

@@ -42,7 +42,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     parallelism) keeps the batch's split through the model's loops
     (:mod:`parallax.models.batch_pins`)."""
     policy = remat_parts(remat)[1]
-    batch = strategy.batch_spec()[0] if strategy.batch_spec() else None
+    spec = strategy.batch_spec()
+    batch = spec[0] if spec else None
     if batch and not strategy.run_changes and not is_explicit(mesh):
         # The batch's split kept through the model's loops (a scanned stack), which the compiler may
         # otherwise gather to keep the weights where they are (parallax.models.batch_pins).
