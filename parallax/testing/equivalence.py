@@ -11,8 +11,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from parallax._compat import mesh_context
 from parallax._tree import path_str
 from parallax.models import LossFn, adapter_for, unwrap_pretrained
 from parallax.sharding.auto import AUTO, as_strategy, from_mesh, is_auto
@@ -246,10 +247,12 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     batch_sharding = NamedSharding(mesh, strategy.batch_spec())
 
     def place(tree, kind):
-        return jax.device_put(tree, shardings if kind == "state" else batch_sharding)
+        where = {"state": shardings, "batch": batch_sharding, "key": NamedSharding(mesh, PartitionSpec())}[kind]
+        return jax.device_put(tree, where)
 
-    placed = reference.run(initial, batches, place)
-    other = reference.gradients_at(ref.inputs, batches, initial, place)  # the same program: no second compile
+    with mesh_context(mesh):  # the strategy's mesh (its axis types), not a context mesh of the caller's
+        placed = reference.run(initial, batches, place)
+        other = reference.gradients_at(ref.inputs, batches, initial, place)  # the same program: no second compile
     allowance = rounding_allowance(reference.tx, initial.params, initial.opt_state, jax.device_get(ref.grads),
                                    jax.device_get(other))
     compared = report.state_diffs["params"]  # the floating leaves

@@ -83,7 +83,7 @@ class Reference:
 
     def run(self, initial: TrainState, batches, place: Callable | None = None) -> Run:
         """Trains from ``initial`` on ``batches``, every step's inputs placed by ``place(tree, kind)``
-        if given (so that one program runs them all: jit would compile again for outputs the
+        (``kind``: ``"state"``, ``"batch"`` or ``"key"``) if given (so that one program runs them all: jit would compile again for outputs the
         compiler laid out otherwise)."""
         params, model_state, opt_state = initial.params, initial.model_state, initial.opt_state
         losses, inputs, grads = [], [], []
@@ -92,6 +92,7 @@ class Reference:
                 (params, model_state, opt_state), batch = place((params, model_state, opt_state), "state"), \
                     place(batch, "batch")
             key = jax.random.fold_in(initial.rng, t)
+            key = key if place is None else place(key, "key")
             inputs.append((params, model_state, key))
             params, model_state, opt_state, value, grad = self.step(params, model_state, opt_state, batch, key)
             losses.append(float(value))
@@ -104,7 +105,7 @@ class Reference:
         ``place`` as :meth:`run` places them: read from the program ``run(..., place)`` runs (the
         optimizer's part of it, from ``initial``'s optimizer state, is not used)."""
         opt_state = place((initial.params, initial.model_state, initial.opt_state), "state")[2]  # placed once
-        return [self.step(*place((params, model_state, opt_state), "state"), place(batch, "batch"), key)[4]
+        return [self.step(*place((params, model_state, opt_state), "state"), place(batch, "batch"), place(key, "key"))[4]
                 for (params, model_state, key), batch in zip(inputs, batches, strict=True)]
 
 
