@@ -31,6 +31,7 @@ class Shape(NamedTuple):
     kv_heads: int
     vocab: int = 128_256
     chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
+    dtype: str = "bfloat16"  # the compute dtype (params stay float32); "float32" for runs on a CPU
 
 
 SHAPES = {  # Llama 3.1 (Meta's model cards / configs)
@@ -85,7 +86,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         s, head = self.shape, self.shape.dim // self.shape.heads
-        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.bfloat16, name=name)  # noqa: E731
+        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.dtype(s.dtype), name=name)  # noqa: E731
         h = RMSNorm(name="attention_norm")(x)
         q = dense((s.heads, head), "wq")(h)
         k = dense((s.kv_heads, head), "wk")(h)
@@ -95,8 +96,8 @@ class Block(nn.Module):
             out = chunked_attention(q, k, v, s.chunk)
         else:
             mask = nn.make_causal_mask(x[..., 0])
-            out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16)
-        x = x + nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.bfloat16, name="wo")(out)
+            out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.dtype(s.dtype))
+        x = x + nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.dtype(s.dtype), name="wo")(out)
         h = RMSNorm(name="ffn_norm")(x)
         gated = nn.silu(dense(s.ffn, "w1")(h)) * dense(s.ffn, "w3")(h)
         return x + dense(s.dim, "w2")(gated)
@@ -118,12 +119,12 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.bfloat16)
+        x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.dtype(self.shape.dtype))
         block = nn.remat(ScanBlock) if self.remat else ScanBlock
         x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                        length=self.shape.layers)(self.shape, name="layers")(x, None)
         x = RMSNorm(name="norm")(x)
-        return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.bfloat16, name="head")(x)
+        return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.dtype(self.shape.dtype), name="head")(x)
 
 
 class ListedLlama(nn.Module):
@@ -134,12 +135,12 @@ class ListedLlama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.bfloat16)
+        x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.dtype(self.shape.dtype))
         block = nn.remat(Block) if self.remat else Block
         for i in range(self.shape.layers):
             x = block(self.shape, name=f"layers_{i}")(x)
         x = RMSNorm(name="norm")(x)
-        return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.bfloat16, name="head")(x)
+        return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.dtype(self.shape.dtype), name="head")(x)
 
 
 def loss_fn(model, batch):

@@ -150,6 +150,25 @@ def test_a_stack_inside_a_jitted_function_over_params_another_one_made_is_found(
     np.testing.assert_allclose(jax.jit(jax.grad(piped))(w, x), jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
 
 
+def test_layers_that_rematerialise_themselves_are_not_computed_a_third_time():
+    """A layer under ``jax.checkpoint`` (``nn.remat`` in a scan) is recomputed once in the backward
+    pass, inside its own checkpoint: the pipelined gradient has the matmuls of the same stack
+    without the checkpoint (where the iteration's recomputation ran the layer first, they were
+    5/4 of them), and its values."""
+    from parallax.pricing.fused_bytes import dot_flops
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
+    w, x = jnp.ones((4, WIDTH, WIDTH)) / WIDTH, jnp.ones((ROWS, WIDTH))
+    flops, grads = {}, {}
+    for name, layer in (("plain", lambda h, wl: jnp.tanh(h @ wl)), ("remat", jax.checkpoint(lambda h, wl: jnp.tanh(h @ wl)))):
+        forward = lambda w, x, layer=layer: jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w)[0].sum()  # noqa: E731
+        gradient = jax.grad(pipelined(forward, mesh=mesh, axis="stage", microbatches=2))
+        flops[name] = sum(dot_flops(jax.make_jaxpr(gradient)(w, x).jaxpr))
+        grads[name] = jax.jit(gradient)(w, x)
+        np.testing.assert_allclose(grads[name], jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
+    assert flops["remat"] == flops["plain"], flops
+
+
 def test_what_it_cannot_pipeline_is_an_error_naming_the_cause():
     mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
     x = jnp.ones((ROWS, WIDTH))

@@ -146,6 +146,18 @@ def test_trainer_takes_your_mesh_and_fits_inside_your_set_mesh(capsys, types):
                f"{'Explicit' if MESH_TYPES[types][0] == E else 'Auto'}" in said, said
 
 
+@pytest.mark.parametrize("kind", tiers.cases(["tp", "fsdp+tp"], ["fsdp+tp"]))
+def test_assert_equivalent_inside_your_explicit_set_mesh(kind):
+    """``assert_equivalent`` run inside the user's ``set_mesh`` of an Explicit mesh, on a model with an
+    embedding lookup: the run trains on Auto axes, and the one-device reference it re-runs with the
+    strategy's placement runs on that mesh, not the caller's (before, JAX refused it: "context mesh
+    ... Explicit should match the aval mesh ... Auto")."""
+    mesh = jax.make_mesh(SHAPES[kind], ("fsdp", "tensor"), axis_types=MESH_TYPES["explicit"])
+    with jax.set_mesh(mesh):
+        report = px.testing.assert_equivalent(Net(), optax.adamw(1e-2), loss_fn, BATCHES[:2], STRATEGIES[kind]())
+    assert "TensorParallel(tensor=" in report.strategy, report
+
+
 def test_the_cost_model_measures_on_its_own_mesh_inside_yours(tmp_path, monkeypatch):
     """A cold cost cache is measured on the cost model's own mesh even inside the caller's ``set_mesh``
     (before, JAX refused its shard_map there: seen in a two-process fit)."""

@@ -18,7 +18,8 @@ so nothing it computes reaches the results or the gradients.
 
 Gradients are autodiff's: the transpose of a ``ppermute`` is the ``ppermute`` back, so the
 backward pass runs the schedule in reverse. Each iteration is rematerialised, keeping only the
-stage's input (and what a ``policy`` keeps besides).
+stage's input (and what a ``policy`` keeps besides); where the layers rematerialise themselves, each
+layer's input is kept too, so that no layer is computed forward three times.
 
 Example:
     >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("stage",))
@@ -44,12 +45,14 @@ from parallax import _compat
 from parallax.sharding.pipeline import split_layers
 
 ITERATION_INPUT = "parallax_pipeline_iteration_input"  # the one value each iteration keeps for the backward pass
+LAYER_INPUT = "parallax_pipeline_layer_input"  # each layer slot's input, kept where the layer rematerialises itself
 
 Body = Callable[[Any, Any, Any, Any], Any]  # body(layer weights, activations, their constants, shared) -> activations
 
 
 def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any, *, mesh: Mesh, axis: str,
-             microbatches: int, repeats: int = 1, policy: Any = None, per_layer: Sequence[str] | None = None) -> Any:
+             microbatches: int, repeats: int = 1, policy: Any = None, per_layer: Sequence[str] | None = None,
+             layer_remat: bool = False) -> Any:
     """``lax.scan(body)`` over the stacked ``weights``, run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -73,6 +76,11 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
             auxiliary loss, per-layer statistics), and this says how each one's microbatches make
             the batch's: ``"rows"`` (each holds its rows on its leading dim), ``"mean"`` (a mean over
             the examples: the microbatches' averaged) or ``"same"`` (equal on every microbatch).
+        layer_remat: ``body`` rematerialises itself (a ``jax.checkpoint`` around the layer, as
+            ``nn.remat`` of a scanned block traces): each layer slot's input is kept as well, so
+            the backward pass recomputes each layer once, inside its own checkpoint, instead of
+            recomputing the whole iteration first (a third forward of every layer). It keeps what
+            the same layers keep without a pipeline: one input per layer and microbatch.
 
     Returns:
         The activations after layer ``N-1``, laid out as ``inputs``; with ``per_layer``, also
@@ -93,7 +101,7 @@ def pipeline(body: Body, weights: Any, inputs: Any, constants: Any, shared: Any,
     split = lambda x: jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)  # noqa: E731
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:])  # noqa: E731
     layer = body if per_layer is not None else (lambda w, h, c, s: (body(w, h, c, s), []))
-    local = _schedule(layer, stages, microbatches, repeats, per_stage, axis, policy)
+    local = _schedule(layer, stages, microbatches, repeats, per_stage, axis, policy, layer_remat)
     run = _compat.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis),) + (PartitionSpec(),) * 3,
                             out_specs=PartitionSpec(axis), manual_axes={axis})
     outputs, ys = run(stage_major, jax.tree.map(split, inputs), jax.tree.map(split, constants), shared)
@@ -163,9 +171,10 @@ def _swap_leading(w: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return jnp.swapaxes(grouped, 0, 1).reshape(w.shape)
 
 
-def _keeping(policy: Any) -> Any:
-    """The iteration's checkpoint policy: its input kept, and what ``policy`` keeps (or offloads)."""
-    inputs = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
+def _keeping(policy: Any, layer_remat: bool = False) -> Any:
+    """The iteration's checkpoint policy: its input kept (and each layer slot's, where the layers
+    rematerialise themselves), and what ``policy`` keeps (or offloads)."""
+    inputs = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT, *([LAYER_INPUT] if layer_remat else []))
     if policy is None:
         return inputs
     return lambda prim, *args, **params: inputs(prim, *args, **params) or policy(prim, *args, **params)
@@ -177,7 +186,7 @@ def _keep(valid: jax.Array, value: Any) -> Any:
 
 
 def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stage: int, axis: str,
-              policy: Any) -> Callable:
+              policy: Any, layer_remat: bool = False) -> Callable:
     """The loop one stage runs: its weights ``[R·L, ...]``, all microbatches ``[M, mb, ...]`` in,
     its outputs of the last ``M`` iterations ``[M, mb, ...]`` out (stage ``S-1``'s are the stack's),
     and its layers' per-layer outputs ``[R, M, L, ...]`` (``body`` returns ``(h, ys)``)."""
@@ -191,6 +200,8 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
 
         def layer_slot(h: Any, weights: Any, c: Any, s: Any) -> tuple[Any, Any]:
             w, real = weights
+            if layer_remat:
+                h = checkpoint_name(h, LAYER_INPUT)
             out, ys = body(w, h, c, s)
             if real is not None:  # a shorter group's extra slot passes its input on
                 out = jax.tree.map(lambda o, x: jnp.where(real, o, x), out, h)
@@ -216,7 +227,7 @@ def _schedule(body: Body, stages: int, microbatches: int, repeats: int, per_stag
             out, ys = jax.lax.scan(lambda hh, wl: layer_slot(hh, wl, c, s), h, w)
             return (jax.tree.map(lambda o: jax.lax.ppermute(o, axis, forward), out), stored), (out, ys)
 
-        iteration = jax.checkpoint(iteration, prevent_cse=False, policy=_keeping(policy))
+        iteration = jax.checkpoint(iteration, prevent_cse=False, policy=_keeping(policy, layer_remat))
         first = jax.tree.map(lambda x: jnp.zeros_like(x[0]), inputs)
         stored = jax.tree.map(jnp.zeros_like, inputs) if R > 1 else None
         _, (outputs, ys) = jax.lax.scan(iteration, (first, stored), jnp.arange(iterations))

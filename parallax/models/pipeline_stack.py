@@ -210,6 +210,38 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
     return [read(v) for v in jaxpr.outvars], [kind(v) for v in jaxpr.outvars]
 
 
+def rematerialises(jaxpr: Any) -> bool:
+    """Whether every matmul of ``jaxpr`` (one layer) runs inside a ``jax.checkpoint`` of its own (as
+    ``nn.remat`` of a scanned block traces), so that its backward pass recomputes it there anyway.
+
+    Example:
+        >>> layer = jax.checkpoint(lambda w, h: jnp.tanh(h @ w))
+        >>> rematerialises(jax.make_jaxpr(layer)(jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr)
+        True
+        >>> rematerialises(jax.make_jaxpr(lambda w, h: jnp.tanh(h @ w))(jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr)
+        False
+    """
+    return _covered(jaxpr) is True
+
+
+def _covered(jaxpr: Any) -> bool | None:
+    """``True``: ``jaxpr`` runs checkpoints and no matmul outside them; ``False``: a matmul outside
+    any; ``None``: neither (nothing to recompute)."""
+    found = None
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in REMAT:
+            found = True
+        elif name in ("dot_general", "conv_general_dilated"):
+            return False
+        elif name in (*_INLINED, "scan"):
+            inner = _covered(call_body(eqn)[0])
+            if inner is False:
+                return False
+            found = found or inner
+    return found
+
+
 def _split(eqn: Any, items: Sequence[Any]) -> tuple[list, list, list]:
     num_consts, num_carry = scan_counts(eqn.params)
     return list(items[:num_consts]), list(items[num_consts:num_consts + num_carry]), list(items[num_consts + num_carry:])
@@ -272,7 +304,7 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
     # The stack's xs: the layers' params and any other per-layer values (a random key per layer).
     out, per_layer = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example] + rows_of, shared,
                               mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats,
-                              policy=stack.policy, per_layer=kinds)
+                              policy=stack.policy, per_layer=kinds, layer_remat=rematerialises(body.jaxpr))
     found = dict(zip(read, per_layer))
     return list(out) + [found[j] if j in found else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
                         for j, v in enumerate(ys)]
@@ -334,9 +366,12 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
         outs = _run_body(body, ordered, stack, draws(c), folds)
         return [outs[q] for q in chain.carry_out]
 
+    remat = first.primitive.name in REMAT  # each block a checkpoint of its own (nn.remat): kept, with its policy
+    if remat:
+        layer = jax.checkpoint(layer, prevent_cse=first.params["prevent_cse"], policy=first.params["policy"])
     out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example] + rows_of,
                    [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,
-                   repeats=stack.repeats, policy=stack.policy)
+                   repeats=stack.repeats, policy=stack.policy, layer_remat=remat)
     results = [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in last.outvars]
     for q, value in zip(chain.carry_out, out):
         results[q] = value
