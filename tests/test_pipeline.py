@@ -150,23 +150,24 @@ def test_a_stack_inside_a_jitted_function_over_params_another_one_made_is_found(
     np.testing.assert_allclose(jax.jit(jax.grad(piped))(w, x), jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
 
 
-def test_layers_that_rematerialise_themselves_are_not_computed_a_third_time():
-    """A layer under ``jax.checkpoint`` (``nn.remat`` in a scan) is recomputed once in the backward
-    pass, inside its own checkpoint: the pipelined gradient has the matmuls of the same stack
-    without the checkpoint (where the iteration's recomputation ran the layer first, they were
-    5/4 of them), and its values."""
+def test_layers_that_rematerialise_themselves_are_recomputed_once_with_their_inputs_kept():
+    """A layer under ``jax.checkpoint`` (``nn.remat`` in a scan): by default each iteration keeps its
+    input only, and the backward pass recomputes the iteration and the layer again inside it (5/4
+    of the matmuls of the same stack without the checkpoint: the least memory); keeping each
+    layer's input (``PipelineParallel(remat="layer")``) recomputes it once, the same stack's
+    matmuls. The gradients are the stack's either way."""
     from parallax.pricing.fused_bytes import dot_flops
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
     w, x = jnp.ones((4, WIDTH, WIDTH)) / WIDTH, jnp.ones((ROWS, WIDTH))
-    flops, grads = {}, {}
-    for name, layer in (("plain", lambda h, wl: jnp.tanh(h @ wl)), ("remat", jax.checkpoint(lambda h, wl: jnp.tanh(h @ wl)))):
+    plain, remat = (lambda h, wl: jnp.tanh(h @ wl)), jax.checkpoint(lambda h, wl: jnp.tanh(h @ wl))
+    flops = {}
+    for name, layer, keep in (("plain", plain, False), ("iteration", remat, False), ("layer", remat, True)):
         forward = lambda w, x, layer=layer: jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w)[0].sum()  # noqa: E731
-        gradient = jax.grad(pipelined(forward, mesh=mesh, axis="stage", microbatches=2))
+        gradient = jax.grad(pipelined(forward, mesh=mesh, axis="stage", microbatches=2, keep_layer_inputs=keep))
         flops[name] = sum(dot_flops(jax.make_jaxpr(gradient)(w, x).jaxpr))
-        grads[name] = jax.jit(gradient)(w, x)
-        np.testing.assert_allclose(grads[name], jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
-    assert flops["remat"] == flops["plain"], flops
+        np.testing.assert_allclose(jax.jit(gradient)(w, x), jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
+    assert flops["layer"] == flops["plain"] and flops["iteration"] == 1.25 * flops["plain"], flops
 
 
 def test_what_it_cannot_pipeline_is_an_error_naming_the_cause():
@@ -367,6 +368,8 @@ def dropout_loss(model, batch):
 DROPOUT = {  # blocks that draw random numbers: every mask is one device's
     "stack-remat-key-per-layer-pp4-adamw": lambda: (StackOf(nn.remat(DroppingBlock)), optax.adamw(1e-2),
                                                     PIPELINES["pp4"]()),  # the draws inside the block's checkpoint
+    "stack-remat-layer-inputs-pp4-adamw": lambda: (StackOf(nn.remat(DroppingBlock)), optax.adamw(1e-2),
+                                                   px.PipelineParallel(4, microbatches=8, remat="layer")),
     "stack-one-key-circular-sgd": lambda: (StackOf(DroppingBlock, split_dropout=False), optax.sgd(0.1),
                                            px.combine(px.DataParallel(4), px.PipelineParallel(
                                                2, schedule="circular", repeats=2, microbatches=2))),
@@ -374,10 +377,13 @@ DROPOUT = {  # blocks that draw random numbers: every mask is one device's
                                              optax.sgd(0.1), PIPELINES["dp4-pp2"]()),
     "list-key-each-pp2-fsdp4-sgd": lambda: (Keyed(), optax.sgd(0.1), px.combine(
         px.PipelineParallel(2, blocks="KeyedLayer"), px.FSDP(4, min_weight_size=0))),
+    "list-layer-inputs-pp2-fsdp4-adamw": lambda: (Keyed(), optax.adamw(1e-2), px.combine(
+        px.PipelineParallel(2, blocks="KeyedLayer", remat="layer"), px.FSDP(4, min_weight_size=0))),
     "gpt2-dropout-dp4-pp2-adamw": lambda: (hugging_face("gpt2", dropout=0.1)[0], optax.adamw(1e-2), px.combine(
         px.DataParallel(4), px.PipelineParallel(2, blocks="FlaxGPT2Block"))),
 }
-DROPOUT_CORE = ("stack-remat-key-per-layer-pp4-adamw", "nnx-scan-streams-dp4-pp2-sgd")
+DROPOUT_CORE = ("stack-remat-key-per-layer-pp4-adamw", "stack-remat-layer-inputs-pp4-adamw",
+                "list-layer-inputs-pp2-fsdp4-adamw", "nnx-scan-streams-dp4-pp2-sgd")
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.wide(

@@ -34,6 +34,7 @@ from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer
 from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_operands
 from parallax.models.rebind import bind_eqn
 from parallax.sharding.pipeline import NoStackError
+from parallax.models.remat_policy import rematerialises
 from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants
 
 PARAMS, STATE = "params", "state"  # what a value is computed from (and BATCH, the batch)
@@ -50,11 +51,13 @@ class Stack:
     repeats: int = 1
     policy: Any = None  # what each iteration keeps besides its input (a jax.checkpoint policy)
     prove: Callable | None = None  # proves a layer computes per example (prove_layer's signature)
+    keep_layer_inputs: bool = False  # blocks that checkpoint themselves: each one's input kept too
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
               policy: Any = None, params_argnum: int = 0, batch_argnums: Sequence[int] = (1,),
-              state_argnums: Sequence[int] = (), prove: Callable | None = None) -> Callable:
+              state_argnums: Sequence[int] = (), prove: Callable | None = None,
+              keep_layer_inputs: bool = False) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -68,6 +71,8 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         prove: proves each layer computes every example on its own, so that microbatches
             compute what the batch does (:func:`parallax.pricing.per_example_proof.layer.prove_layer`,
             passed in by the step); a layer it does not prove is refused, naming the operation.
+        keep_layer_inputs: where the blocks checkpoint themselves, keep each one's input too, so that
+            each is recomputed once, not twice (``PipelineParallel(remat="layer")``).
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
@@ -87,7 +92,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         if len(rows) != 1 or min(rows) % count:
             raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
-        stack = Stack(mesh, axis, count, repeats, policy, prove)
+        stack = Stack(mesh, axis, count, repeats, policy, prove, keep_layer_inputs)
         # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
         # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
         def shape_of(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
@@ -210,38 +215,6 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
     return [read(v) for v in jaxpr.outvars], [kind(v) for v in jaxpr.outvars]
 
 
-def rematerialises(jaxpr: Any) -> bool:
-    """Whether every matmul of ``jaxpr`` (one layer) runs inside a ``jax.checkpoint`` of its own (as
-    ``nn.remat`` of a scanned block traces), so that its backward pass recomputes it there anyway.
-
-    Example:
-        >>> layer = jax.checkpoint(lambda w, h: jnp.tanh(h @ w))
-        >>> rematerialises(jax.make_jaxpr(layer)(jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr)
-        True
-        >>> rematerialises(jax.make_jaxpr(lambda w, h: jnp.tanh(h @ w))(jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr)
-        False
-    """
-    return _covered(jaxpr) is True
-
-
-def _covered(jaxpr: Any) -> bool | None:
-    """``True``: ``jaxpr`` runs checkpoints and no matmul outside them; ``False``: a matmul outside
-    any; ``None``: neither (nothing to recompute)."""
-    found = None
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in REMAT:
-            found = True
-        elif name in ("dot_general", "conv_general_dilated"):
-            return False
-        elif name in (*_INLINED, "scan"):
-            inner = _covered(call_body(eqn)[0])
-            if inner is False:
-                return False
-            found = found or inner
-    return found
-
-
 def _split(eqn: Any, items: Sequence[Any]) -> tuple[list, list, list]:
     num_consts, num_carry = scan_counts(eqn.params)
     return list(items[:num_consts]), list(items[num_consts:num_consts + num_carry]), list(items[num_consts + num_carry:])
@@ -304,7 +277,7 @@ def _run_stack(eqn: Any, ins: Sequence[Any], in_kinds: Sequence[frozenset], used
     # The stack's xs: the layers' params and any other per-layer values (a random key per layer).
     out, per_layer = pipeline(layer, list(xs), list(carry), [consts[i] for i in per_example] + rows_of, shared,
                               mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches, repeats=stack.repeats,
-                              policy=stack.policy, per_layer=kinds, layer_remat=rematerialises(body.jaxpr))
+                              policy=stack.policy, per_layer=kinds, layer_remat=stack.keep_layer_inputs and rematerialises(body.jaxpr))
     found = dict(zip(read, per_layer))
     return list(out) + [found[j] if j in found else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
                         for j, v in enumerate(ys)]
@@ -366,12 +339,12 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
         outs = _run_body(body, ordered, stack, draws(c), folds)
         return [outs[q] for q in chain.carry_out]
 
-    remat = first.primitive.name in REMAT  # each block a checkpoint of its own (nn.remat): kept, with its policy
+    remat = first.primitive.name in REMAT  # each block a checkpoint of its own: kept, with its policy, as a stack's
     if remat:
         layer = jax.checkpoint(layer, prevent_cse=first.params["prevent_cse"], policy=first.params["policy"])
     out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example] + rows_of,
                    [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,
-                   repeats=stack.repeats, policy=stack.policy, layer_remat=remat)
+                   repeats=stack.repeats, policy=stack.policy, layer_remat=remat and stack.keep_layer_inputs)
     results = [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in last.outvars]
     for q, value in zip(chain.carry_out, out):
         results[q] = value

@@ -13,6 +13,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from parallax.sharding.chains import REMAT, call_body
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "scan")  # opened to reach the matmuls inside them
+
 NAMED_POLICIES = {  # short name: (the policy, what it keeps)
     "nothing": (lambda: jax.checkpoint_policies.nothing_saveable,
                 "nothing_saveable: keep nothing, recompute the whole call (the default)"),
@@ -93,3 +97,35 @@ def check_remat(remat: Sequence[Any]) -> None:
             f"remat has the checkpoint policy {name} but no module class to apply it to; name the model's "
             "repeated block beside it, e.g. remat=('Block', policy). (A policy over the whole model keeps "
             "every activation the backward pass needs at once, so it saves no memory.)")
+
+
+def rematerialises(jaxpr: Any) -> bool:
+    """Whether every matmul of ``jaxpr`` (one layer) runs inside a ``jax.checkpoint`` of its own (as
+    ``nn.remat`` of a scanned block traces), so that its backward pass recomputes it there anyway.
+
+    Example:
+        >>> layer = jax.checkpoint(lambda w, h: jnp.tanh(h @ w))
+        >>> rematerialises(jax.make_jaxpr(layer)(jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr)
+        True
+        >>> rematerialises(jax.make_jaxpr(lambda w, h: jnp.tanh(h @ w))(jnp.ones((3, 3)), jnp.ones((2, 3))).jaxpr)
+        False
+    """
+    return _covered(jaxpr) is True
+
+
+def _covered(jaxpr: Any) -> bool | None:
+    """``True``: ``jaxpr`` runs checkpoints and no matmul outside them; ``False``: a matmul outside
+    any; ``None``: neither (nothing to recompute)."""
+    found = None
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in REMAT:
+            found = True
+        elif name in ("dot_general", "conv_general_dilated"):
+            return False
+        elif name in _CALLS:
+            inner = _covered(call_body(eqn)[0])
+            if inner is False:
+                return False
+            found = found or inner
+    return found

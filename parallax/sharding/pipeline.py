@@ -17,6 +17,7 @@ from parallax.sharding.specs import dims_axes, entry_size
 from parallax.sharding.strategy import Combined, Strategy
 
 SCHEDULES = ("gpipe", "circular")
+REMATS = ("iteration", "layer")
 
 
 def split_layers(count: int, groups: int) -> list[int]:
@@ -80,12 +81,14 @@ def with_found_blocks(strategy: Strategy, blocks: str) -> Strategy:
 @dataclasses.dataclass(frozen=True)
 class PipelineRun:
     """How the model's stack runs: over ``axis`` in ``microbatches`` (``None``: the part's
-    default for the batch), each stage holding ``repeats`` groups of layers."""
+    default for the batch), each stage holding ``repeats`` groups of layers, what its backward
+    pass recomputes as ``remat`` says (:class:`PipelineParallel`)."""
 
     axis: str
     microbatches: int | None
     repeats: int
     blocks: str | type | None = None
+    remat: str = "iteration"
 
     def microbatches_for(self, rows: int, stages: int, data_shards: int) -> int:
         """The microbatch count for a batch of ``rows``: as given, else the most up to ``2·stages``
@@ -129,6 +132,13 @@ class PipelineParallel(Strategy):
         stacked: the stacked params' layer dims, by path (set when the state is planned).
         chained: the listed blocks' params, by path: the dim split over the stage axis (set
             when the state is planned).
+        remat: what the backward pass recomputes, where the blocks checkpoint themselves
+            (``nn.remat``, or a list of blocks, which the pipeline traces as one checkpoint each).
+            ``"iteration"``: each pipeline iteration keeps only its input and is recomputed from
+            it, each block inside it once more within its own checkpoint: the least memory (one
+            input per iteration), a third forward of every block. ``"layer"``: each block's input
+            is kept too, and each block is recomputed once: the FLOPs of the same model without
+            a pipeline, for the memory it keeps without one (an input per block and microbatch).
         layers: the stack's layer count, or the list's block count (set when the state is
             planned). ``stages × repeats`` need not divide it: the first groups then hold one
             layer more (:func:`split_layers`), a stack's params are split over the stages along
@@ -145,6 +155,7 @@ class PipelineParallel(Strategy):
     repeats: int = 1
     axis: str = "stage"
     blocks: str | type | None = None
+    remat: str = "iteration"
     stacked: Any = dataclasses.field(default=None, compare=False, repr=False)
     chained: Any = dataclasses.field(default=None, compare=False, repr=False)
     layers: int | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -170,6 +181,9 @@ class PipelineParallel(Strategy):
         if self.blocks is not None and not ((isinstance(self.blocks, str) and self.blocks) or isinstance(self.blocks, type)):
             raise ValueError(f"PipelineParallel(blocks={self.blocks!r}): name the blocks' module class, or give the class "
                              "itself (e.g. blocks='FlaxGPT2Block').")
+        if self.remat not in REMATS:
+            raise ValueError(f"PipelineParallel(remat={self.remat!r}): use 'iteration' (each iteration keeps its input: "
+                             "the least memory) or 'layer' (each block's input kept too: no block recomputed twice).")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or not isinstance(
                 self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"PipelineParallel(microbatches={self.microbatches!r}): use a positive number, or None "
@@ -187,12 +201,13 @@ class PipelineParallel(Strategy):
         """What differs from the defaults: ``", microbatches=8, schedule='circular', repeats=2, blocks='Block'"``."""
         options = [f"microbatches={self.microbatches}" if self.microbatches is not None else "",
                    f"schedule={self.schedule!r}, repeats={self.repeats}" if self.schedule != "gpipe" else "",
-                   f"blocks={getattr(self.blocks, '__name__', self.blocks)!r}" if self.blocks is not None else ""]
+                   f"blocks={getattr(self.blocks, '__name__', self.blocks)!r}" if self.blocks is not None else "",
+                   f"remat={self.remat!r}" if self.remat != "iteration" else ""]
         return "".join(f", {option}" for option in options if option)
 
     @property
     def run_change(self) -> PipelineRun:
-        return PipelineRun(self.axis, self.microbatches, self.repeats, self.blocks)
+        return PipelineRun(self.axis, self.microbatches, self.repeats, self.blocks, self.remat)
 
     def fit_to_computation(self, computation: Any) -> "PipelineParallel":
         """This part with the stacked params (or, with ``blocks``, the listed blocks' params) found
