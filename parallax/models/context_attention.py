@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._compat import scan_counts
 from parallax.models.attention_weights import region as ring_region
 from parallax.models.rebind import bind_eqn, reshaped_dim
+from parallax.models.traced import traced_loss
 from parallax.models.ring_attention import Ring
 from parallax.sharding.chains import REMAT, call_body
 
@@ -180,16 +181,7 @@ def holds_attention(jaxpr: Any) -> bool:
 def model_has_attention(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> bool:
     """Whether ``loss_fn(model, batch)`` computes an attention :func:`context_parallel` reaches
     (the model initialised and run from shapes: nothing is allocated)."""
-    from parallax.models import ModelRun, adapter_for
-
-    adapter = adapter_for(model)
-
-    def loss(key: Any, batch: Any) -> Any:
-        rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
-        params, state = adapter.init(rngs, batch, loss_fn, ())
-        return adapter.apply(adapter.unbox(params), state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
-
-    return holds_attention(jax.make_jaxpr(loss)(jax.random.PRNGKey(0), example_batch).jaxpr)
+    return holds_attention(traced_loss(model, example_batch, loss_fn, rng_streams).jaxpr)
 
 
 def _body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:

@@ -339,12 +339,12 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
         outs = _run_body(body, ordered, stack, draws(c), folds)
         return [outs[q] for q in chain.carry_out]
 
-    remat = first.primitive.name in REMAT  # each block a checkpoint of its own: kept, with its policy, as a stack's
-    if remat:
+    # Each call: the checkpoint parallax traced it as (a model's nn.remat folds into it), kept for remat="layer".
+    if stack.keep_layer_inputs:
         layer = jax.checkpoint(layer, prevent_cse=first.params["prevent_cse"], policy=first.params["policy"])
     out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example] + rows_of,
                    [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,
-                   repeats=stack.repeats, policy=stack.policy, layer_remat=remat and stack.keep_layer_inputs)
+                   repeats=stack.repeats, policy=stack.policy, layer_remat=stack.keep_layer_inputs)
     results = [jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in last.outvars]
     for q, value in zip(chain.carry_out, out):
         results[q] = value

@@ -325,7 +325,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
                                  mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
             candidate_mesh = planned.mesh  # the state's (with a size-1 axis for one the model's sharding names)
-            layout = (tuple(candidate_mesh.shape.items()), str(planned.strategy.batch_spec()),
+            layout = (tuple(candidate_mesh.shape.items()), str(planned.strategy.batch_spec()), repr(planned.strategy.run_changes),
                       str(jax.tree.leaves(planned.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
             if (path, layout) in laid_out:  # another split placed every array alike: the same program
                 skipped[label] = f"{SAME_AS}{laid_out[path, layout]} (every array laid out alike, on the same path)"

@@ -1,0 +1,52 @@
+"""A model's training loss as a jaxpr, traced from shapes: what ``strategy="auto"`` reads to know
+which parts apply (attention to split over a context axis, a stack to pipeline and how its blocks
+rematerialise) before anything is compiled or allocated.
+
+Example:
+    >>> closed = traced_loss(model, batch, loss_fn)
+    >>> any(eqn.primitive.name == "dot_general" for eqn in closed.jaxpr.eqns)
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+from parallax.models.remat_policy import rematerialises
+from parallax.sharding.chains import call_body
+
+
+def traced_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> Any:
+    """The closed jaxpr of ``loss_fn(model, batch)`` in training, the model initialised and run
+    from shapes (nothing is allocated)."""
+    from parallax.models import ModelRun, adapter_for
+
+    adapter = adapter_for(model)
+
+    def loss(key: Any, batch: Any) -> Any:
+        rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+        params, state = adapter.init(rngs, batch, loss_fn, ())
+        return adapter.apply(adapter.unbox(params), state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
+
+    return jax.make_jaxpr(loss)(jax.random.PRNGKey(0), example_batch)
+
+
+def stack_rematerialises(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` scans a body that rematerialises itself (``nn.scan`` of an ``nn.remat``
+    block: :func:`parallax.models.remat_policy.rematerialises`), in itself or in a call inside it.
+
+    Example:
+        >>> layer = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None))
+        >>> stack_rematerialises(jax.make_jaxpr(lambda x, w: jax.lax.scan(layer, x, w))(jnp.ones((2, 3)),
+        ...                                                                            jnp.ones((4, 3, 3))).jaxpr)
+        True
+    """
+    for eqn in jaxpr.eqns:
+        inner = call_body(eqn)[0]
+        if inner is None or not hasattr(inner, "eqns"):
+            continue
+        if (eqn.primitive.name == "scan" and rematerialises(inner)) or stack_rematerialises(inner):
+            return True
+    return False
