@@ -36,8 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._compat import scan_counts
 from parallax.models.attention_weights import region as ring_region
 from parallax.models.rebind import bind_eqn, reshaped_dim
-from parallax.models.traced import traced_loss
 from parallax.models.ring_attention import Ring
+from parallax.models.traced import traced_loss
 from parallax.sharding.chains import REMAT, call_body
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach the attention inside them

@@ -18,8 +18,9 @@ so nothing it computes reaches the results or the gradients.
 
 Gradients are autodiff's: the transpose of a ``ppermute`` is the ``ppermute`` back, so the
 backward pass runs the schedule in reverse. Each iteration is rematerialised, keeping only the
-stage's input (and what a ``policy`` keeps besides); where the layers rematerialise themselves, each
-layer's input is kept too, so that no layer is computed forward three times.
+stage's input (and what a ``policy`` keeps besides); with ``layer_remat`` (layers that rematerialise
+themselves, ``PipelineParallel(remat="layer")``), each layer's input too, so that no layer is
+computed forward three times.
 
 Example:
     >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("stage",))

@@ -33,8 +33,8 @@ from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws
 from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_operands
 from parallax.models.rebind import bind_eqn
-from parallax.sharding.pipeline import NoStackError
 from parallax.models.remat_policy import rematerialises
+from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants
 
 PARAMS, STATE = "params", "state"  # what a value is computed from (and BATCH, the batch)

@@ -132,13 +132,13 @@ class PipelineParallel(Strategy):
         stacked: the stacked params' layer dims, by path (set when the state is planned).
         chained: the listed blocks' params, by path: the dim split over the stage axis (set
             when the state is planned).
-        remat: what the backward pass recomputes, where the blocks checkpoint themselves
-            (``nn.remat``, or a list of blocks, which the pipeline traces as one checkpoint each).
-            ``"iteration"``: each pipeline iteration keeps only its input and is recomputed from
-            it, each block inside it once more within its own checkpoint: the least memory (one
-            input per iteration), a third forward of every block. ``"layer"``: each block's input
-            is kept too, and each block is recomputed once: the FLOPs of the same model without
-            a pipeline, for the memory it keeps without one (an input per block and microbatch).
+        remat: what the backward pass recomputes. ``"iteration"``: each pipeline iteration keeps
+            only its input and is recomputed from it: the least memory (one input per iteration);
+            a stack's blocks that checkpoint themselves (``nn.remat``) are then recomputed once
+            more inside their own checkpoint (a third forward of every block), a list's run
+            plainly inside the iteration. ``"layer"``: each block is a checkpoint whose input is
+            kept too, recomputed once: the FLOPs of the same model without a pipeline, for the
+            memory it keeps without one (an input per block and microbatch).
         layers: the stack's layer count, or the list's block count (set when the state is
             planned). ``stages × repeats`` need not divide it: the first groups then hold one
             layer more (:func:`split_layers`), a stack's params are split over the stages along
