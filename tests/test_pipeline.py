@@ -674,8 +674,10 @@ class Keyed(nn.Module):
         return nn.Dense(2)(h)
 
 
-@pytest.mark.wide("the search of strategy='auto' over pipelines (21 s cold)")
+@pytest.mark.wide("the search of strategy='auto' over pipelines (two searches, about 25 s cold)")
 def test_auto_prices_the_pipelines_over_a_stack_and_only_for_a_stack():
+    """A stack gets its pipelines priced beside the other meshes (its blocks rematerialising themselves:
+    also the pipeline keeping each block's input, a program of its own); a model without one, none."""
     from parallax.state.search import resolve
 
     def priced(model):
@@ -683,9 +685,9 @@ def test_auto_prices_the_pipelines_over_a_stack_and_only_for_a_stack():
                         devices=jax.devices()[:2])
         return sorted(found.choice.estimates)
 
-    assert [label.split(",")[0] for label in priced(Stacked(8))] == [
-        "DataParallel(data=2)", "FSDP(fsdp=2)", "PipelineParallel(stage=2)", "TensorParallel(tensor=2)"]
+    labels = priced(StackOf(nn.remat(DroppingBlock)))
+    assert sorted({label.split(",")[0] for label in labels if "remat=" not in label}) == [
+        "DataParallel(data=2)", "FSDP(fsdp=2)", "PipelineParallel(stage=2)"], labels
     assert not any(label.startswith("PipelineParallel") for label in priced(Flat()))
-    # Blocks that rematerialise themselves: the pipeline also keeping each block's input, priced beside it.
-    pipelines = [label for label in priced(StackOf(nn.remat(DroppingBlock))) if label.startswith("PipelineParallel")]
+    pipelines = [label for label in labels if label.startswith("PipelineParallel")]
     assert len(pipelines) == 2 and sum("remat='layer'" in label for label in pipelines) == 1, pipelines
