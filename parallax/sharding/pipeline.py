@@ -136,9 +136,11 @@ class PipelineParallel(Strategy):
             only its input and is recomputed from it: the least memory (one input per iteration);
             a stack's blocks that checkpoint themselves (``nn.remat``) are then recomputed once
             more inside their own checkpoint (a third forward of every block), a list's run
-            plainly inside the iteration. ``"layer"``: each block is a checkpoint whose input is
-            kept too, recomputed once: the FLOPs of the same model without a pipeline, for the
-            memory it keeps without one (an input per block and microbatch).
+            plainly inside the iteration. ``"layer"``: a stack's self-checkpointing block, and every
+            block of a list (run as a checkpoint), keeps its input too and is recomputed once: the
+            FLOPs of the same model without a pipeline, for the memory it keeps without one (an
+            input per block and microbatch); a stack whose blocks do not checkpoint themselves
+            runs as by default.
         layers: the stack's layer count, or the list's block count (set when the state is
             planned). ``stages × repeats`` need not divide it: the first groups then hold one
             layer more (:func:`split_layers`), a stack's params are split over the stages along
