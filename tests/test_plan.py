@@ -8,6 +8,7 @@ must equal them exactly, for DP, FSDP, TP and hybrids, on the jit and shard_map 
 from __future__ import annotations
 
 import io
+import logging
 import json
 import os
 import re
@@ -308,3 +309,38 @@ def test_the_async_start_forms_count_what_their_synchronous_forms_do():
     expected = {"all-gather": 512, "reduce-scatter": 512, "all-reduce": 256, "collective-permute": 32}
     for kind, (sync, started) in forms.items():
         assert collective_bytes(sync)[kind].bytes == collective_bytes(started)[kind].bytes == expected[kind], kind
+
+
+class ParamsCopied:
+    """An optimizer whose state starts from the params' values (as EMA or lookahead ones do)."""
+
+    def __new__(cls):
+        return optax.GradientTransformation(lambda params: jax.tree.map(lambda p: p * 1.0, params),
+                                            lambda updates, state, params=None: (updates, state))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "params-copied"])
+def test_a_state_from_given_params_is_the_programs_bit_for_bit_and_compiles_nothing_it_need_not(
+        optimizer, monkeypatch, caplog):
+    """Given params and an optimizer whose state starts as constants, the state is put together shard by
+    shard, no program compiled (nor the params held twice on the devices); an optimizer state made from
+    the params still compiles the state's program. Either way: what the program computes, bit for bit,
+    and the caller's arrays outlive a step that donates the state."""
+    import parallax.state.plan as plan_module
+
+    tx = optax.adamw(1e-3) if optimizer == "adamw" else ParamsCopied()
+    batch, strategy = batches("mlp", 1)[0], small("dp2+fsdp")
+    given = px.init_state(MLP(), tx, batch, strategy=strategy, loss_fn=classifier_loss).params  # on their shards
+    plan = px.plan_state(MLP(), tx, batch, strategy=strategy, loss_fn=classifier_loss, params=given)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        built = plan.build()
+    compiled = re.search(r"Compiling (jit\()?build_values", caplog.text) is not None
+    assert compiled == (optimizer != "adamw"), caplog.text[-2000:]
+    monkeypatch.setattr(plan_module, "build_directly", lambda *args, **kwargs: None)
+    program = plan.build()
+    assert jax.tree.structure(built) == jax.tree.structure(program)
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(program), strict=True):
+        assert (a.sharding, a.dtype, a.shape, a.weak_type) == (b.sharding, b.dtype, b.shape, b.weak_type)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    px.make_train_step(classifier_loss, strategy)(built, batch)  # donates its state
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(given))

@@ -22,6 +22,7 @@ from parallax.sharding.mesh import is_explicit
 from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
+from parallax.state.direct import build_directly
 from parallax.state.pretrained import place_params
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
@@ -207,7 +208,17 @@ def plan_state(
         with mesh_context(mesh):
             return method(key, example_batch, *placed())
 
-    return StatePlan(mesh, strategy, abstract, specs, shardings, build=lambda: run(jitted),
+    def build():
+        """The state: put together from the given values where it has nothing to compute, else the program's."""
+        values, state, opt_state = placed()
+        built = build_directly(key, values, state, opt_state, plain=plain, abstract=abstract, shardings=shardings,
+                               optimizer=optimizer, given=(given, pretrained, given_opt_state))
+        if built is not None:
+            return built
+        with mesh_context(mesh):
+            return jitted(key, example_batch, values, state, opt_state)
+
+    return StatePlan(mesh, strategy, abstract, specs, shardings, build=build,
                      lower=lambda: run(jitted.lower), sharding_note=note)
 
 

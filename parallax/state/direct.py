@@ -1,0 +1,130 @@
+"""A train state from values the caller gives, built without compiling a program.
+
+Where the params are given (pretrained, or held by an NNX model) and nothing else needs the
+model's init, the state's program has nothing to compute: the params go to their shards as
+they are, the optimizer's init fills its state with constants (zeros, a count of 0), the step
+is 0 and the key is split. Compiling that program took as long as compiling a small train step
+and held the params twice on the devices (its inputs and its outputs). Here each leaf is put on
+its shards from the host instead: the given params copied shard by shard, each constant leaf
+made shard by shard (:func:`jax.make_array_from_callback`), never a whole array on one device.
+The values are the program's, bit for bit (``tests/test_plan.py``). Where anything is not a
+constant (an optimizer whose state starts from the params, a model state only the init makes,
+params in another dtype than the model's, state in host memory), :func:`build_directly` returns
+``None`` and the caller compiles the program as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from parallax.step.train_state import TrainState
+
+_PASS_THROUGH = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "copy"})
+
+
+def constant_fills(fn: Callable, *args: Any) -> list[tuple[Any, np.ndarray]] | None:
+    """Each output of ``fn(*args)`` as ``(aval, value)`` where every output is one constant
+    broadcast to its shape (``jnp.zeros_like``, ``jnp.zeros([], jnp.int32)``...); ``None`` where
+    any output depends on the inputs' values or is not uniform.
+
+    Example:
+        >>> import optax
+        >>> p = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+        >>> [(a.shape, v.item()) for a, v in constant_fills(optax.adam(1e-3).init, p)]
+        [((), 0), ((4, 3), 0.0), ((4, 3), 0.0)]
+        >>> constant_fills(lambda p: jax.tree.map(lambda x: x + 1, p), p) is None  # reads the params
+        True
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    made = {var: eqn for eqn in closed.jaxpr.eqns for var in eqn.outvars}
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts))
+
+    def fill(atom) -> np.ndarray | None:
+        if isinstance(atom, Literal):
+            value = np.asarray(atom.val)
+        elif atom in consts:
+            value = np.asarray(consts[atom])
+        elif atom in made and made[atom].primitive.name in _PASS_THROUGH:
+            value = fill(made[atom].invars[0])
+        else:  # an input, or computed from something
+            return None
+        if value is None or not value.size or not (value == value.reshape(-1)[0]).all():
+            return None
+        return value.reshape(-1)[0]
+
+    fills = []
+    for var in closed.jaxpr.outvars:
+        aval = var.aval
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or getattr(aval, "weak_type", False):
+            return None
+        value = fill(var)
+        if value is None:
+            return None
+        fills.append((aval, np.asarray(value).astype(aval.dtype)))
+    return fills
+
+
+def _filled(aval: Any, value: np.ndarray, sharding: Any) -> jax.Array:
+    shard = np.full(sharding.shard_shape(aval.shape), value, aval.dtype)
+    return jax.make_array_from_callback(aval.shape, sharding, lambda _: shard)
+
+
+def _own_copy(tree: Any, given: Any, shardings: Any) -> Any:
+    """``tree`` placed on ``shardings``, each leaf a buffer of its own: a leaf that is the given
+    array itself (already on its shards) is copied, so that a step donating the state leaves the
+    caller's array alive."""
+    given_ids = {id(leaf) for leaf in jax.tree.leaves(given)}
+    return jax.tree.map(lambda leaf, sharding: jax.device_put(leaf, sharding, may_alias=False)
+                        if id(leaf) in given_ids or not isinstance(leaf, jax.Array) else leaf, tree, shardings)
+
+
+def build_directly(key: Any, values: Any, model_state: Any, opt_state: Any, *, plain: Any, abstract: TrainState,
+                   shardings: TrainState, optimizer: Any, given: Any) -> TrainState | None:
+    """The train state the state's program would compute from given ``values`` (params on their
+    shards, in the model's dtypes), put together on the host side without compiling it; ``None``
+    where it needs the program (see the module's docstring).
+
+    Args:
+        key: the state's raw PRNG key (host array).
+        values: the given params, already on ``shardings.params``; ``None``: not given.
+        model_state: the given model state on its shards, ``None`` where not given.
+        opt_state: the given optimizer state on its shards, ``None`` where not given.
+        plain: the params' ``ShapeDtypeStruct`` s (unboxed).
+        abstract: the state's shapes (its ``model_state`` tells whether the model has any).
+        shardings: the state's ``NamedSharding`` tree.
+        optimizer: the optax transformation.
+        given: the caller's own arrays (never handed to the state as they are).
+    """
+    if values is None:
+        return None
+    if model_state is None:
+        if jax.tree.leaves(abstract.model_state):
+            return None  # only the model's init makes it
+        model_state = abstract.model_state
+    if any(getattr(s, "memory_kind", None) not in (None, "device") for s in jax.tree.leaves(shardings)):
+        return None
+    if any(jnp.dtype(v.dtype) != jnp.dtype(p.dtype) or tuple(v.shape) != tuple(p.shape)
+           for v, p in zip(jax.tree.leaves(values), jax.tree.leaves(plain), strict=True)):
+        return None  # cast by the program
+    if opt_state is None:
+        fills = constant_fills(optimizer.init, plain)
+        if fills is None:
+            return None
+        structure = jax.tree.structure(jax.eval_shape(optimizer.init, plain))
+        opt_state = jax.tree.unflatten(structure, [_filled(aval, value, sharding) for (aval, value), sharding in
+                                                   zip(fills, jax.tree.leaves(shardings.opt_state), strict=True)])
+    state_key = jax.random.split(jnp.asarray(key), 3)[2]
+    return TrainState(
+        step=_filled(jax.ShapeDtypeStruct((), jnp.int32), np.zeros((), np.int32), shardings.step),
+        params=_own_copy(values, given, shardings.params),
+        opt_state=_own_copy(opt_state, given, shardings.opt_state),
+        rng=jax.device_put(state_key, shardings.rng),
+        model_state=_own_copy(model_state, given, shardings.model_state),
+        model=abstract.model,
+        tx=optimizer,
+    )
