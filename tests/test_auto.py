@@ -180,12 +180,18 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     with caplog.at_level("INFO", logger="parallax"):
         found = resolve(MLP(), optax.adam(1e-2), data[0], "auto", loss_fn=MARKED, options=jit)
     assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
-    assert len(found.choice.estimates) + len(found.skipped) == len(priced_candidates(candidates(8), "jit")) == 10
-    # an FSDP template with split="auto": each FSDP mesh once per split, each on the path it is fast on
-    opened = priced_candidates(candidates(8, fsdp=px.FSDP(split="auto")), "auto")
-    with_fsdp = sum(any(isinstance(p, px.FSDP) for p in c.parts) for c in candidates(8))
-    assert len(opened) == 10 + 3 * with_fsdp
-    assert [path for _, path, _ in opened[1:5]] == ["jit", "jit", "shard_map", "jit"]
+    # the 10 meshes, and FSDP over all 8 as google-parallax lays it out (every param's output dim)
+    assert len(found.choice.estimates) + len(found.skipped) == len(priced_candidates(candidates(8), "jit")) == 11
+    # an FSDP template with split="auto": each FSDP mesh once per split, each on the path it is fast on, and with
+    # the default threshold once more: every param's output dim under jit (google-parallax's layout)
+    meshes = candidates(8, fsdp=px.FSDP(split="auto"))  # the 10 (every split of FSDP over 8 is among the opened)
+    opened = priced_candidates(meshes, "auto")
+    with_fsdp = sum(any(isinstance(p, px.FSDP) for p in c.parts) for c in meshes)
+    assert len(meshes) == 10 and len(opened) == 10 + 4 * with_fsdp
+    assert [(s.parts[0].split, s.parts[0].min_weight_size, path) for s, path, _ in opened[1:6]] == [
+        ("largest", 2**18, "jit"), ("output", 2**18, "jit"), ("input", 2**18, "shard_map"), ("input", 2**18, "jit"),
+        ("output", 1, "jit")]
+    assert len(priced_candidates(candidates(8, fsdp=px.FSDP(min_weight_size=64, split="auto")), "auto")) == 10 + 3 * with_fsdp
     assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
     # init_state(strategy="auto") and make_train_step("auto") through px.testing: the same search again
     # (the times of its close calls are cached: the same pick), against a one-device loop. Every plan
@@ -248,7 +254,8 @@ def test_split_auto_prices_each_split_on_its_path_and_the_trainer_builds_on_it(c
     # Splits that place every array alike are one program, priced once: nothing over min_weight_size here.
     alike = resolve(TinyLM(), optax.adam(1e-2), data[0], px.FSDP(), loss_fn=lm_loss,
                     options=px.StepOptions(timed_candidates=0), steps=LONG)
-    assert set(alike.choice.estimates) == {"split=largest, jit", "split=input, shard_map"}
+    assert set(alike.choice.estimates) == {"split=largest, jit", "split=input, shard_map",
+                                           "split=output, every param, jit"}  # that one splits the small ones
     assert set(alike.skipped) == {"split=output, jit", "split=input, jit"}
     assert "2 laid out like another (split=output, jit, split=input, jit)" in alike.describe()
     trainer = px.Trainer(TinyLM(), optax.adam(1e-2), lm_loss, strategy=auto, max_steps=2,

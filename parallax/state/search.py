@@ -32,7 +32,7 @@ from parallax.models.blocks import repeated_blocks
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import AUTO, candidates, fsdp_split, is_auto, split_candidates, with_split
+from parallax.sharding.auto import AUTO, EVERY_PARAM, candidates, every_param, is_auto, split_candidates, split_label, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
 from parallax.state.more_candidates import more_candidates
@@ -52,9 +52,10 @@ log = logging.getLogger("parallax")
 # models. Under ``jit`` the split decides what the partitioner may do: ``largest`` lets it gather
 # weights, ``output`` lets it leave each weight in place and move the activations instead (cheaper
 # where a layer's weights outweigh the activations it sees: MLPs at modest batch), ``input`` keeps
-# the contraction dim split (the fastest plan for some hybrids and mixtures of experts). Plans that
-# lay the params out alike on the same path are one program and priced once. Measured on the zoo
-# (``benchmarks/zoo.py``); a user's ``compile=`` prices every split on that path instead.
+# the contraction dim split (fastest for some hybrids and mixtures of experts); with the default size
+# threshold, also ``output`` under ``jit`` with the small params split too (google-parallax's layout;
+# ``benchmarks/held_out.py``). Plans laying the params out alike on one path are priced once. Measured
+# on the zoo (``benchmarks/zoo.py``); a user's ``compile=`` prices every split on that path instead.
 SAME_AS = "the same program as "  # a skipped candidate laid out like one already priced
 
 SPLIT_PLANS = (("largest", "jit"), ("output", "jit"), ("input", "shard_map"), ("input", "jit"))
@@ -155,10 +156,8 @@ def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
 
 
 def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_open: bool) -> str:
-    split = f"split={fsdp_split(strategy)}"
-    if searching_splits:
-        return split
-    return f"{strategy.describe(mesh)}, {split}" if split_open else strategy.describe(mesh)
+    split = split_label(strategy)  # said where open, and for the every-param layout (FSDP's describe omits it)
+    return split if searching_splits else strategy.describe(mesh) + (f", {split}" if split_open or EVERY_PARAM in split else "")
 
 
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
@@ -259,19 +258,20 @@ def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Stra
     """Each candidate with the compile path to price it on (``None``: the step's own ``compile``)
     and whether its split was left open.
 
-    A candidate whose FSDP part leaves the split open (``split="auto"``) becomes one candidate per
-    plan of :data:`SPLIT_PLANS` under ``compile="auto"``, else one per split on the given path.
+    A candidate whose FSDP part leaves the split open (``split="auto"``) becomes one per plan of
+    :data:`SPLIT_PLANS` (and the comment's fifth) under ``compile="auto"``, else one per split on its path.
 
     Example:
-        >>> [(s.parts[0].split, path) for s, path, _ in priced_candidates([px.FSDP(split="auto")], "auto")]
-        [('largest', 'jit'), ('output', 'jit'), ('input', 'shard_map'), ('input', 'jit')]
+        >>> [(split_label(s), path) for s, path, _ in priced_candidates([px.FSDP(split="auto")], "auto")][-2:]
+        [('split=input', 'jit'), ('split=output, every param', 'jit')]
     """
     priced = []
     for candidate in pool:
         if not is_auto(candidate):
             priced.append((candidate, None, False))
         elif compile == "auto":
-            priced.extend((with_split(candidate, split), path, True) for split, path in SPLIT_PLANS)
+            every = [(plan, "jit", True) for plan in [every_param(candidate)] if plan is not None]
+            priced.extend([(with_split(candidate, split), path, True) for split, path in SPLIT_PLANS] + every)
         else:
             priced.extend((split, None, True) for split in split_candidates(candidate))
     return priced
