@@ -63,7 +63,8 @@ def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: 
     with the size of that mesh. The FSDP template splits each param's largest dim, one
     candidate per mesh; ``fsdp=FSDP(split="auto")`` prices every split on each FSDP mesh too.
     With the default template, FSDP over every device also comes as google-parallax lays it out
-    (:func:`every_param`: on a held-out square MLP 1.24x faster than any hybrid ``"auto"`` had).
+    (:func:`every_param`; ``benchmarks/held_out.py``: on a square MLP, 1.24x faster than the
+    hybrid ``"auto"`` picked without it).
 
     Example:
         >>> [s.describe() for s in candidates(4)]  # doctest: +NORMALIZE_WHITESPACE
@@ -85,7 +86,8 @@ def candidates(device_count: int, *, data: DataParallel = DataParallel(), fsdp: 
         parts = [dataclasses.replace(template, size=size) for size, template in zip(shape, (data, fsdp, tensor))
                  if size > 1]
         found.append(_joined(parts))
-    every = every_param(dataclasses.replace(fsdp, size=device_count, split=AUTO)) if fsdp == FSDP(split="largest") else None
+    default = fsdp == FSDP(split="largest")
+    every = every_param(dataclasses.replace(fsdp, size=device_count, split=AUTO)) if default else None
     return found + ([every] if every is not None else [])
 
 
@@ -195,9 +197,9 @@ def split_label(strategy: Strategy) -> str:
 
 def every_param(strategy: Strategy) -> Strategy | None:
     """``strategy`` with each open FSDP split set to ``"output"`` and the small params split too
-    (``min_weight_size=1``: all but scalars): google-parallax's layout, where the partitioner keeps each weight in
-    place and moves the activations, a bias split like its kernel's output. ``None`` where the user
-    chose the threshold (any but the default) or nothing is open.
+    (``min_weight_size=1``: all but scalars): google-parallax's layout, where the partitioner
+    keeps each weight in place and moves the activations, a bias split like its kernel's output.
+    ``None`` where the user chose the threshold (any but the default) or nothing is open.
 
     Example:
         >>> every_param(px.FSDP()).parts[0].min_weight_size, every_param(px.FSDP(min_weight_size=64))

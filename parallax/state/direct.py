@@ -118,7 +118,7 @@ def build_directly(key: Any, values: Any, model_state: Any, opt_state: Any, *, p
         structure = jax.tree.structure(jax.eval_shape(optimizer.init, plain))
         opt_state = jax.tree.unflatten(structure, [_filled(aval, value, sharding) for (aval, value), sharding in
                                                    zip(fills, jax.tree.leaves(shardings.opt_state), strict=True)])
-    state_key = jax.random.split(jnp.asarray(key), 3)[2]
+    state_key = np.asarray(jax.random.split(jnp.asarray(key), 3)[2])  # a host value: placed as the program's argument
     return TrainState(
         step=_filled(jax.ShapeDtypeStruct((), jnp.int32), np.zeros((), np.int32), shardings.step),
         params=_own_copy(values, given, shardings.params),
