@@ -39,8 +39,8 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parallax as px  # noqa: E402
-from benchmarks.run import MB, Config  # noqa: E402
-from parallax.state.search import resolve  # noqa: E402
+from benchmarks.run import MB, Config, round_ratios  # noqa: E402
+from parallax.state.search import SPLIT_PLANS, resolve  # noqa: E402
 
 STEPS = 1000  # the run the Trainer resolves for
 
@@ -139,8 +139,7 @@ def configs(kind: str, scale: float) -> tuple[dict, dict]:
         found = resolve(model, tx, batch, asked, loss_fn=loss_fn, steps=STEPS)
         chosen[name] = found.describe()
         add(name, found.strategy, found.mesh, found.train_step(loss_fn, px.StepOptions()))
-    plans = {f"FSDP split={split}, {path}": (px.FSDP(split=split), path)
-             for split, path in (("largest", "jit"), ("output", "jit"), ("input", "jit"), ("input", "shard_map"))}
+    plans = {f"FSDP split={split}, {path}": (px.FSDP(split=split), path) for split, path in SPLIT_PLANS}
     plans["google-parallax FSDP (output dims, jit, every kernel)"] = (px.FSDP(min_weight_size=0, split="output"), "jit")
     plans["DataParallel"] = (px.DataParallel(), "jit")
     for label, (strategy, path) in plans.items():
@@ -154,9 +153,8 @@ def bench(kind: str, rounds: int, scale: float) -> list[dict]:
     fastest = min(runs.values(), key=lambda c: c.median_s)
     rows = []
     for label, config in runs.items():
-        ratios = [a / b for a, b in zip(config.times, fastest.times)]  # round by round
         rows.append({"model": kind, "config": label, "ms": 1e3 * config.median_s,
-                     "vs_fastest": {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)},
+                     "vs_fastest": round_ratios(config, fastest),
                      "chosen": chosen.get(label, ""), "temp_bytes": config.memory["temporaries"],
                      "collective_bytes": config.collective_total(), "compile_s": config.compile_s})
     return rows

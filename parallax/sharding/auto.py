@@ -191,8 +191,9 @@ EVERY_PARAM_SIZE = 1  # its min_weight_size: only a scalar stays whole (what a u
 def split_label(strategy: Strategy) -> str:
     """``split=output``, or ``split=output, every param`` for :func:`every_param`'s layout."""
     part = next((p for p in strategy.parts if isinstance(p, FSDP)), None)
-    every = part is not None and part.min_weight_size == EVERY_PARAM_SIZE
-    return f"split={fsdp_split(strategy)}" + (EVERY_PARAM if every else "")
+    if part is None:
+        return "split=None"
+    return f"split={part.split}" + (EVERY_PARAM if part.min_weight_size == EVERY_PARAM_SIZE else "")
 
 
 def every_param(strategy: Strategy) -> Strategy | None:

@@ -92,20 +92,17 @@ def build_directly(key: Any, values: Any, model_state: Any, opt_state: Any, *, p
     Args:
         key: the state's raw PRNG key (host array).
         values: the given params, already on ``shardings.params``; ``None``: not given.
-        model_state: the given model state on its shards, ``None`` where not given.
+        model_state: the model state on its shards (given, or the empty one of a model that has none);
+            ``None``: only the model's init makes it.
         opt_state: the given optimizer state on its shards, ``None`` where not given.
         plain: the params' ``ShapeDtypeStruct`` s (unboxed).
-        abstract: the state's shapes (its ``model_state`` tells whether the model has any).
+        abstract: the state's shapes (its model, for the state).
         shardings: the state's ``NamedSharding`` tree.
         optimizer: the optax transformation.
         given: the caller's own arrays (never handed to the state as they are).
     """
-    if values is None:
+    if values is None or model_state is None:  # the model's init makes the params, or its other state
         return None
-    if model_state is None:
-        if jax.tree.leaves(abstract.model_state):
-            return None  # only the model's init makes it
-        model_state = abstract.model_state
     if any(getattr(s, "memory_kind", None) not in (None, "device") for s in jax.tree.leaves(shardings)):
         return None
     if any(jnp.dtype(v.dtype) != jnp.dtype(p.dtype) or tuple(v.shape) != tuple(p.shape)

@@ -185,12 +185,14 @@ def plan_state(
     plain = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
                          adapter.unbox(abstract.params))
 
+    def known_state(v, s):
+        """The model state, where given params leave nothing of the init needed (nor traced): none besides them."""
+        return abstract.model_state if v is not None and s is None and not jax.tree.leaves(abstract.model_state) else s
+
     def build_values(k, b, v, s, o):
         if v is not None:  # pretrained params in the model's dtypes
             v = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), v, plain)
-            if s is None and not jax.tree.leaves(abstract.model_state):
-                s = abstract.model_state  # no state besides the params: nothing of the init is needed (nor traced)
-        return make(k, b, boxed=False, values=v, state=s, opt_state=o)
+        return make(k, b, boxed=False, values=v, state=known_state(v, s), opt_state=o)
 
     jitted = jax.jit(build_values, out_shardings=shardings)
 
@@ -211,8 +213,8 @@ def plan_state(
     def build():
         """The state: put together from the given values where it has nothing to compute, else the program's."""
         values, state, opt_state = placed()
-        built = build_directly(key, values, state, opt_state, plain=plain, abstract=abstract, shardings=shardings,
-                               optimizer=optimizer, given=(given, pretrained, given_opt_state))
+        built = build_directly(key, values, known_state(values, state), opt_state, plain=plain, abstract=abstract,
+                               shardings=shardings, optimizer=optimizer, given=(given, pretrained, given_opt_state))
         if built is not None:
             return built
         with mesh_context(mesh):
