@@ -26,10 +26,14 @@ import parallax as px
 from parallax import _cache
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
-from parallax.sharding.auto import candidates, from_mesh, split_candidates
+from parallax.sharding.auto import (candidates, context_candidates, expert_candidates, from_mesh, pipeline_candidates,
+                                    split_candidates)
 from parallax.state import search, search_budget
+from parallax.state.more_candidates import more_candidates
 from parallax.state.search import priced_candidates, resolve
+from tests import third_party
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
+from tests.test_expert_parallel import nano_loss
 
 pytestmark = pytest.mark.core
 
@@ -157,6 +161,42 @@ def test_a_memory_budget_drops_the_plans_that_do_not_fit():
     assert not found.strategy.describe(found.mesh).startswith("DataParallel(data=4)")
     with pytest.raises(ValueError, match="memory_budget='lots'"):
         px.StepOptions(memory_budget="lots")
+
+
+def test_auto_offers_a_pipeline_over_listed_blocks_and_experts_parallel_over_listed_experts():
+    """What ``strategy="auto"`` adds for a model beyond the DP/FSDP/TP meshes, read from the model
+    alone (traced from shapes): Hugging Face GPT-2's one block class kept in a list, pipelined;
+    nano-moe-jax's experts kept in a list, split by expert (its blocks, a list too, pipelined); a
+    model with attention whose batch the devices split, the sequence only where nothing fits."""
+    gpt2, gpt2_loss, _ = third_party.MODELS["gpt2"]
+    text = third_party.batches("text", 1, batch_size=8)[0]
+    assert [s.describe() for s in more_candidates({}, gpt2(layers=2), text, gpt2_loss, (), 4)] == [
+        s.describe() for s in pipeline_candidates(4)]
+    tokens = {"x": np.zeros((8, 17), np.int32)}
+    nano = more_candidates({}, third_party.nano_moe(layers=2), tokens, nano_loss, (), 4)
+    assert [s.describe() for s in nano] == [*(s.describe() for s in pipeline_candidates(4)), *(
+        s.describe() for s in expert_candidates(4, 4, expert=px.ExpertParallel(modules="ExpertFFN")))]
+    assert "ExpertParallel(expert=4, modules='ExpertFFN')" in nano[-1].describe()
+    one_layer = more_candidates({}, third_party.nano_moe(layers=1), tokens, nano_loss, (), 4)
+    assert all(isinstance(s.parts[0], px.ExpertParallel) for s in one_layer)  # its experts are not blocks to pipeline
+    assert more_candidates({}, TinyLM(), tokens, lm_loss, (), 4) == []
+    assert [s.describe() for s in more_candidates({}, TinyLM(), tokens, lm_loss, (), 4, over_budget=True)] == [
+        s.describe() for s in context_candidates(4)]
+
+
+@pytest.mark.wide("a search on 2 devices and a short run (30 s cold)")
+def test_auto_splits_the_sequence_where_its_activations_fit_no_other_mesh_and_trains_like_one_device():
+    """Two sequences of 256 tokens on 2 devices: with a budget of 3.1 MiB a device, no DP, FSDP or TP
+    mesh fits (their compiled peaks: 3.5 MiB and more), nor the gathered context split (3.3); the
+    ring method, a device holding one block of keys at a time (2.7 MiB), does."""
+    data = [{"x": np.random.default_rng(seed).integers(0, 64, (2, 257)).astype(np.int32)} for seed in range(2)]
+    devices, adamw = jax.devices()[:2], optax.adamw(3e-3, weight_decay=0.1)
+    found = resolve(TinyLM(), adamw, data[0], "auto", loss_fn=lm_loss, devices=devices,
+                    options=px.StepOptions(memory_budget=int(3.1 * 2**20)))
+    assert found.strategy.describe(found.mesh) == "ContextParallel(context_ring=2, method='ring')", found.describe()
+    over = [label for label, e in found.choice.estimates.items() if e.peak > 3.1 * 2**20]
+    assert any(label.startswith("DataParallel(data=2)") for label in over) and len(over) >= 4, over
+    px.testing.assert_equivalent(TinyLM(), adamw, lm_loss, data, found.strategy, mesh=found.mesh)
 
 
 @pytest.mark.parametrize("strategy", [  # the core tier: the two 2-axis hybrids of the three kinds' most-used pair

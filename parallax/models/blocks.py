@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 from parallax.models.adapter import LossFn
@@ -44,11 +45,38 @@ def listed_siblings(model: Any, example_batch: Any, loss_fn: LossFn | None = Non
         >>> listed_siblings(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
         ()
     """
+    return tuple(_siblings(model, example_batch, loss_fn))
+
+
+def listed_experts(model: Any, example_batch: Any, loss_fn: LossFn | None = None) -> tuple[str, int] | None:
+    """The class of a model's experts kept in a list, and how many each list holds (the greatest
+    common divisor where lists differ): the first :func:`listed_siblings` class whose name, or the
+    path of one of its modules, says "expert" (``None``: none does). What ``strategy="auto"``
+    offers ``ExpertParallel(modules=...)`` for.
+
+    Example:
+        >>> listed_experts(model, batch, loss_fn) is None  # an MLP
+        True
+    """
+    for name, parents in _siblings(model, example_batch, loss_fn).items():
+        if "expert" in name.lower() or any("expert" in "/".join(map(str, path)).lower()
+                                           for paths in parents.values() for path in paths):
+            return name, math.gcd(*(len(paths) for paths in parents.values()))
+    return None
+
+
+def _siblings(model: Any, example_batch: Any, loss_fn: LossFn | None) -> dict[str, dict[tuple, list[tuple]]]:
+    """Each listed sibling class (as :func:`listed_siblings` orders them): the parent paths it is
+    listed under, with the paths of the modules listed there."""
     from parallax.models import adapter_for
 
     calls = adapter_for(model).module_calls(example_batch, loss_fn)
-    siblings: dict[tuple[str, tuple], int] = collections.Counter(
-        (name, path[:-1]) for name, path in calls
-        if any(len(other) > len(path) and other[:len(path)] == path for _, other in calls))
-    found = dict.fromkeys(name for (name, _), count in siblings.items() if count > 1)
-    return tuple(sorted(found, key=lambda name: ("expert" not in name.lower(), name)))
+    siblings: dict[tuple[str, tuple], list[tuple]] = collections.defaultdict(list)
+    for name, path in calls:
+        if any(len(other) > len(path) and other[:len(path)] == path for _, other in calls):
+            siblings[name, path[:-1]].append(path)
+    found: dict[str, dict[tuple, list[tuple]]] = collections.defaultdict(dict)
+    for (name, parent), paths in siblings.items():
+        if len(paths) > 1:
+            found[name][parent] = paths
+    return {name: found[name] for name in sorted(found, key=lambda name: ("expert" not in name.lower(), name))}

@@ -135,17 +135,22 @@ def _ring(size: int) -> ContextParallel:
 
 
 def expert_candidates(device_count: int, experts: int, *, data: DataParallel = DataParallel(),
-                      fsdp: FSDP = FSDP(split="largest")) -> list[Strategy]:
-    """The meshes with an expert axis ``strategy="auto"`` adds for a model that stacks ``experts``
-    experts: for each size that divides both the devices and the experts, the experts over all the
+                      fsdp: FSDP = FSDP(split="largest"),
+                      expert: ExpertParallel = ExpertParallel()) -> list[Strategy]:
+    """The meshes with an expert axis ``strategy="auto"`` adds for a model with ``experts`` experts
+    (stacked, or kept in a list: ``expert=ExpertParallel(modules=...)``, the template of the
+    part): for each size that divides both the devices and the experts, the experts over all the
     devices, or DP or FSDP over the rest.
 
     Example:
         >>> [s.describe() for s in expert_candidates(8, experts=4)]  # doctest: +NORMALIZE_WHITESPACE
         ['ExpertParallel(expert=2) × DataParallel(data=4)', 'ExpertParallel(expert=2) × FSDP(fsdp=4)',
          'ExpertParallel(expert=4) × DataParallel(data=2)', 'ExpertParallel(expert=4) × FSDP(fsdp=2)']
+        >>> expert_candidates(2, 2, expert=ExpertParallel(modules="Expert"))[0].describe()
+        "ExpertParallel(expert=2, modules='Expert')"
     """
-    return [s for s in _each_size_with_the_rest(device_count, ExpertParallel, data, fsdp)
+    sized = lambda size: dataclasses.replace(expert, size=size)  # noqa: E731
+    return [s for s in _each_size_with_the_rest(device_count, sized, data, fsdp)
             if experts % next(p.size for p in s.parts if isinstance(p, ExpertParallel)) == 0]
 
 

@@ -1,12 +1,14 @@
 """The candidates ``strategy="auto"`` adds for what a model shows once its meshes are priced.
 
 Beyond every DP × FSDP × TP mesh of the devices (:func:`parallax.sharding.auto.candidates`): a
-pipeline over the model's stack of blocks, where a priced candidate found one
-(:func:`~parallax.sharding.auto.pipeline_candidates`; where the blocks rematerialise themselves,
-each also with ``remat="layer"``: fewer FLOPs for more memory, the budget and the prices decide), and the sequence split over a context axis,
-for a model with attention whose batch the devices do not divide: a few long sequences
-(:func:`~parallax.sharding.auto.context_candidates`); and an expert axis for a model that stacks a
-mixture of experts' weights (:func:`~parallax.sharding.auto.expert_candidates`).
+pipeline over the model's stack of blocks, where a priced candidate found one, or over its one
+repeated block class kept in a list (:func:`~parallax.sharding.auto.pipeline_candidates`; where the
+stack's blocks rematerialise themselves, each also with ``remat="layer"``: fewer FLOPs for more
+memory, the budget and the prices decide); the sequence split over a context axis, for a model
+with attention whose batch the devices do not divide (a few long sequences) or where no mesh
+priced so far fits the memory budget (:func:`~parallax.sharding.auto.context_candidates`, the ring
+method among them); and an expert axis for a model that stacks a mixture of experts' weights, or
+keeps its experts in a list (:func:`~parallax.sharding.auto.expert_candidates`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from parallax.models.blocks import listed_experts, repeated_blocks
 from parallax.models.context_attention import holds_attention
 from parallax.models.expert_dispatch import stacked_experts
 from parallax.models.traced import stack_rematerialises, traced_loss
 from parallax.sharding.auto import context_candidates, expert_candidates, pipeline_candidates
+from parallax.sharding.expert_parallel import ExpertParallel
 from parallax.sharding.pipeline import PipelineParallel
 from parallax.sharding.strategy import Strategy
 
@@ -28,26 +32,41 @@ log = logging.getLogger("parallax")
 
 
 def more_candidates(found: dict, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
-                    device_count: int) -> list[Strategy]:
-    """The pipelines and context meshes to price besides the meshes already priced (``found``)."""
+                    device_count: int, over_budget: bool = False) -> list[Strategy]:
+    """The pipelines, context and expert meshes to price besides the meshes already priced
+    (``found``; ``over_budget``: none of them fits the memory budget)."""
     more = []
-    traced = traced_loss(model, example_batch, loss_fn, rng_streams).jaxpr if stacks(found) or rows(
-        example_batch) % device_count else None
-    if stacks(found):
+    stacked, split_rows = stacks(found), rows(example_batch) % device_count
+    traced = traced_loss(model, example_batch, loss_fn, rng_streams).jaxpr if stacked or split_rows or over_budget \
+        else None
+    listed = _read("experts kept in a list", lambda: listed_experts(model, example_batch, loss_fn))
+    if stacked:
         more += pipeline_candidates(device_count)
         if stack_rematerialises(traced):  # each block's input kept: one forward fewer, for more memory
             more += pipeline_candidates(device_count, pipeline=PipelineParallel(remat="layer"))
-    if rows(example_batch) % device_count and holds_attention(traced):
+    else:  # one block class kept in a list (not the experts): the pipeline finds it (PipelineParallel's blocks=)
+        blocks = _read("blocks", lambda: repeated_blocks(model, example_batch, loss_fn)) or ()
+        if len(blocks) == 1 and (listed is None or blocks[0] != listed[0]):
+            more += pipeline_candidates(device_count)
+    if (split_rows or over_budget) and holds_attention(traced):
         more += context_candidates(device_count)
-    try:
-        experts = stacked_experts(model, example_batch, loss_fn, rng_streams)
-    except Exception as err:  # noqa: BLE001 (what auto adds: the meshes already priced stand without it)
-        log.info("Could not read whether the model stacks experts (%s); ExpertParallel is not among the candidates.",
-                 str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
-        experts = 0
+    experts = _read("stacked experts", lambda: stacked_experts(model, example_batch, loss_fn, rng_streams)) or 0
     if experts:
         more += expert_candidates(device_count, experts)
+    elif listed:
+        more += expert_candidates(device_count, listed[1], expert=ExpertParallel(modules=listed[0]))
     return more
+
+
+def _read(what: str, read: Any) -> Any:
+    """What ``read()`` finds in the model, or ``None`` (logged) where it cannot be read: the
+    meshes already priced stand without the candidates it would add."""
+    try:
+        return read()
+    except Exception as err:  # noqa: BLE001
+        log.info("Could not read the model's %s (%s); the candidates they would add are not priced.", what,
+                 str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        return None
 
 
 def rows(batch: Any) -> int:

@@ -169,10 +169,9 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
 
     Args:
         model, optimizer, example_batch, loss_fn, rng, rng_streams: as for :func:`parallax.init_state`.
-        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, :func:`~parallax.sharding.auto.candidates`;
-            with a stack of blocks, the pipelines of ``pipeline_candidates`` too; for a model with attention
-            whose batch the devices do not divide, the context meshes of ``context_candidates`` too) or a strategy whose FSDP part has
-            ``split="auto"`` (each split on the given mesh); any other strategy is returned as is.
+        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, :func:`~parallax.sharding.auto.candidates`,
+            and the pipeline, context and expert meshes the model calls for: :mod:`~parallax.state.more_candidates`)
+            or a strategy whose FSDP part has ``split="auto"`` (each split on the given mesh); any other is returned as is.
         devices: the devices to search meshes over (all of this process's by default).
         mesh: for a split search, the mesh to use; ``strategy="auto"`` picks its own.
         options: the step's :class:`parallax.StepOptions` (``memory_budget``, ``grad_accum``,
@@ -208,18 +207,19 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
                                 splitting, rng, rng_streams, spent, topology)
     estimates, found, skipped, runnable = price(options)
-    extra = more_candidates(found, model, example_batch, loss_fn, rng_streams, len(devices)) \
-        if strategy == AUTO and among is None else []  # a pipeline over its stack; the sequence over the devices
+    fits = lambda found: budget is None or any(e.peak <= budget for e in found.values())  # noqa: E731
+    extra = more_candidates(found, model, example_batch, loss_fn, rng_streams, len(devices), not fits(estimates)) \
+        if strategy == AUTO and among is None else []  # pipelines, the sequence or experts over the devices
     if extra:
         more = _price(priced_candidates(extra, options.compile), options, model, optimizer, example_batch, loss_fn,
                       mesh, devices, budget, splitting, rng, rng_streams, None, topology)  # all priced (no clock)
         for mine, theirs in zip((estimates, found, skipped, runnable), more):
             mine.update(theirs)
     changes: dict = {}
-    if budget is not None and not any(e.peak <= budget for e in estimates.values()):
+    if not fits(estimates):
         for fields in _fallbacks(options, lambda: repeated_blocks(model, example_batch, loss_fn)):
             trial = price(dataclasses.replace(options, **fields))  # only when nothing fits without
-            if any(e.peak <= budget for e in trial[0].values()):
+            if fits(trial[0]):
                 log.info("No candidate fits the memory budget of %s per device as given; with %s some do.",
                          format_bytes(budget), describe_changes(fields))
                 (estimates, found, skipped, runnable), changes = trial, fields
