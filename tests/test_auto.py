@@ -170,17 +170,17 @@ def test_auto_offers_a_pipeline_over_listed_blocks_and_experts_parallel_over_lis
     model with attention whose batch the devices split, the sequence only where nothing fits."""
     gpt2, gpt2_loss, _ = third_party.MODELS["gpt2"]
     text = third_party.batches("text", 1, batch_size=8)[0]
-    assert [s.describe() for s in more_candidates({}, gpt2(layers=2), text, gpt2_loss, (), 4)] == [
+    assert [s.describe() for s in more_candidates(False, gpt2(layers=2), text, gpt2_loss, (), 4)] == [
         s.describe() for s in pipeline_candidates(4)]
     tokens = {"x": np.zeros((8, 17), np.int32)}
-    nano = more_candidates({}, third_party.nano_moe(layers=2), tokens, nano_loss, (), 4)
+    nano = more_candidates(False, third_party.nano_moe(layers=2), tokens, nano_loss, (), 4)
     assert [s.describe() for s in nano] == [*(s.describe() for s in pipeline_candidates(4)), *(
         s.describe() for s in expert_candidates(4, 4, expert=px.ExpertParallel(modules="ExpertFFN")))]
     assert "ExpertParallel(expert=4, modules='ExpertFFN')" in nano[-1].describe()
-    one_layer = more_candidates({}, third_party.nano_moe(layers=1), tokens, nano_loss, (), 4)
+    one_layer = more_candidates(False, third_party.nano_moe(layers=1), tokens, nano_loss, (), 4)
     assert all(isinstance(s.parts[0], px.ExpertParallel) for s in one_layer)  # its experts are not blocks to pipeline
-    assert more_candidates({}, TinyLM(), tokens, lm_loss, (), 4) == []
-    assert [s.describe() for s in more_candidates({}, TinyLM(), tokens, lm_loss, (), 4, over_budget=True)] == [
+    assert more_candidates(False, TinyLM(), tokens, lm_loss, (), 4) == []
+    assert [s.describe() for s in more_candidates(False, TinyLM(), tokens, lm_loss, (), 4, over_budget=True)] == [
         s.describe() for s in context_candidates(4)]
 
 

@@ -134,6 +134,39 @@ def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
     assert there.rows == here.rows
 
 
+@pytest.mark.wide("a search and two plans of 5 meshes, priced here and on a named GPU (25 s cold)")
+def test_plan_auto_picks_what_the_trainers_search_picks_and_on_named_hardware_the_fastest_that_fits():
+    """``px.plan(strategies=["auto"])`` plans the meshes ``strategy="auto"`` prices (a stack of blocks:
+    its pipelines too) and picks as the search does: on this backend the same pick as ``resolve``
+    (the Trainer's search, nothing timed); on a named GPU the fastest predicted step that fits."""
+    from parallax.plan.auto import pick
+    from parallax.sharding.auto import candidates, pipeline_candidates
+    from parallax.state.search import resolve
+
+    model, batch = StackedMLP(), batches("mlp", 1, batch_size=32)[0]
+    here = px.plan(model, optax.adamw(1e-3), batch, loss_fn=classifier_loss, strategies=["auto"], devices=2,
+                   isolate=False)
+    rows = [row for row in here.rows if row.get("auto")]
+    assert len(rows) == len(here.rows) == len(candidates(2)) + len(pipeline_candidates(2))
+    found = resolve(model, optax.adamw(1e-3), batch, "auto", loss_fn=classifier_loss, devices=jax.devices()[:2],
+                    options=px.StepOptions(timed_candidates=0))
+    picked, = here.picks
+    assert found.choice.picked.startswith(picked.strategy), (found.describe(), picked)
+    assert str(here).splitlines()[-2].startswith(f"auto on 2 devices: {picked.strategy}, est. ")
+    # On an H100 with a budget the smallest peaks fit: the fastest predicted of those, the runner-up its next.
+    peaks = sorted(row["peak"] for row in rows if not row.get("error"))
+    budget = peaks[len(peaks) // 2]
+    gpu = px.plan(model, optax.adamw(1e-3), batch, loss_fn=classifier_loss, strategies=["auto"], devices=2,
+                  hardware="h100", memory_budget=budget, isolate=False)
+    fitting = sorted((row for row in gpu.rows if gpu.fits(row, 0)), key=lambda row: row["step"]["seconds"])
+    picked, = gpu.picks
+    assert picked.strategy == fitting[0]["strategy"] and picked.basis == "predicted" and picked.fitting == len(fitting)
+    assert all(row["peak"] > budget for row in gpu.rows if not row.get("error") and row not in fitting)
+    assert picked.runner_up is None or picked.runner_up[1] >= picked.seconds
+    assert pick(rows, 2, budget=1, hardware=None).describe() == (
+        f"auto on 2 devices: none of the {len(peaks)} candidates that apply fits the memory budget")
+
+
 @pytest.mark.wide("the CLI in processes of its own (22 s cold)")
 def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
     env = child_env()

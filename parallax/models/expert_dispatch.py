@@ -41,6 +41,7 @@ from parallax._tree import path_str
 from parallax.models.listed_experts import holds_modules, run_siblings, schedule
 from parallax.models.follow_dims import Follow, dot_dim, follow_rows, moved, note, split_scan
 from parallax.models.rebind import bind_eqn
+from parallax.models.traced import params_loss
 from parallax.sharding.chains import REMAT, call_body, params_within
 from parallax.sharding.expert_parallel import ruled_dims
 from parallax.sharding.siblings import Siblings, find_siblings
@@ -117,20 +118,8 @@ def stacked_experts(model: Any, example_batch: Any, loss_fn: Any, rng_streams: S
     """How many experts ``model`` stacks in the params of its mixture of experts (0: none; the
     greatest common divisor where several mixtures differ), read from its trace (the model
     initialised and run from shapes: nothing is allocated)."""
-    from parallax.models import ModelRun, adapter_for
-
-    adapter = adapter_for(model)
-    key = jax.random.PRNGKey(0)
-    rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
-    params, state = jax.eval_shape(lambda: adapter.init(rngs, example_batch, loss_fn, ()))
-    params = adapter.unbox(params)
-    paths = [path_str(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-    def loss(params: Any, state: Any, batch: Any) -> Any:
-        return adapter.apply(params, state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
-
-    shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
-    found = expert_dims(jax.make_jaxpr(loss)(params, state, example_batch), paths)
+    closed, paths, shapes = params_loss(model, example_batch, loss_fn, rng_streams)
+    found = expert_dims(closed, paths)
     return math.gcd(*(int(shapes[paths.index(path)][dim]) for path, dim in found.items()))
 
 

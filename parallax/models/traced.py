@@ -14,8 +14,10 @@ from typing import Any, Sequence
 
 import jax
 
+from parallax._tree import path_str
 from parallax.models.remat_policy import rematerialises
 from parallax.sharding.chains import call_body
+from parallax.sharding.tp_layout import scanned_dims
 
 
 def traced_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> Any:
@@ -31,6 +33,31 @@ def traced_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Seque
         return adapter.apply(adapter.unbox(params), state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
 
     return jax.make_jaxpr(loss)(jax.random.PRNGKey(0), example_batch)
+
+
+def stacked_layers(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> bool:
+    """Whether ``model`` stacks layers a ``scan`` steps over (``nn.scan``, ``nnx.scan``): what a
+    pipeline without ``blocks=`` splits. Read from its trace (nothing is allocated)."""
+    closed, paths, _ = params_loss(model, example_batch, loss_fn, rng_streams)
+    return bool(scanned_dims(closed, paths))
+
+
+def params_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str]) -> tuple[Any, list, list]:
+    """The closed jaxpr of the training loss as a function of the model's params (then its state
+    and the batch), the params' paths and shapes (the model initialised from shapes)."""
+    from parallax.models import ModelRun, adapter_for
+
+    adapter = adapter_for(model)
+    key = jax.random.PRNGKey(0)
+    rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+    params, state = jax.eval_shape(lambda: adapter.init(rngs, example_batch, loss_fn, ()))
+    params = adapter.unbox(params)
+    paths = [path_str(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def loss(params: Any, state: Any, batch: Any) -> Any:
+        return adapter.apply(params, state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
+
+    return jax.make_jaxpr(loss)(params, state, example_batch), paths, [leaf.shape for leaf in jax.tree.leaves(params)]
 
 
 def stack_rematerialises(jaxpr: Any) -> bool:

@@ -37,6 +37,7 @@ import jax
 
 from parallax._units import format_bytes, parse_bytes
 from parallax.plan import isolated
+from parallax.plan.auto import auto_pool, pick
 from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate
 from parallax.models import unwrap_pretrained
 from parallax.models.blocks import repeated_blocks
@@ -45,6 +46,7 @@ from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
 from parallax.plan.target import check_target
 from parallax.pricing.hardware import Hardware, as_hardware
+from parallax.sharding.auto import AUTO
 from parallax.sharding.context import mesh_in_context
 from parallax.sharding.named import parse_strategy
 from parallax.sharding.strategy import Strategy
@@ -80,6 +82,9 @@ class PlanReport:
             ``"16GB on 8 devices"``), the options tried to make the smallest one fit
             (:mod:`parallax.plan.fixes`): the last fits if any does.
         hardware: the accelerator the rows' ``step`` is priced on (:class:`parallax.Hardware`), if given.
+        picks: for ``strategies=["auto"]``, what it picks on each device count
+            (:class:`parallax.plan.auto.Pick`: the pick, its step time, the runner-up); the rows it
+            chose among have ``auto: True``.
     """
 
     rows: tuple[dict, ...]
@@ -88,6 +93,7 @@ class PlanReport:
     target: str
     fixes: dict = dataclasses.field(default_factory=dict)
     hardware: Hardware | None = None
+    picks: tuple = ()
 
     def fits(self, row: dict, budget: int = 0) -> bool:
         """Whether ``row``'s peak fits budget number ``budget`` (an index into ``budgets``)."""
@@ -133,7 +139,8 @@ class PlanReport:
         return {"rows": [dict(row) for row in self.rows], "budgets": dict(zip(self.labels, self.budgets)),
                 "target": self.target, "notes": self.notes,
                 "hardware": None if self.hardware is None else dataclasses.asdict(self.hardware),
-                "fixes": {label: [fix.as_dict() for fix in tried] for label, tried in self.fixes.items()}}
+                "fixes": {label: [fix.as_dict() for fix in tried] for label, tried in self.fixes.items()},
+                "picks": [dataclasses.asdict(pick) for pick in self.picks]}
 
     def figure(self, path: str | None = None) -> Any:
         """A matplotlib figure: the first candidate's mesh, and per candidate each device's bytes
@@ -187,6 +194,7 @@ class PlanReport:
                  for r in [header, *cells]]
         said = [f"{row['devices']} devices: {row['note']}" for row in self.rows if not row.get("error") and row.get("note")]
         return "\n".join(lines + [f"  {s}" for s in skipped + said + self.fix_lines()]
+                         + [pick.describe() for pick in self.picks]
                          + [f"note: {n}" for n in self.notes])
 
 
@@ -212,7 +220,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
         example_batch: one global batch: arrays or ``jax.ShapeDtypeStruct`` s.
         loss_fn: ``loss_fn(model, batch)``, as for the Trainer.
         strategies: px strategies, or short names: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"pp"``, joined
-            by ``+`` with optional sizes (``"fsdp+tp2"``, ``"pp2+fsdp"``).
+            by ``+`` with optional sizes (``"fsdp+tp2"``, ``"pp2+fsdp"``); ``"auto"``: every mesh
+            ``strategy="auto"`` would price on each count, planned, and its pick (:mod:`parallax.plan.auto`).
         devices: the device count(s) to plan for; this process's by default (a ``jax.set_mesh``'s
             around the call: its devices, and the mesh itself for a strategy it fits). A count this
             process does not have is planned in a subprocess with that many simulated CPU
@@ -267,7 +276,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     if not given and hardware is not None:
         given = [f"{hardware.memory_gib:g}GiB"]
     budgets = tuple(parse_bytes(b) for b in given)
-    parsed = [parse_strategy(s) for s in strategies]  # a bad name fails here, before anything compiles
+    wants_auto = any(isinstance(s, str) and s == AUTO for s in strategies)
+    parsed = [parse_strategy(s) for s in strategies if not (isinstance(s, str) and s == AUTO)]  # before compiling
     on_tpu = hardware is not None and hardware.kind == "tpu"
     if isolate is False and on_tpu:
         raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; leave "
@@ -289,10 +299,22 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
                          strategy, local[:count], opts, rng, topology_for(count), hardware) for strategy in strategies]
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
-    report = PlanReport(tuple(rows), budgets, tuple(str(b) for b in given),
-                        target or (hardware.kind if hardware is not None else jax.default_backend()), hardware=hardware)
+    searched, picks = [], []
+    for count in counts if wants_auto else ():
+        here = {kind: resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")}
+        pool = lambda over=False: auto_pool(count, here["model"], here["batch"], here["loss_fn"],  # noqa: E731
+                                            options.rng_streams, over)
+        found = rows_for(pool(), count, options)
+        if budgets and not any(not r.get("error") and r["peak"] <= budgets[0] for r in found):  # as the search does
+            planned = {r["strategy"] for r in found}
+            found += [r for r in rows_for(pool(True), count, options) if r["strategy"] not in planned]
+        searched += [{**r, "auto": True} for r in found]
+        picks.append(pick(found, count, budgets[0] if budgets else None, hardware))
+    report = PlanReport(tuple(rows + searched), budgets, tuple(str(b) for b in given),
+                        target or (hardware.kind if hardware is not None else jax.default_backend()), hardware=hardware,
+                        picks=tuple(picks))
     fixes, memo = {}, {}
-    for count, (index, (budget, label)) in itertools.product(counts, enumerate(zip(budgets, report.labels))):
+    for count, (index, (budget, label)) in itertools.product(counts if parsed else (), enumerate(zip(budgets, report.labels))):
         planned = [(row, parsed[i % len(parsed)]) for i, row in enumerate(rows)
                    if row["devices"] == count and not row.get("error")]
         if not planned or any(report.fits(row, index) for row, _ in planned):

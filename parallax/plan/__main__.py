@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", required=True, help="package.module:name of loss_fn(model, batch)")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, or package.module:name")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated: dp, fsdp, tp, pp, cp joined by + with optional sizes (default "
-                             f"{','.join(DEFAULT_STRATEGIES)})")
+                        help="comma-separated: dp, fsdp, tp, pp, cp, ep joined by + with optional sizes, or auto "
+                             f"(every mesh strategy='auto' prices, and its pick; default {','.join(DEFAULT_STRATEGIES)})")
     parser.add_argument("--min-weight-size", type=int, default=None,
                         help="FSDP option: params with at most this many elements stay replicated (default 2**18)")
     parser.add_argument("--split", default=None, choices=("largest", "output", "input", "auto"),
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {name: value for name, value in (("min_weight_size", args.min_weight_size), ("split", args.split))
                if value is not None}
     try:
-        strategies = [parse_strategy(s) for s in args.strategies.split(",") if s]
-        with_fsdp = [any(part.gathers_params for part in s.parts) for s in strategies]
+        strategies = [s if s == "auto" else parse_strategy(s) for s in args.strategies.split(",") if s]
+        with_fsdp = [s != "auto" and any(part.gathers_params for part in s.parts) for s in strategies]
         strategies = [with_options(s, **options) if fsdp else s for s, fsdp in zip(strategies, with_fsdp)]
         if options and not any(with_fsdp):
             raise ValueError(f"--{next(iter(options)).replace('_', '-')} is an FSDP option, and none of the strategies "

@@ -110,6 +110,8 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         collective_bytes=sum(stat.bytes for stat in traffic.values()),
         params=totals["params"]["count"],
         timed=closest(step.choice, options.timed_candidates) if step.choice is not None else [],
+        estimate=step.choice.estimates.get(step.mode(), step.choice.estimates[step.choice.picked]).seconds
+        if step.choice is not None else None,
     )
     close = (f"{' and '.join(row['timed'])} are priced within the cost model's error: the first call times them and "
              f"keeps the faster (these figures are {step.mode()}'s)") if row["timed"] else None

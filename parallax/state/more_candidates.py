@@ -31,26 +31,27 @@ from parallax.sharding.strategy import Strategy
 log = logging.getLogger("parallax")
 
 
-def more_candidates(found: dict, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
+def more_candidates(stacked: bool, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
                     device_count: int, over_budget: bool = False) -> list[Strategy]:
-    """The pipelines, context and expert meshes to price besides the meshes already priced
-    (``found``; ``over_budget``: none of them fits the memory budget)."""
+    """The pipelines, context and expert meshes to price besides the DP/FSDP/TP meshes
+    (``stacked``: the model stacks its blocks, :func:`stacks`; ``over_budget``: none of those
+    meshes fits the memory budget)."""
     more = []
-    stacked, split_rows = stacks(found), rows(example_batch) % device_count
+    split_rows = rows(example_batch) % device_count
     traced = traced_loss(model, example_batch, loss_fn, rng_streams).jaxpr if stacked or split_rows or over_budget \
         else None
-    listed = _read("experts kept in a list", lambda: listed_experts(model, example_batch, loss_fn))
+    listed = read_or_none("experts kept in a list", lambda: listed_experts(model, example_batch, loss_fn))
     if stacked:
         more += pipeline_candidates(device_count)
         if stack_rematerialises(traced):  # each block's input kept: one forward fewer, for more memory
             more += pipeline_candidates(device_count, pipeline=PipelineParallel(remat="layer"))
     else:  # one block class kept in a list (not the experts): the pipeline finds it (PipelineParallel's blocks=)
-        blocks = _read("blocks", lambda: repeated_blocks(model, example_batch, loss_fn)) or ()
+        blocks = read_or_none("blocks", lambda: repeated_blocks(model, example_batch, loss_fn)) or ()
         if len(blocks) == 1 and (listed is None or blocks[0] != listed[0]):
             more += pipeline_candidates(device_count)
     if (split_rows or over_budget) and holds_attention(traced):
         more += context_candidates(device_count)
-    experts = _read("stacked experts", lambda: stacked_experts(model, example_batch, loss_fn, rng_streams)) or 0
+    experts = read_or_none("stacked experts", lambda: stacked_experts(model, example_batch, loss_fn, rng_streams)) or 0
     if experts:
         more += expert_candidates(device_count, experts)
     elif listed:
@@ -58,7 +59,7 @@ def more_candidates(found: dict, model: Any, example_batch: Any, loss_fn: Any, r
     return more
 
 
-def _read(what: str, read: Any) -> Any:
+def read_or_none(what: str, read: Any) -> Any:
     """What ``read()`` finds in the model, or ``None`` (logged) where it cannot be read: the
     meshes already priced stand without the candidates it would add."""
     try:

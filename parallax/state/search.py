@@ -35,7 +35,7 @@ from parallax.pricing.timing import Timed, on_mesh, settle
 from parallax.sharding.auto import AUTO, EVERY_PARAM, candidates, every_param, is_auto, split_candidates, split_label, with_split
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
-from parallax.state.more_candidates import more_candidates
+from parallax.state.more_candidates import more_candidates, stacks
 from parallax.state.plan import plan_state
 from parallax.state.search_budget import SearchBudget
 from parallax.state.summary import summarize
@@ -208,7 +208,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                                 splitting, rng, rng_streams, spent, topology)
     estimates, found, skipped, runnable = price(options)
     fits = lambda found: budget is None or any(e.peak <= budget for e in found.values())  # noqa: E731
-    extra = more_candidates(found, model, example_batch, loss_fn, rng_streams, len(devices), not fits(estimates)) \
+    extra = more_candidates(stacks(found), model, example_batch, loss_fn, rng_streams, len(devices), not fits(estimates)) \
         if strategy == AUTO and among is None else []  # pipelines, the sequence or experts over the devices
     if extra:
         more = _price(priced_candidates(extra, options.compile), options, model, optimizer, example_batch, loss_fn,

@@ -1,0 +1,105 @@
+"""``strategies=["auto"]`` in a plan: the meshes ``strategy="auto"`` would price, planned as rows, and the pick.
+
+For each device count, :func:`auto_pool` gives what the Trainer's search prices
+(:func:`parallax.sharding.auto.candidates`: every DP × FSDP × TP mesh, and the pipeline, context
+and expert meshes the model calls for, :mod:`parallax.state.more_candidates`); each is planned as
+a row like any strategy's, and :func:`pick` chooses as the search chooses, without running
+anything (the devices are not in hand): the fastest that fits the first memory budget, by the
+step's predicted time on the named hardware (``hardware=``), else by the cost model's estimate on
+this backend (the row's ``estimate``). The runner-up is shown with its margin.
+
+Example:
+    >>> rows = [{"strategy": "FSDP(fsdp=8)", "error": None, "peak": 5, "collective_bytes": 8, "estimate": 0.2},
+    ...         {"strategy": "DataParallel(data=8)", "error": None, "peak": 9, "collective_bytes": 4, "estimate": 0.1}]
+    >>> pick(rows, 8, budget=8, hardware=None).describe()
+    'auto on 8 devices: FSDP(fsdp=8), est. 200 ms a step (the only one of 2 that fits)'
+    >>> pick(rows, 8, budget=None, hardware=None).describe()
+    'auto on 8 devices: DataParallel(data=8), est. 100 ms a step; runner-up FSDP(fsdp=8), 2x slower'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from parallax.models.traced import stacked_layers
+from parallax.pricing.hardware import Hardware
+from parallax.sharding.auto import candidates
+from parallax.sharding.context_parallel import ContextParallel
+from parallax.sharding.strategy import Strategy
+from parallax.state.more_candidates import more_candidates, read_or_none
+
+
+def auto_pool(device_count: int, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
+              over_budget: bool = False) -> list[Strategy]:
+    """The meshes ``strategy="auto"`` prices on ``device_count`` devices for this model (the model
+    traced from shapes; nothing is allocated). ``over_budget``: only the context meshes it adds
+    where none of the DP/FSDP/TP meshes fits the budget (a second pass, as the search does)."""
+    stacked = bool(read_or_none("stack of blocks", lambda: stacked_layers(model, example_batch, loss_fn, rng_streams)))
+    more = more_candidates(stacked, model, example_batch, loss_fn, rng_streams, device_count, over_budget)
+    if over_budget:
+        return [s for s in more if any(isinstance(part, ContextParallel) for part in s.parts)]
+    return [*candidates(device_count), *more]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """What ``"auto"`` picks among a plan's rows on one device count.
+
+    Attributes:
+        devices: the device count.
+        strategy: the pick's row label (``None`` where no candidate fits the budget).
+        seconds: its predicted (``hardware=``) or estimated step time.
+        runner_up: the next fastest that fits and is not laid out alike (the same peak, bytes
+            moved and time: e.g. an FSDP that splits no param beside DP), and its step time.
+        basis: ``"predicted"`` on the named hardware, or ``"est."`` by the cost model here.
+        fitting: how many candidates fit, of ``planned`` that apply.
+    """
+
+    devices: int
+    strategy: str | None
+    seconds: float | None
+    runner_up: tuple[str, float] | None
+    basis: str
+    fitting: int
+    planned: int
+
+    def describe(self) -> str:
+        head = f"auto on {self.devices} devices: "
+        if self.strategy is None:
+            return head + f"none of the {self.planned} candidates that apply fits the memory budget"
+        text = head + f"{self.strategy}, {self.basis} {_time(self.seconds)} a step"
+        if self.runner_up is None:
+            return text + (f" (the only one of {self.planned} that fits)" if self.fitting == 1 < self.planned else "")
+        label, seconds = self.runner_up
+        return text + f"; runner-up {label}, {_margin(seconds, self.seconds)}"
+
+
+def pick(rows: Sequence[dict], devices: int, budget: int | None, hardware: Hardware | None) -> Pick:
+    """The fastest of ``rows`` (one device count's ``"auto"`` rows) that fits ``budget`` bytes a device."""
+    planned = [row for row in rows if not row.get("error")]
+
+    def seconds(row: dict) -> float | None:
+        return (row.get("step") or {}).get("seconds") if hardware is not None else row.get("estimate")
+
+    fitting = sorted((row for row in planned if (budget is None or row["peak"] <= budget) and seconds(row) is not None),
+                     key=seconds)
+    basis = "predicted" if hardware is not None else "est."
+    if not fitting:
+        return Pick(devices, None, None, None, basis, 0, len(planned))
+    best = fitting[0]
+    alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))  # noqa: E731 (the same program)
+    others = [row for row in fitting[1:] if alike(row) != alike(best)]
+    runner = (others[0]["strategy"], seconds(others[0])) if others else None
+    return Pick(devices, best["strategy"], seconds(best), runner, basis, len(fitting), len(planned))
+
+
+def _time(seconds: float) -> str:
+    return f"{1e3 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def _margin(slower: float, faster: float) -> str:
+    if faster <= 0:
+        return f"{_time(slower)}"
+    ratio = slower / faster
+    return f"{ratio:.3g}x slower" if ratio >= 1.995 else f"{100 * (ratio - 1):.3g}% slower"
