@@ -675,9 +675,10 @@ class Keyed(nn.Module):
 
 
 @pytest.mark.wide("the search of strategy='auto' over pipelines (two searches, about 25 s cold)")
-def test_auto_prices_the_pipelines_over_a_stack_and_only_for_a_stack():
+def test_auto_prices_the_pipelines_over_a_stack_and_none_without_blocks():
     """A stack gets its pipelines priced beside the other meshes (its blocks rematerialising themselves:
-    also the pipeline keeping each block's input, a program of its own); a model without one, none."""
+    also the pipeline keeping each block's input, a program of its own); a model without blocks (stacked
+    or listed: tests/test_auto.py), none."""
     from parallax.state.search import resolve
 
     def priced(model):
