@@ -139,7 +139,6 @@ def test_plan_auto_picks_what_the_trainers_search_picks_and_on_named_hardware_th
     """``px.plan(strategies=["auto"])`` plans the meshes ``strategy="auto"`` prices (a stack of blocks:
     its pipelines too) and picks as the search does: on this backend the same pick as ``resolve``
     (the Trainer's search, nothing timed); on a named GPU the fastest predicted step that fits."""
-    from parallax.plan.auto import pick
     from parallax.sharding.auto import candidates, pipeline_candidates
     from parallax.state.search import resolve
 
@@ -163,8 +162,12 @@ def test_plan_auto_picks_what_the_trainers_search_picks_and_on_named_hardware_th
     assert picked.strategy == fitting[0]["strategy"] and picked.basis == "predicted" and picked.fitting == len(fitting)
     assert all(row["peak"] > budget for row in gpu.rows if not row.get("error") and row not in fitting)
     assert picked.runner_up is None or picked.runner_up[1] >= picked.seconds
-    assert pick(rows, 2, budget=1, hardware=None).describe() == (
-        f"auto on 2 devices: none of the {len(peaks)} candidates that apply fits the memory budget")
+    # A budget no state fits: every candidate pruned before compiling (the search's rule), and said so.
+    none = px.plan(model, optax.adamw(1e-3), batch, loss_fn=classifier_loss, strategies=["auto"], devices=2,
+                   memory_budget=1, isolate=False)
+    assert none.picks[0].describe() == f"auto on 2 devices: none of the {len(rows)} candidates that apply fits the memory budget"
+    assert all(re.fullmatch(r"its state alone is [\d.]+ KiB per device, over the budget of 1 B", row["error"])
+               for row in none.rows), none.rows
 
 
 @pytest.mark.wide("the CLI in processes of its own (22 s cold)")

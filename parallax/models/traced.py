@@ -50,7 +50,7 @@ def params_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Seque
     adapter = adapter_for(model)
     key = jax.random.PRNGKey(0)
     rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
-    params, state = jax.eval_shape(lambda: adapter.init(rngs, example_batch, loss_fn, ()))
+    params, state = jax.eval_shape(lambda batch: adapter.init(rngs, batch, loss_fn, ()), example_batch)
     params = adapter.unbox(params)
     paths = [path_str(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 

@@ -37,7 +37,7 @@ import jax
 
 from parallax._units import format_bytes, parse_bytes
 from parallax.plan import isolated
-from parallax.plan.auto import auto_pool, pick
+from parallax.plan.auto import plan_auto
 from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate
 from parallax.models import unwrap_pretrained
 from parallax.models.blocks import repeated_blocks
@@ -289,27 +289,24 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
     resolved: dict = {}
 
-    def rows_for(strategies: list[Strategy], count: int, opts: StepOptions) -> list[dict]:
+    def rows_for(strategies: list[Strategy], count: int, opts: StepOptions, state_budget: int | None = None) -> list[dict]:
         if isolate or on_tpu or (isolate is None and count > len(local)):
-            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng,
-                                 "topology": topology_for(count), "hardware": hardware}, count)
+            return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng, "topology":
+                                 topology_for(count), "hardware": hardware, "state_budget": state_budget}, count)
         if "model" not in resolved:
             resolved.update({kind: resolve(kind, value) for kind, value in args.items()})
-        return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"],
-                         strategy, local[:count], opts, rng, topology_for(count), hardware) for strategy in strategies]
+        return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"], strategy,
+                         local[:count], opts, rng, topology_for(count), hardware, state_budget) for strategy in strategies]
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     searched, picks = [], []
     for count in counts if wants_auto else ():
-        here = {kind: resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")}
-        pool = lambda over=False: auto_pool(count, here["model"], here["batch"], here["loss_fn"],  # noqa: E731
-                                            options.rng_streams, over)
-        found = rows_for(pool(), count, options)
-        if budgets and not any(not r.get("error") and r["peak"] <= budgets[0] for r in found):  # as the search does
-            planned = {r["strategy"] for r in found}
-            found += [r for r in rows_for(pool(True), count, options) if r["strategy"] not in planned]
-        searched += [{**r, "auto": True} for r in found]
-        picks.append(pick(found, count, budgets[0] if budgets else None, hardware))
+        here = [resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")]
+        budget = budgets[0] if budgets else None  # a candidate whose state alone exceeds it is not compiled
+        found, picked = plan_auto(count, lambda pool: rows_for(pool, count, options, budget), *here,
+                                  options.rng_streams, budget, hardware)
+        searched += found
+        picks.append(picked)
     report = PlanReport(tuple(rows + searched), budgets, tuple(str(b) for b in given),
                         target or (hardware.kind if hardware is not None else jax.default_backend()), hardware=hardware,
                         picks=tuple(picks))

@@ -20,11 +20,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from parallax.models.traced import stacked_layers
 from parallax.pricing.hardware import Hardware
-from parallax.sharding.auto import candidates
+from parallax.sharding.auto import EVERY_PARAM, candidates, split_label
 from parallax.sharding.context_parallel import ContextParallel
 from parallax.sharding.strategy import Strategy
 from parallax.state.more_candidates import more_candidates, read_or_none
@@ -40,6 +40,31 @@ def auto_pool(device_count: int, model: Any, example_batch: Any, loss_fn: Any, r
     if over_budget:
         return [s for s in more if any(isinstance(part, ContextParallel) for part in s.parts)]
     return [*candidates(device_count), *more]
+
+
+def plan_auto(device_count: int, rows_for: Callable[[list[Strategy]], list[dict]], model: Any, example_batch: Any,
+              loss_fn: Any, rng_streams: Sequence[str], budget: int | None,
+              hardware: Hardware | None) -> tuple[list[dict], "Pick"]:
+    """The rows of ``"auto"``'s candidates on ``device_count`` devices (``rows_for`` plans a list
+    of strategies), each marked ``auto``, and its :class:`Pick`. Where none of them fits ``budget``,
+    the context meshes are planned too (as the search adds them)."""
+    pool = auto_pool(device_count, model, example_batch, loss_fn, rng_streams)
+    found = _labelled(rows_for(pool), pool)
+    if budget is not None and not any(not row.get("error") and row["peak"] <= budget for row in found):
+        planned = {row["strategy"] for row in found}
+        extra = [s for s in auto_pool(device_count, model, example_batch, loss_fn, rng_streams, over_budget=True)
+                 if s.describe() not in planned]
+        found += _labelled(rows_for(extra), extra) if extra else []
+    found = [{**row, "auto": True} for row in found]
+    return found, pick(found, device_count, budget, hardware)
+
+
+def _labelled(rows: list[dict], strategies: Sequence[Strategy]) -> list[dict]:
+    """``rows`` with the FSDP layout a strategy's description leaves out said in its label
+    (``FSDP(fsdp=8), split=output, every param``), as the search labels it."""
+    return [{**row, "strategy": f"{row['strategy']}, {split_label(strategy)}"}
+            if not row.get("error") and EVERY_PARAM in split_label(strategy) else row
+            for row, strategy in zip(rows, strategies)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +102,13 @@ class Pick:
 
 def pick(rows: Sequence[dict], devices: int, budget: int | None, hardware: Hardware | None) -> Pick:
     """The fastest of ``rows`` (one device count's ``"auto"`` rows) that fits ``budget`` bytes a device."""
-    planned = [row for row in rows if not row.get("error")]
+    planned = [row for row in rows if not row.get("error") or row.get("over_budget")]  # pruned: they apply
 
     def seconds(row: dict) -> float | None:
         return (row.get("step") or {}).get("seconds") if hardware is not None else row.get("estimate")
 
-    fitting = sorted((row for row in planned if (budget is None or row["peak"] <= budget) and seconds(row) is not None),
-                     key=seconds)
+    fitting = sorted((row for row in planned if not row.get("error") and (budget is None or row["peak"] <= budget)
+                      and seconds(row) is not None), key=seconds)
     basis = "predicted" if hardware is not None else "est."
     if not fitting:
         return Pick(devices, None, None, None, basis, 0, len(planned))

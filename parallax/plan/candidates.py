@@ -15,6 +15,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from parallax import inspect
+from parallax._units import format_bytes
 from parallax.pricing.timing import closest
 from parallax.pricing.hardware import Hardware
 from parallax.pricing.host_layout import cheapest_layout, link_seconds
@@ -54,8 +55,9 @@ def with_options(strategy: Strategy, **options: Any) -> Strategy:
 
 def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strategy: Strategy,
              devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0, topology: Topology | None = None,
-             hardware: Hardware | None = None) -> dict:
-    """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply).
+             hardware: Hardware | None = None, state_budget: int | None = None) -> dict:
+    """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply;
+    ``over_budget`` too where its state alone exceeds ``state_budget`` bytes a device: not compiled).
 
     Over several hosts (the processes, or ``topology`` as simulated) parallax's own mesh is laid out
     as the Trainer lays it out, by the bytes the step moves across hosts
@@ -72,6 +74,10 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         plan = plan_state(model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
                           rng_streams=options.rng_streams, offload=options.offload)
         totals = summarize(plan, find_frozen=False).totals
+        state = totals["total"]["per_device"] - totals["total"]["host"]  # in device memory
+        if state_budget is not None and state > state_budget:  # pruned before compiling, as the search prunes
+            return {**row, "error": f"its state alone is {format_bytes(state)} per device, over the budget of "
+                                    f"{format_bytes(state_budget)}", "over_budget": True}
         step = make_train_step(loss_fn, plan.strategy, options)
         step.topology = topology  # its compile paths priced on the topology's links
         if hardware is not None:  # and at the hardware's speeds, not measured on devices that stand in for it

@@ -121,7 +121,8 @@ def main(argv: list[str]) -> None:
     devices = (tpu_devices(hardware, payload["devices"]) if hardware is not None and hardware.kind == "tpu"
                else jax.devices())
     rows = [evaluate(args["model"], args["optimizer"], args["batch"], args["loss_fn"], parse_strategy(strategy),
-                     devices, payload["options"], payload["rng"], payload.get("topology"), hardware)
+                     devices, payload["options"], payload["rng"], payload.get("topology"), hardware,
+                     payload.get("state_budget"))
             for strategy in payload["strategies"]]
     with open(argv[1], "w") as f:
         json.dump(rows, f)
