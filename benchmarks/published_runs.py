@@ -76,7 +76,7 @@ def strategy(layout: str):
     return built[0] if len(built) == 1 else px.combine(*built)
 
 
-def predict(run: Run) -> dict:
+def predict(run: Run, auto: bool = False) -> dict:
     import optax
 
     import parallax as px
@@ -86,16 +86,23 @@ def predict(run: Run) -> dict:
     start = time.perf_counter()
     try:
         report = px.plan(model, optax.adamw(3e-4), batch(run.global_batch, SEQUENCE), loss_fn=loss_fn,
-                         strategies=[strategy(run.layout)], devices=run.devices, hardware=hardware(), compile="jit")
+                         strategies=[strategy(run.layout), *(["auto"] if auto else [])], devices=run.devices,
+                         hardware=hardware(), compile="jit")
     except RuntimeError as err:  # the planning subprocess died: recorded, the other runs still planned
         return {"run": run._asdict(), "plan_seconds": time.perf_counter() - start, "peak": None, "fits": None,
                 "note": None, "error": str(err).splitlines()[0], "step": {}, "predicted_tps": None, "mesh": None,
                 "backend": None}
     row = report.rows[0]
     step = row.get("step") or {}
+    picked = report.picks[0] if report.picks else None
     return {"run": run._asdict(), "plan_seconds": time.perf_counter() - start, "peak": row.get("peak"),
             "fits": report.fits(row), "note": row.get("note"), "error": row.get("error"), "step": step,
-            "predicted_tps": step.get("tokens_per_second"), "mesh": row.get("mesh"), "backend": row.get("backend")}
+            "predicted_tps": step.get("tokens_per_second"), "mesh": row.get("mesh"), "backend": row.get("backend"),
+            "auto": None if picked is None else {
+                "pick": picked.describe(), "strategy": picked.strategy, "seconds": picked.seconds,
+                "runner_up": picked.runner_up, "candidates": picked.planned, "fitting": picked.fitting,
+                "peak": next((r["peak"] for r in report.rows if r.get("auto") and r["strategy"] == picked.strategy),
+                             None)}}
 
 
 def markdown(results: list[dict]) -> str:
@@ -133,11 +140,37 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def auto_markdown(results: list[dict]) -> str:
+    """``strategies=["auto"]`` beside each run's published layout: its pick, predicted on the same hardware."""
+    gib = 2**30
+    lines = ["", "## strategy='auto' beside their layout", "",
+             "| run | their layout, predicted | auto's pick, predicted | its peak (CPU compile) | runner-up | "
+             "candidates (fitting) | plan time |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        auto, run, step = r.get("auto"), r["run"], r["step"]
+        if not auto:
+            continue
+        theirs = f"{run['layout']}, {step['seconds']:.2f} s" if step else f"{run['layout']}, not planned"
+        if auto["strategy"] is None:
+            lines.append(f"| {run['name']} | {theirs} | nothing fits | - | - | {auto['candidates']} (0) | "
+                         f"{r['plan_seconds']:.0f} s |")
+            continue
+        runner = (f"{auto['runner_up'][0]}, {auto['runner_up'][1]:.2f} s" if auto["runner_up"] else "-")
+        lines.append(f"| {run['name']} | {theirs} | {auto['strategy']}, {auto['seconds']:.2f} s | "
+                     f"{auto['peak'] / gib:.1f} GiB | {runner} | {auto['candidates']} ({auto['fitting']}) | "
+                     f"{r['plan_seconds']:.0f} s |")
+    lines += ["", "Plan time: their layout and every candidate of `\"auto\"` together (a candidate whose state alone "
+              "exceeds the 96 GiB is not compiled). Fitting: the candidates whose planned peak fits 96 GiB."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write published_runs.{json,md} here")
     parser.add_argument("--runs", default=",".join(run.name for run in RUNS))
     parser.add_argument("--from-json", default=None, help="render a published_runs.json again, planning nothing")
+    parser.add_argument("--auto", action="store_true", help="also plan strategies=['auto'] for each run: its pick "
+                        "against their layout (written to published_auto.{json,md})")
     args = parser.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
@@ -146,14 +179,15 @@ def main() -> None:
     chosen = [run for run in RUNS if run.name in args.runs.split(",")]
     results = []
     for run in chosen:
-        results.append(predict(run))
+        results.append(predict(run, args.auto))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "note"}, default=str), flush=True)
-    text = markdown(results)
+    text = markdown(results) + (auto_markdown(results) if args.auto else "")
     print(text)
     if args.out:
-        with open(os.path.join(args.out, "published_runs.json"), "w") as f:
+        name = "published_auto" if args.auto else "published_runs"
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(args.out, "published_runs.md"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(text)
 
 
