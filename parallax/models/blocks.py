@@ -9,19 +9,18 @@ from typing import Any
 from parallax.models.adapter import LossFn
 
 
-def repeated_blocks(model: Any, example_batch: Any, loss_fn: LossFn | None = None) -> tuple[str, ...]:
+def repeated_blocks(model: Any, example_batch: Any, loss_fn: LossFn | None = None,
+                    calls: set | None = None) -> tuple[str, ...]:
     """Module classes a model runs at two or more places, that hold modules themselves and are
     not all inside another such class (its repeated blocks): the candidates for ``remat``. A
     linen model is traced from shapes (its calls recorded); an NNX module (or a function that
-    builds one, from shapes) is walked.
+    builds one, from shapes) is walked (``calls``: :func:`module_calls`' result, where already read).
 
     Example:
         >>> repeated_blocks(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
         ()
     """
-    from parallax.models import adapter_for
-
-    calls = adapter_for(model).module_calls(example_batch, loss_fn)
+    calls = module_calls(model, example_batch, loss_fn) if calls is None else calls
     paths: dict[str, set[tuple]] = collections.defaultdict(set)
     for name, path in calls:
         if any(len(other) > len(path) and other[:len(path)] == path for _, other in calls):  # holds modules
@@ -45,10 +44,11 @@ def listed_siblings(model: Any, example_batch: Any, loss_fn: LossFn | None = Non
         >>> listed_siblings(model, batch, loss_fn)  # an MLP: its Dense layers hold no modules
         ()
     """
-    return tuple(_siblings(model, example_batch, loss_fn))
+    return tuple(_siblings(module_calls(model, example_batch, loss_fn)))
 
 
-def listed_experts(model: Any, example_batch: Any, loss_fn: LossFn | None = None) -> tuple[str, int] | None:
+def listed_experts(model: Any, example_batch: Any, loss_fn: LossFn | None = None,
+                   calls: set | None = None) -> tuple[str, int] | None:
     """The class of a model's experts kept in a list, and how many each list holds (the greatest
     common divisor where lists differ): the first :func:`listed_siblings` class whose name, or the
     path of one of its modules, says "expert" (``None``: none does). What ``strategy="auto"``
@@ -58,19 +58,23 @@ def listed_experts(model: Any, example_batch: Any, loss_fn: LossFn | None = None
         >>> listed_experts(model, batch, loss_fn) is None  # an MLP
         True
     """
-    for name, parents in _siblings(model, example_batch, loss_fn).items():
+    for name, parents in _siblings(module_calls(model, example_batch, loss_fn) if calls is None else calls).items():
         if "expert" in name.lower() or any("expert" in "/".join(map(str, path)).lower()
                                            for paths in parents.values() for path in paths):
             return name, math.gcd(*(len(paths) for paths in parents.values()))
     return None
 
 
-def _siblings(model: Any, example_batch: Any, loss_fn: LossFn | None) -> dict[str, dict[tuple, list[tuple]]]:
-    """Each listed sibling class (as :func:`listed_siblings` orders them): the parent paths it is
-    listed under, with the paths of the modules listed there."""
+def module_calls(model: Any, example_batch: Any, loss_fn: LossFn | None = None) -> set[tuple[str, tuple]]:
+    """``(class name, path)`` of every module the model runs, traced from shapes (nothing allocated)."""
     from parallax.models import adapter_for
 
-    calls = adapter_for(model).module_calls(example_batch, loss_fn)
+    return adapter_for(model).module_calls(example_batch, loss_fn)
+
+
+def _siblings(calls: set[tuple[str, tuple]]) -> dict[str, dict[tuple, list[tuple]]]:
+    """Each listed sibling class (as :func:`listed_siblings` orders them): the parent paths it is
+    listed under, with the paths of the modules listed there."""
     siblings: dict[tuple[str, tuple], list[tuple]] = collections.defaultdict(list)
     for name, path in calls:
         if any(len(other) > len(path) and other[:len(path)] == path for _, other in calls):

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from parallax.models.blocks import listed_experts, repeated_blocks
+from parallax.models.blocks import listed_experts, module_calls, repeated_blocks
 from parallax.models.context_attention import holds_attention
 from parallax.models.expert_dispatch import stacked_experts
 from parallax.models.traced import stack_rematerialises, traced_loss
@@ -40,13 +40,14 @@ def more_candidates(stacked: bool, model: Any, example_batch: Any, loss_fn: Any,
     split_rows = rows(example_batch) % device_count
     traced = traced_loss(model, example_batch, loss_fn, rng_streams).jaxpr if stacked or split_rows or over_budget \
         else None
-    listed = read_or_none("experts kept in a list", lambda: listed_experts(model, example_batch, loss_fn))
+    calls = read_or_none("modules", lambda: module_calls(model, example_batch, loss_fn))  # read once, for both
+    listed = None if calls is None else listed_experts(model, example_batch, loss_fn, calls)
     if stacked:
         more += pipeline_candidates(device_count)
         if stack_rematerialises(traced):  # each block's input kept: one forward fewer, for more memory
             more += pipeline_candidates(device_count, pipeline=PipelineParallel(remat="layer"))
     else:  # one block class kept in a list (not the experts): the pipeline finds it (PipelineParallel's blocks=)
-        blocks = read_or_none("blocks", lambda: repeated_blocks(model, example_batch, loss_fn)) or ()
+        blocks = () if calls is None else repeated_blocks(model, example_batch, loss_fn, calls)
         if len(blocks) == 1 and (listed is None or blocks[0] != listed[0]):
             more += pipeline_candidates(device_count)
     if (split_rows or over_budget) and holds_attention(traced):
