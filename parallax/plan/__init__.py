@@ -300,8 +300,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     searched, picks = [], []
+    here = [resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")] if wants_auto else []
     for count in counts if wants_auto else ():
-        here = [resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")]
         budget = budgets[0] if budgets else None  # a candidate whose state alone exceeds it is not compiled
         found, picked = plan_auto(count, lambda pool: rows_for(pool, count, options, budget), *here,
                                   options.rng_streams, budget, hardware)

@@ -1,6 +1,6 @@
 """``strategies=["auto"]`` in a plan: the meshes ``strategy="auto"`` would price, planned as rows, and the pick.
 
-For each device count, :func:`auto_pool` gives what the Trainer's search prices
+For each device count, :func:`plan_auto` plans what the Trainer's search prices
 (:func:`parallax.sharding.auto.candidates`: every DP × FSDP × TP mesh, and the pipeline, context
 and expert meshes the model calls for, :mod:`parallax.state.more_candidates`); each is planned as
 a row like any strategy's, and :func:`pick` chooses as the search chooses, without running
@@ -24,46 +24,31 @@ from typing import Any, Callable, Sequence
 
 from parallax.models.traced import stacked_layers
 from parallax.pricing.hardware import Hardware
-from parallax.sharding.auto import EVERY_PARAM, candidates, split_label
-from parallax.sharding.context_parallel import ContextParallel
+from parallax.sharding.auto import candidates, layout_suffix
 from parallax.sharding.strategy import Strategy
 from parallax.state.more_candidates import more_candidates, read_or_none
-
-
-def auto_pool(device_count: int, model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str],
-              over_budget: bool = False) -> list[Strategy]:
-    """The meshes ``strategy="auto"`` prices on ``device_count`` devices for this model (the model
-    traced from shapes; nothing is allocated). ``over_budget``: only the context meshes it adds
-    where none of the DP/FSDP/TP meshes fits the budget (a second pass, as the search does)."""
-    stacked = bool(read_or_none("stack of blocks", lambda: stacked_layers(model, example_batch, loss_fn, rng_streams)))
-    more = more_candidates(stacked, model, example_batch, loss_fn, rng_streams, device_count, over_budget)
-    if over_budget:
-        return [s for s in more if any(isinstance(part, ContextParallel) for part in s.parts)]
-    return [*candidates(device_count), *more]
 
 
 def plan_auto(device_count: int, rows_for: Callable[[list[Strategy]], list[dict]], model: Any, example_batch: Any,
               loss_fn: Any, rng_streams: Sequence[str], budget: int | None,
               hardware: Hardware | None) -> tuple[list[dict], "Pick"]:
-    """The rows of ``"auto"``'s candidates on ``device_count`` devices (``rows_for`` plans a list
-    of strategies), each marked ``auto``, and its :class:`Pick`. Where none of them fits ``budget``,
-    the context meshes are planned too (as the search adds them)."""
-    pool = auto_pool(device_count, model, example_batch, loss_fn, rng_streams)
-    found = _labelled(rows_for(pool), pool)
-    if budget is not None and not any(not row.get("error") and row["peak"] <= budget for row in found):
-        planned = {row["strategy"] for row in found}
-        extra = [s for s in auto_pool(device_count, model, example_batch, loss_fn, rng_streams, over_budget=True)
-                 if s.describe() not in planned]
-        found += _labelled(rows_for(extra), extra) if extra else []
+    """The rows of ``"auto"``'s candidates on ``device_count`` devices (``rows_for`` plans a list of
+    strategies), each marked ``auto``, and its :class:`Pick`. As the search: every DP × FSDP × TP
+    mesh first, then what the model calls for (its stack of blocks read from its trace, nothing
+    allocated), the context meshes among them where none of the first fits ``budget``."""
+    base = candidates(device_count)
+    found = _labelled(rows_for(base), base)
+    over = budget is not None and not any(not row.get("error") and row["peak"] <= budget for row in found)
+    stacked = bool(read_or_none("stack of blocks", lambda: stacked_layers(model, example_batch, loss_fn, rng_streams)))
+    more = more_candidates(stacked, model, example_batch, loss_fn, rng_streams, device_count, over)
+    found += _labelled(rows_for(more), more) if more else []
     found = [{**row, "auto": True} for row in found]
     return found, pick(found, device_count, budget, hardware)
 
 
 def _labelled(rows: list[dict], strategies: Sequence[Strategy]) -> list[dict]:
-    """``rows`` with the FSDP layout a strategy's description leaves out said in its label
-    (``FSDP(fsdp=8), split=output, every param``), as the search labels it."""
-    return [{**row, "strategy": f"{row['strategy']}, {split_label(strategy)}"}
-            if not row.get("error") and EVERY_PARAM in split_label(strategy) else row
+    """``rows`` labelled as the search labels its candidates (:func:`parallax.sharding.auto.layout_suffix`)."""
+    return [row if row.get("error") else {**row, "strategy": row["strategy"] + layout_suffix(strategy)}
             for row, strategy in zip(rows, strategies)]
 
 

@@ -201,6 +201,18 @@ def split_label(strategy: Strategy) -> str:
     return f"split={part.split}" + (EVERY_PARAM if part.min_weight_size == EVERY_PARAM_SIZE else "")
 
 
+def layout_suffix(strategy: Strategy, split_open: bool = False) -> str:
+    """What a candidate's label adds to ``strategy.describe()``: its FSDP split where the search left
+    it open (``split_open``), and always for :func:`every_param`'s layout, which the description omits.
+
+    Example:
+        >>> layout_suffix(every_param(px.FSDP())), layout_suffix(px.FSDP()), layout_suffix(px.FSDP(), True)
+        (', split=output, every param', '', ', split=auto')
+    """
+    split = split_label(strategy)
+    return f", {split}" if split_open or EVERY_PARAM in split else ""
+
+
 def every_param(strategy: Strategy) -> Strategy | None:
     """``strategy`` with each open FSDP split set to ``"output"`` and the small params split too
     (``min_weight_size=1``: all but scalars): google-parallax's layout, where the partitioner

@@ -32,7 +32,8 @@ from parallax.models.blocks import repeated_blocks
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import AUTO, EVERY_PARAM, candidates, every_param, is_auto, split_candidates, split_label, with_split
+from parallax.sharding.auto import (AUTO, candidates, every_param, is_auto, layout_suffix, split_candidates, split_label,
+                                    with_split)
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
 from parallax.state.more_candidates import more_candidates, stacks
@@ -156,8 +157,7 @@ def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
 
 
 def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_open: bool) -> str:
-    split = split_label(strategy)  # said where open, and for the every-param layout (FSDP's describe omits it)
-    return split if searching_splits else strategy.describe(mesh) + (f", {split}" if split_open or EVERY_PARAM in split else "")
+    return split_label(strategy) if searching_splits else strategy.describe(mesh) + layout_suffix(strategy, split_open)
 
 
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
