@@ -6,6 +6,7 @@ MoE blocks in a stack a pipeline splits; nano-moe-jax from PyPI, whose experts a
 from __future__ import annotations
 
 import re
+import types
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,7 @@ from flax import nnx
 import parallax as px
 from parallax.models.expert_dispatch import stacked_experts
 from parallax.state.search import resolve
+from parallax.step import update
 from benchmarks.zoo_models import MoE, NNXMoE
 from tests import tiers
 from tests import third_party
@@ -190,6 +192,28 @@ def test_expert_parallel_trains_a_mixture_of_experts_like_one_device(model, stra
     opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
     report = px.testing.assert_equivalent(build(), opt, loss_fn, tokens(), STRATEGIES[strategy]())
     assert report.mode == "jit", report
+
+
+@pytest.mark.wide("a second AdamW run of the top-2 MoE under EP8, clean and with a bug planted (13 s cold)")
+def test_adams_rounding_allowance_passes_grouped_routing_and_still_catches_a_bfloat16_ulp_a_step(monkeypatch):
+    """Top-2 routing per group with tokens dropped, under ExpertParallel(8) with ``adamw(1e-2)``: its
+    router and experts have gradients near zero that Adam divides by near-zero second moments
+    (the case whose params once "differed" beyond a flat bound). It passes, held to each param's
+    rounding allowance; and an update rounded to bfloat16 each step (at most half a bfloat16 ulp of
+    it, ~0.2 %: a mixed-precision bug only the params show) is still caught on the same model, in
+    params whose allowance is their rounding."""
+    build, loss_fn = MODELS["top2-dropping"]
+    report = px.testing.assert_equivalent(build(), optax.adamw(1e-2), loss_fn, tokens(), STRATEGIES["ep8"]())
+    assert report.passed and "trains like one device" in str(report), report
+    assert report.param_allowance, "AdamW's near-zero gradients: the allowance is what held the params"
+
+    def bf16_updates(params, updates):
+        return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
+
+    monkeypatch.setattr(update, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
+    with pytest.raises(px.testing.NotEquivalentError, match=r"params differ: ") as failure:
+        px.testing.assert_equivalent(build(), optax.adamw(1e-2), loss_fn, tokens(), STRATEGIES["ep8"]())
+    assert "does NOT train like one device" in str(failure.value)
 
 
 LISTED_GRID = [("nano-moe-jax", "ep8", "sgd"), ("nano-moe-jax", "ep4-fsdp2", "adamw"),
