@@ -8,6 +8,7 @@ wide tier's setup installs it: ``make test-all``).
 
 from __future__ import annotations
 
+import os
 import signal
 
 import jax
@@ -175,6 +176,50 @@ def test_a_planning_subprocess_that_dies_says_why(status, stderr, says):
     assert says in message and "--- its last lines:" in message
     if status == -signal.SIGKILL:
         assert "one device count per call" in message
+
+
+@pytest.mark.wide("a plan in two subprocesses side by side, and in one (about 25 s cold)")
+def test_a_plan_priced_on_named_hardware_is_shared_among_children_with_the_rows_one_child_gives(monkeypatch):
+    """Priced on a named hardware (nothing timed here), a subprocess plan shares its candidates among children
+    compiling side by side; their rows come back in the candidates' order, equal to one child's."""
+    assert isolated.workers({"hardware": px.Hardware("h100"), "strategies": ["dp", "fsdp+tp2"]}) == min(
+        2, os.cpu_count() or 1)
+    assert isolated.workers({"hardware": None, "strategies": ["dp", "fsdp+tp2"]}) == 1  # the cost model times here
+
+    def planned():
+        return px.plan(TinyLM(), optax.adamw(1e-3), batches("lm", 1, 16)[0], loss_fn=px.per_example_loss(lm_loss),
+                       strategies=["dp", "fsdp+tp2", "tp"], devices=8, hardware="h100", precision="bf16",
+                       compile="jit", isolate=True).rows
+
+    shared = planned()
+    monkeypatch.setattr(isolated, "workers", lambda payload: 1)
+    alone = planned()
+    assert [row["strategy"] for row in shared] == ["DataParallel(data=8)", "FSDP(fsdp=4) × TensorParallel(tensor=2)",
+                                                   "TensorParallel(tensor=8)"]
+    assert shared == alone
+
+
+def test_children_that_run_out_of_memory_side_by_side_plan_again_in_one(monkeypatch):
+    """Should the children side by side run out of this machine's memory, the candidates are planned
+    again in one child; any other failure is raised as it is."""
+    calls = []
+
+    def fake(payloads, devices, timeout):
+        calls.append(len(payloads))
+        if len(payloads) > 1:
+            raise isolated._OutOfMemory("Planning on 8 simulated CPU devices failed ... ran out of this machine's memory")
+        return [[{"strategy": s} for s in payloads[0]["strategies"]]]
+
+    monkeypatch.setattr(isolated, "_run", fake)
+    monkeypatch.setattr(isolated, "workers", lambda payload: 2)
+    rows = isolated.run({"hardware": px.Hardware("h100"), "strategies": ["a", "b", "c"]}, 8)
+    assert rows == [{"strategy": s} for s in "abc"] and calls == [2, 1]
+    monkeypatch.setattr(isolated, "_run", lambda payloads, devices, timeout: [
+        [{"strategy": s} for s in payload["strategies"]] for payload in payloads])
+    assert isolated.run({"strategies": list("abcde")}, 8) == [{"strategy": s} for s in "abcde"]  # merged in order
+    monkeypatch.setattr(isolated, "_run", lambda *args: (_ for _ in ()).throw(RuntimeError("the compiler aborted")))
+    with pytest.raises(RuntimeError, match="the compiler aborted"):
+        isolated.run({"strategies": list("ab")}, 8)
 
 
 needs_libtpu = pytest.mark.skipif(not target.libtpu_installed(), reason="libtpu is not installed (pip install "

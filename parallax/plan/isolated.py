@@ -7,6 +7,11 @@ reference where they are importable, by value otherwise: a model class defined i
 or a notebook works) or as ``module:attr`` strings the child imports; the child plans every
 candidate on its devices and writes the rows back as JSON. A child that dies is explained
 (:func:`died`): the compiler's failed check, or the machine's memory, and what to try.
+
+Priced on a named hardware (nothing timed on this machine: its speeds are the data sheet's), the
+candidates are shared round-robin among up to :func:`workers` children compiling side by side, and
+their rows merged in the candidates' order: the same rows, sooner on a machine with cores to spare.
+Should one of them run out of memory, the candidates are planned again in one child.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, Mapping
 
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -29,46 +35,101 @@ _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 CPU_PLANNING_FLAGS = "--xla_disable_hlo_passes=all-reduce-promotion"
 
 
+def workers(payload: Mapping[str, Any]) -> int:
+    """How many children plan ``payload``'s candidates side by side: one per core (at most 4, at most one
+    per candidate) where a named hardware prices them, else one (the cost model's speeds are measured on
+    this machine, and children side by side would slow each other's timings)."""
+    if payload.get("hardware") is None:
+        return 1
+    return max(1, min(len(payload["strategies"]), os.cpu_count() or 1, 4))
+
+
 def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list[dict]:
-    """The plan rows of ``payload`` computed in a child with ``devices`` simulated CPU devices."""
+    """The plan rows of ``payload`` computed in children with ``devices`` simulated CPU devices (or the
+    TPU compiler's slice), :func:`workers` of them side by side."""
+    count = workers(payload)
+    if count == 1:
+        return _run([payload], devices, timeout)[0]
+    strategies = list(payload["strategies"])
+    shares = [{**payload, "strategies": strategies[i::count]} for i in range(count)]
+    try:
+        done = _run(shares, devices, timeout)
+    except _OutOfMemory:  # side by side they did not fit this machine: one child, as without workers
+        return _run([payload], devices, timeout)[0]
+    rows: list[dict] = [{} for _ in strategies]
+    for i, share in enumerate(done):
+        rows[i::count] = share
+    return rows
+
+
+class _OutOfMemory(RuntimeError):
+    """A planning child ran out of this machine's memory (its message is :func:`died`'s)."""
+
+
+def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> list[list[dict]]:
+    """Each payload's rows, each planned in a child of its own, the children side by side."""
     import cloudpickle
 
+    first = payloads[0]
     try:
-        data = cloudpickle.dumps({**payload, "devices": devices})
+        for payload in payloads:
+            cloudpickle.dumps(payload)
     except Exception as err:  # noqa: BLE001 - name the argument that cannot travel
-        bad = next((k for k, v in payload.items() if not _picklable(v)), "an argument")
+        bad = next((k for k, v in first.items() if not _picklable(v)), "an argument")
         raise ValueError(f"Planning for {devices} devices runs in a subprocess, and {bad} cannot be sent to it "
                          f"({type(err).__name__}: {err}). Pass it as a 'package.module:name' string the subprocess "
                          "can import instead.") from None
     flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
-    hardware = payload.get("hardware")
+    hardware = first.get("hardware")
     simulated = 1 if hardware is not None and hardware.kind == "tpu" else devices  # a TPU's devices are the compiler's
     if simulated == devices and "--xla_disable_hlo_passes" not in flags:
         flags += f" {CPU_PLANNING_FLAGS}"
+    where = (f"a {hardware.name} slice of {devices} chips (the TPU compiler)" if simulated != devices
+             else f"{devices} simulated CPU devices")
     with tempfile.TemporaryDirectory(prefix="parallax-plan-") as folder:
-        source, target = os.path.join(folder, "payload.pkl"), os.path.join(folder, "rows.json")
-        # What the compiler writes while a step compiles goes to this file (parallax.step.resharding): kept
-        # here, it says why a compiler that aborted did.
-        compiler = os.path.join(folder, "compiler-stderr")
-        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
-                   XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={simulated}".strip(),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
-                   PARALLAX_COMPILER_STDERR=compiler)
-        with open(source, "wb") as f:
-            f.write(data)
-        where = (f"a {hardware.name} slice of {devices} chips (the TPU compiler)" if simulated != devices
-                 else f"{devices} simulated CPU devices")
+        children = []
+        for i, payload in enumerate(payloads):
+            source, target = os.path.join(folder, f"payload-{i}.pkl"), os.path.join(folder, f"rows-{i}.json")
+            # What the compiler writes while a step compiles goes to this file (parallax.step.resharding): kept
+            # here, it says why a compiler that aborted did.
+            compiler = os.path.join(folder, f"compiler-stderr-{i}")
+            env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
+                       XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={simulated}".strip(),
+                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+                       PARALLAX_COMPILER_STDERR=compiler)
+            with open(source, "wb") as f:
+                f.write(cloudpickle.dumps({**payload, "devices": devices}))
+            stderr = open(os.path.join(folder, f"stderr-{i}"), "w+")
+            proc = subprocess.Popen([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+            children.append((proc, stderr, target, compiler))
+        deadline = time.monotonic() + timeout
         try:
-            proc = subprocess.run([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"Planning on {where} took over {timeout:.0f} s in its subprocess and was stopped. Plan "
-                               "fewer strategies or device counts per call.") from None
-        if proc.returncode != 0:
-            said = pathlib.Path(compiler).read_text(errors="replace") if os.path.exists(compiler) else ""
-            raise RuntimeError(died(proc.returncode, proc.stderr + "\n" + said, where))
-        with open(target) as f:
-            return json.load(f)
+            return [_rows(proc, stderr, target, compiler, where, timeout, deadline)
+                    for proc, stderr, target, compiler in children]
+        finally:
+            for proc, stderr, _, _ in children:  # one failed or timed out: the others stop with it
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                stderr.close()
+
+
+def _rows(proc: subprocess.Popen, stderr: Any, target: str, compiler: str, where: str, timeout: float,
+          deadline: float) -> list[dict]:
+    """A child's rows once it ends (by ``deadline``, the children's ``timeout`` together), or why it did not plan them."""
+    try:
+        status = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"Planning on {where} took over {timeout:.0f} s in its subprocess and was stopped. Plan "
+                           "fewer strategies or device counts per call.") from None
+    if status != 0:
+        stderr.seek(0)
+        said = pathlib.Path(compiler).read_text(errors="replace") if os.path.exists(compiler) else ""
+        message = died(status, stderr.read() + "\n" + said, where)
+        raise (_OutOfMemory if "ran out of this machine's memory" in message else RuntimeError)(message)
+    with open(target) as f:
+        return json.load(f)
 
 
 def died(status: int, stderr: str, where: str) -> str:
