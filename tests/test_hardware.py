@@ -183,7 +183,7 @@ def test_a_plan_priced_on_named_hardware_is_shared_among_children_with_the_rows_
     """Priced on a named hardware (nothing timed here), a subprocess plan shares its candidates among children
     compiling side by side; their rows come back in the candidates' order, equal to one child's."""
     assert isolated.workers({"hardware": px.Hardware("h100"), "strategies": ["dp", "fsdp+tp2"]}) == min(
-        2, os.cpu_count() or 1)
+        2, len(os.sched_getaffinity(0)))
     assert isolated.workers({"hardware": None, "strategies": ["dp", "fsdp+tp2"]}) == 1  # the cost model times here
 
     def planned():

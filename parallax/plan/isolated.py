@@ -41,7 +41,8 @@ def workers(payload: Mapping[str, Any]) -> int:
     this machine, and children side by side would slow each other's timings)."""
     if payload.get("hardware") is None:
         return 1
-    return max(1, min(len(payload["strategies"]), os.cpu_count() or 1, 4))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(len(payload["strategies"]), cores, 4))
 
 
 def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list[dict]:
