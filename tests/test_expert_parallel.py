@@ -205,7 +205,8 @@ def test_adams_rounding_allowance_passes_grouped_routing_and_still_catches_a_bfl
     build, loss_fn = MODELS["top2-dropping"]
     report = px.testing.assert_equivalent(build(), optax.adamw(1e-2), loss_fn, tokens(), STRATEGIES["ep8"]())
     assert report.passed and "trains like one device" in str(report), report
-    assert report.param_allowance, "AdamW's near-zero gradients: the allowance is what held the params"
+    raw = max(report.state_diffs["params"].values())  # before the allowances: what a flat bound would have held
+    assert raw > 5 * report.tolerance and report.max_held <= report.tolerance, (raw, report.max_held)
 
     def bf16_updates(params, updates):
         return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
