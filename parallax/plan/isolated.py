@@ -73,8 +73,7 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
 
     first = payloads[0]
     try:
-        for payload in payloads:
-            cloudpickle.dumps(payload)
+        data = [cloudpickle.dumps({**payload, "devices": devices}) for payload in payloads]
     except Exception as err:  # noqa: BLE001 - name the argument that cannot travel
         bad = next((k for k, v in first.items() if not _picklable(v)), "an argument")
         raise ValueError(f"Planning for {devices} devices runs in a subprocess, and {bad} cannot be sent to it "
@@ -89,7 +88,7 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
              else f"{devices} simulated CPU devices")
     with tempfile.TemporaryDirectory(prefix="parallax-plan-") as folder:
         children = []
-        for i, payload in enumerate(payloads):
+        for i, sent in enumerate(data):
             source, target = os.path.join(folder, f"payload-{i}.pkl"), os.path.join(folder, f"rows-{i}.json")
             # What the compiler writes while a step compiles goes to this file (parallax.step.resharding): kept
             # here, it says why a compiler that aborted did.
@@ -99,7 +98,7 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
                        PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
                        PARALLAX_COMPILER_STDERR=compiler)
             with open(source, "wb") as f:
-                f.write(cloudpickle.dumps({**payload, "devices": devices}))
+                f.write(sent)
             stderr = open(os.path.join(folder, f"stderr-{i}"), "w+")
             proc = subprocess.Popen([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
                                     stdout=subprocess.DEVNULL, stderr=stderr, text=True)
