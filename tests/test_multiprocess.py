@@ -262,8 +262,8 @@ def test_ctrl_c_to_the_launcher_stops_every_process_at_one_step(tmp_path):
     assert done[0]["checkpoints"][-1] == done[0]["step"]
 
 
-@pytest.mark.budget(130, "fourteen layouts of the batch over 2 processes, 19 runs in one launch, the same here, and "
-                        "px.plan of the same layouts on 2 simulated hosts (93-123 s cold)")
+@pytest.mark.budget(160, "fourteen layouts of the batch over 2 processes, 19 runs in one launch, the same here, and "
+                        "px.plan of the same layouts on 2 simulated hosts (93-123 s cold; 157 s on jax 0.12)")
 def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tmp_path):
     """Each process feeds exactly the rows its devices hold, however the mesh's axes fall on the
     processes: with TP(4) x FSDP(2) the tensor axis spans the processes and each holds every row."""
