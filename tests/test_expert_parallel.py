@@ -24,6 +24,7 @@ from benchmarks.zoo_models import MoE, NNXMoE
 from tests import tiers
 from tests import third_party
 from tests.models import lm_loss
+from tests.scripts.plant_bug import bf16_updates
 
 pytestmark = pytest.mark.core
 
@@ -207,9 +208,6 @@ def test_adams_rounding_allowance_passes_grouped_routing_and_still_catches_a_bfl
     assert report.passed and "trains like one device" in str(report), report
     raw = max(report.state_diffs["params"].values())  # before the allowances: what a flat bound would have held
     assert raw > 5 * report.tolerance and report.max_held <= report.tolerance, (raw, report.max_held)
-
-    def bf16_updates(params, updates):
-        return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
 
     monkeypatch.setattr(update, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
     with pytest.raises(px.testing.NotEquivalentError, match=r"params differ: ") as failure:

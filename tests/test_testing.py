@@ -26,6 +26,7 @@ from parallax.step import update
 from parallax.step import shard_map as shard_map_step
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import STRATEGIES
+from tests.scripts.plant_bug import bf16_updates
 
 pytestmark = pytest.mark.core
 
@@ -170,9 +171,6 @@ def test_catches_updates_rounded_to_bfloat16_which_only_the_params_show(monkeypa
     """A mixed-precision bug: each update rounded to bfloat16 before it is added (about 0.2% of
     it). Every loss and the optimizer state agree within 1e-5; the final params do not, and under
     AdamW the rounding allowance (large only where a gradient is near Adam's eps) hides nothing."""
-    def bf16_updates(params, updates):
-        return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
-
     monkeypatch.setattr(update, "optax", types.SimpleNamespace(apply_updates=bf16_updates))
     text = caught(MLP(), optimizer, classifier_loss, batches("mlp", 3, 32), STRATEGIES["fsdp"]())
     assert "first step whose loss differs" not in text and "optimizer state: equal within tolerance" in text, text

@@ -101,7 +101,7 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
                 f.write(sent)
             stderr = open(os.path.join(folder, f"stderr-{i}"), "w+")
             proc = subprocess.Popen([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+                                    stdout=subprocess.DEVNULL, stderr=stderr)
             children.append((proc, stderr, target, compiler))
         deadline = time.monotonic() + timeout
         try:
@@ -117,7 +117,8 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
 
 def _rows(proc: subprocess.Popen, stderr: Any, target: str, compiler: str, where: str, timeout: float,
           deadline: float) -> list[dict]:
-    """A child's rows once it ends (by ``deadline``, the children's ``timeout`` together), or why it did not plan them."""
+    """A child's rows once it ends (by ``deadline``: the children's ``timeout``, together), or why it did
+    not plan them."""
     try:
         status = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -125,9 +126,9 @@ def _rows(proc: subprocess.Popen, stderr: Any, target: str, compiler: str, where
                            "fewer strategies or device counts per call.") from None
     if status != 0:
         stderr.seek(0)
-        said = pathlib.Path(compiler).read_text(errors="replace") if os.path.exists(compiler) else ""
-        message = died(status, stderr.read() + "\n" + said, where)
-        raise (_OutOfMemory if "ran out of this machine's memory" in message else RuntimeError)(message)
+        compiled = pathlib.Path(compiler).read_text(errors="replace") if os.path.exists(compiler) else ""
+        said = stderr.read() + "\n" + compiled
+        raise (_OutOfMemory if _out_of_memory(status, said) else RuntimeError)(died(status, said, where))
     with open(target) as f:
         return json.load(f)
 
@@ -136,7 +137,7 @@ def died(status: int, stderr: str, where: str) -> str:
     """Why a planning subprocess ended with ``status``, from its stderr, and what to try."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     checks = [line for line in lines if "Check failed" in line or re.match(r"^F\d{4} ", line)]
-    if "MemoryError" in stderr or "RESOURCE_EXHAUSTED" in stderr or status == -signal.SIGKILL:
+    if _out_of_memory(status, stderr):
         why = ("it ran out of this machine's memory" + (" (killed by the system)" if status == -signal.SIGKILL else "")
                + f": compiling for {where} holds the whole program per device")
         fix = ("Plan fewer devices at once (one device count per call), a stacked (nn.scan) model instead of a list of "
@@ -152,6 +153,11 @@ def died(status: int, stderr: str, where: str) -> str:
         fix = "The lines below are the subprocess's own"
     tail = "\n".join(lines[-20:])
     return f"Planning on {where} failed in its subprocess: {why}. {fix}.\n--- its last lines:\n{tail}"
+
+
+def _out_of_memory(status: int, stderr: str) -> bool:
+    """Whether a planning child ended for want of this machine's memory (killed by the system, or said so)."""
+    return "MemoryError" in stderr or "RESOURCE_EXHAUSTED" in stderr or status == -signal.SIGKILL
 
 
 def _picklable(value: Any) -> bool:

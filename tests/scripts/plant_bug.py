@@ -50,11 +50,13 @@ def _neighbour():
     gather_lib.all_gather_mean_grad.defvjp(gather_lib._gather_fwd, neighbours_gradient)
 
 
+def bf16_updates(params, updates):
+    """``optax.apply_updates`` with each update rounded to bfloat16 first (the ``bf16`` bug; the tests plant it too)."""
+    return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
+
+
 def _bf16():
     from parallax.step import update
-
-    def bf16_updates(params, updates):
-        return jax.tree.map(lambda p, u: p + u.astype(jnp.bfloat16).astype(p.dtype), params, updates)
 
     update.optax = types.SimpleNamespace(apply_updates=bf16_updates)
 
