@@ -30,16 +30,28 @@ import time
 # TF32 on the tensor cores, what float32 matmuls run as under JAX's default precision on GPU.
 PEAK_FLOPS = {"H200": {"bf16": 989e12, "fp32": 494e12}, "H100": {"bf16": 989e12, "fp32": 494e12}}
 MEMORY_CONFIGS = {"fp32": {}, "bf16": {"precision": "bf16"}, "bf16+remat": {"precision": "bf16", "remat": ("Block",)},
-                  "bf16+offload": {"precision": "bf16", "offload": "optimizer"}}
+                  "bf16+offload": {"precision": "bf16", "offload": "optimizer"},
+                  # Measured later (2026-11-29), each planned from the CPU first: other options, another width, and
+                  # a Llama-shaped scanned stack (benchmarks/llama.py) of ~0.6B params.
+                  "fp32+remat": {"remat": ("Block",)}, "bf16+accum4": {"precision": "bf16", "grad_accum": 4},
+                  "bf16 wide": {"precision": "bf16"}, "llama bf16": {}}
+# Configurations on another model or shape than build()'s default: the shape's overrides (or "llama").
+SHAPES = {"bf16 wide": {"dim": 2048, "layers": 4, "batch": 8}, "llama bf16": "llama"}
 
 
-def build(small: bool):
-    """The model, its loss, an example batch (numpy) and the data for ``fit``."""
+def build(small: bool, config: str | None = None):
+    """The model, its loss, an example batch (numpy) and the data for ``fit`` (``config``'s shape, see
+    ``SHAPES``)."""
     import flax.linen as nn
     import numpy as np
     import optax
 
+    if SHAPES.get(config) == "llama":
+        return build_llama(small)
     dim, heads, layers, vocab, batch, length = (64, 4, 2, 512, 4, 64) if small else (1024, 16, 8, 32_000, 16, 1024)
+    if not small and isinstance(SHAPES.get(config), dict):
+        over = SHAPES[config]
+        dim, layers, batch = over.get("dim", dim), over.get("layers", layers), over.get("batch", batch)
 
     class Block(nn.Module):
         dim: int
@@ -69,6 +81,24 @@ def build(small: bool):
     example = {"tokens": data["tokens"][:batch]}
     shape = {"dim": dim, "heads": heads, "layers": layers, "vocab": vocab, "batch": batch, "tokens": length}
     return Transformer(), loss_fn, example, data, shape
+
+
+def build_llama(small: bool):
+    """A Llama-shaped scanned stack (GQA, SwiGLU, RMSNorm, bf16 compute over float32 params, every block
+    rematerialised): ``build()``'s five values."""
+    import numpy as np
+
+    from benchmarks import llama
+
+    shape = llama.Shape(layers=8, dim=2048, ffn=8192, heads=16, kv_heads=8, vocab=32_000)
+    batch, length = 4, 2048
+    if small:
+        shape, batch, length = shape._replace(layers=2, dim=64, ffn=128, heads=4, kv_heads=2, vocab=512), 2, 64
+    rng = np.random.default_rng(0)
+    data = {"tokens": rng.integers(0, shape.vocab, (batch * 40, length + 1), dtype=np.int32)}
+    described = {"dim": shape.dim, "heads": shape.heads, "layers": shape.layers, "vocab": shape.vocab,
+                 "batch": batch, "tokens": length, "ffn": shape.ffn, "kv_heads": shape.kv_heads}
+    return llama.Llama(shape), llama.loss_fn, {"tokens": data["tokens"][:batch]}, data, described
 
 
 def plain_step(model, loss_fn, tx, precision: str):
@@ -232,7 +262,7 @@ def measure_peak(args) -> dict:
 
     import parallax as px
 
-    model, loss_fn, example, _, shape = build(args.small)
+    model, loss_fn, example, _, shape = build(args.small, args.config)
     trainer = px.Trainer(model, optax.adamw(3e-4), loss_fn, batch_size=shape["batch"], progress=False,
                          **MEMORY_CONFIGS[args.config])
     state = trainer.init(example)
@@ -242,15 +272,18 @@ def measure_peak(args) -> dict:
     state, metrics = trainer.train_step(state, batch)  # compiles (autotuning may allocate), then runs
     jax.block_until_ready(metrics)
     after_first = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
-    start = time.perf_counter()
-    for _ in range(5):
-        state, metrics = trainer.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    seconds = (time.perf_counter() - start) / 5
+    bursts = []
+    for _ in range(3):  # three bursts of five steps: the median burst's seconds a step
+        start = time.perf_counter()
+        for _ in range(5):
+            state, metrics = trainer.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        bursts.append((time.perf_counter() - start) / 5)
+    seconds = sorted(bursts)[1]
     stats = jax.devices()[0].memory_stats() or {}
     return {"config": args.config, "peak_before_step": before, "peak_after_first_step": after_first,
             "peak_bytes_in_use": stats.get("peak_bytes_in_use", 0), "bytes_in_use": stats.get("bytes_in_use", 0),
-            "step_s": seconds}
+            "step_s": seconds, "step_s_bursts": bursts}
 
 
 def plan_peak(args) -> dict:
@@ -260,7 +293,7 @@ def plan_peak(args) -> dict:
 
     import parallax as px
 
-    model, loss_fn, example, _, _ = build(args.small)
+    model, loss_fn, example, _, _ = build(args.small, args.config)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
     report = px.plan(model, optax.adamw(3e-4), shapes, loss_fn=loss_fn, strategies=["dp"], devices=[1],
                      target="gpu", isolate=False, **MEMORY_CONFIGS[args.config])
