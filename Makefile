@@ -49,14 +49,15 @@ setup-latest: $(STAMP_LATEST)
 test: $(STAMP)
 	$(PY) -m pytest --tier core $(PYTEST_ARGS)
 
-# The wide tier also plans a TPU slice with the TPU compiler: libtpu, as the `tpu` extra installs it
-# (jax[tpu] at the installed jax's version, so pip changes nothing else).
-TPU_STAMP := $(VENV)/.tpu-installed
-$(TPU_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet "jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+# The wide tier also plans a TPU slice with the TPU compiler and GPUs with XLA's GPU compiler, without
+# either device: libtpu and JAX's CUDA plugin, as the `tpu` and `gpu` extras install them (at the installed
+# jax's version, so pip changes nothing else).
+TARGETS_STAMP := $(VENV)/.targets-installed
+$(TARGETS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet "jax[tpu,cuda12-local]==$$($(PY) -c 'import jax; print(jax.__version__)')"
 	touch $@
 
-test-all: $(STAMP) $(TPU_STAMP)
+test-all: $(STAMP) $(TARGETS_STAMP)
 	$(PY) -m pytest --tier all $(PYTEST_ARGS)
 
 test-latest: $(STAMP_LATEST)

@@ -2,8 +2,9 @@
 
 The step's time is checked term by term against the figures computed here by hand from the data
 sheet's numbers and the compiled program's own FLOPs and collectives (an independent count, not
-the planner's); a TPU plan is compiled by the TPU compiler where ``libtpu`` is installed (the
-wide tier's setup installs it: ``make test-all``).
+the planner's); a TPU plan is compiled by the TPU compiler where ``libtpu`` is installed, a GPU plan
+by XLA's GPU compiler where JAX's CUDA plugin is (the wide tier's setup installs both: ``make
+test-all``), the GPU's peak and step against what the allocator and the clock measured on an H200.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def test_a_planning_subprocess_that_dies_says_why(status, stderr, says):
         assert "one device count per call" in message
 
 
-@pytest.mark.wide("a plan in two subprocesses side by side, and in one (about 25 s cold)")
+@pytest.mark.wide("a plan in two subprocesses side by side, and in one (about 25 s cold; 37 s compiled for the GPU)")
+@pytest.mark.budget(60, "with the CUDA plugin (make test-all) its children compile for an H100 with XLA's GPU compiler")
 def test_a_plan_priced_on_named_hardware_is_shared_among_children_with_the_rows_one_child_gives(monkeypatch):
     """Priced on a named hardware (nothing timed here), a subprocess plan shares its candidates among children
     compiling side by side; their rows come back in the candidates' order, equal to one child's."""
@@ -240,6 +242,81 @@ def test_a_plan_for_a_tpu_slice_is_compiled_by_the_tpu_compiler():
         assert tpu["compiled"]["arguments"] > cpu["compiled"]["arguments"]
         assert tpu["compiled"]["temporaries"] != cpu["compiled"]["temporaries"]
     assert "compiled for" not in str(report)  # the peak is the target's own, not an estimate
+
+
+needs_cuda_plugin = pytest.mark.skipif(not target.cuda_plugin_installed(), reason="JAX's CUDA plugin is not "
+                                       "installed (pip install 'parallax-flax[gpu]'; make test-all installs it)")
+
+
+def test_a_named_gpu_is_described_to_xlas_gpu_compiler_by_its_own_figures():
+    h200 = target.gpu_target_config(px.Hardware("h200"))
+    assert "device_memory_size: 151397597184" in h200 and "core_count: 132" in h200  # XLA's specs/h200.txtpb
+    assert "memory_bandwidth: 4800000000000" in h200 and "major: 9 minor: 0" in h200
+    assert "device_memory_size: 68719476736" in target.gpu_target_config(px.Hardware("h100", memory_gib=64))
+    assert "major: 10" in target.gpu_target_config(px.Hardware("b200"))
+    assert "major: 8" in target.gpu_target_config(px.Hardware("a100"))
+    mine = px.Hardware("my-gpu", kind="gpu", peak_tflops={"bf16": 400}, memory_gib=64, memory_tbps=2.0,
+                       devices_per_host=8, intra_host_gbps=1600, inter_host_gbps=200)
+    assert target.gpu_target_config(mine) is None and not target.deviceless(mine)  # planned on CPU devices
+    assert target.gpu_target_config(px.Hardware("v5p")) is None and target.deviceless(px.Hardware("v5p"))
+    assert not target.deviceless(None)
+
+
+def test_a_gpu_plan_without_xlas_gpu_compiler_says_its_peak_is_the_cpus_and_how_to_get_the_gpus(monkeypatch):
+    monkeypatch.setattr(target, "cuda_plugin_installed", lambda: False)
+    report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss, strategies=["dp"],
+                     devices=1, hardware="h200", compile="jit")
+    assert report.rows[0]["backend"] == "cpu" and report.rows[0]["step"]["seconds"] > 0
+    assert "compiled for cpu; on gpu they are backend-dependent" in str(report)
+    assert "pip install 'parallax-flax[gpu]'" in str(report)
+
+
+def _h200_truth() -> dict:
+    """The recorded H200 runs' peaks and steps by configuration (benchmarks/results/gpu.json, gpu_new.json)."""
+    import json
+
+    from benchmarks.plan_hardware import RESULTS, measured
+
+    with open(os.path.join(RESULTS, "gpu.json")) as f:
+        truth = measured(json.load(f))
+    with open(os.path.join(RESULTS, "gpu_new.json")) as f:
+        truth.update({k: v for k, v in measured({"memory": [], **json.load(f)}).items() if k not in truth})
+    return truth
+
+
+def _planned_against_the_h200(config: str) -> tuple[float, float]:
+    """``px.plan(hardware="h200")``'s peak and step for one of benchmarks/gpu.py's configurations, over
+    what the H200 measured (1.0: exact)."""
+    from benchmarks.plan_hardware import predict
+
+    row, truth = predict(config), _h200_truth()[config]
+    assert row["backend"] == "gpu" and row["error"] is None, row  # XLA's GPU compiler's program
+    return row["peak"] / truth["peak"], row["step"]["seconds"] / truth["step_s"]
+
+
+@needs_cuda_plugin
+def test_a_gpu_plan_is_compiled_by_xlas_gpu_compiler_within_a_tenth_of_the_h200s_peak():
+    """The recorded bf16 run (benchmarks/gpu.py's transformer LM on one H200, jax 0.11.2): the allocator's
+    peak 18.20 GiB and 48 ms a step; planned here without a GPU: XLA's GPU compiler's own program (the
+    CPU compiler's was 69 % over)."""
+    peak, step = _planned_against_the_h200("bf16")
+    assert abs(peak - 1) < 0.10 and abs(step - 1) < 0.25, (peak, step)
+
+
+@needs_cuda_plugin
+@pytest.mark.wide("two H200 configurations compiled by XLA's GPU compiler and 16 GPUs over 2 hosts: ~35 s cold")
+@pytest.mark.budget(60, "two deviceless GPU compiles of the recorded runs' models (~20 s and ~9 s) and one of 16 GPUs")
+def test_gpu_plans_hold_offload_and_a_llama_to_the_h200_and_span_hosts():
+    """The optimizer state offloaded (the deviceless GPU compiler has no host memory: parallax counts it
+    there) and a Llama-shaped stack, each against the H200's allocator and clock."""
+    for config in ("bf16+offload", "llama bf16"):
+        peak, step = _planned_against_the_h200(config)
+        assert abs(peak - 1) < 0.10 and abs(step - 1) < 0.25, (config, peak, step)
+    report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
+                     strategies=[px.FSDP(min_weight_size=0)], devices=16, hardware="h100", compile="jit")
+    row = report.rows[0]
+    assert row["backend"] == "gpu" and row["devices"] == 16 and row["links"]["hosts"] == 2, row
+    assert row["collective_bytes"] > 0 and "compiled by XLA's GPU compiler for h100" in str(report)
 
 
 def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter():

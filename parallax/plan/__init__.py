@@ -44,7 +44,7 @@ from parallax.models.blocks import repeated_blocks
 from parallax.models.context_attention import model_has_attention
 from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
-from parallax.plan.target import check_target
+from parallax.plan.target import check_target, deviceless, gpu_target_config
 from parallax.pricing.hardware import Hardware, as_hardware
 from parallax.sharding.auto import AUTO
 from parallax.sharding.context import mesh_in_context
@@ -130,9 +130,14 @@ class PlanReport:
                          "computation, tensor/context/expert ones wait on it. MFU: the program's FLOPs (with "
                          "recomputation) per second over the peak.")
         planned_on = sorted({row["backend"] for row in self.rows if not row.get("error")})
+        named_gpu = self.hardware is not None and gpu_target_config(self.hardware) is not None
         if planned_on and planned_on != [self.target]:
+            hint = " For XLA's GPU compiler's own, without a GPU: pip install 'parallax-flax[gpu]'." if named_gpu else ""
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
-                         "backend-dependent (fusion, layouts, scheduling): an estimate.")
+                         f"backend-dependent (fusion, layouts, scheduling): an estimate.{hint}")
+        elif planned_on == ["gpu"] and named_gpu and jax.default_backend() != "gpu":
+            notes.append(f"Temps and peak: compiled by XLA's GPU compiler for {self.hardware.name} without the GPUs "
+                         "(no autotuning of its kernels, which needs them).")
         return notes
 
     def as_dict(self) -> dict:
@@ -243,8 +248,9 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
             each row gets ``step``, the step's predicted time on it with tokens (examples) per second
             per device and MFU (:mod:`parallax.pricing.step_time`); ``memory_budget`` defaults to its
             memory and ``topology`` to its hosts (:meth:`parallax.Hardware.topology`). A TPU is
-            compiled by the TPU compiler for a slice of ``devices`` chips (with ``libtpu``
-            installed: ``pip install 'parallax-flax[tpu]'``), a GPU on simulated CPU devices.
+            compiled by the TPU compiler for a slice of ``devices`` chips (with ``libtpu``:
+            ``pip install 'parallax-flax[tpu]'``), a named GPU by XLA's GPU compiler without the
+            GPUs (with JAX's CUDA plugin: ``pip install 'parallax-flax[gpu]'``), else on CPU devices.
         **step_options: :class:`parallax.StepOptions` (``grad_accum``, ``precision``,
             ``remat``, ``compile``...) of the step to plan.
 
@@ -279,9 +285,9 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     wants_auto = any(isinstance(s, str) and s == AUTO for s in strategies)
     parsed = [parse_strategy(s) for s in strategies if not (isinstance(s, str) and s == AUTO)]  # before compiling
     on_tpu = hardware is not None and hardware.kind == "tpu"
+    on_target = deviceless(hardware) and (on_tpu or isolate is not False)  # a GPU's, unless kept in this process
     if isolate is False and on_tpu:
-        raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; leave "
-                         "isolate unset.")
+        raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; leave isolate unset.")
     if isolate is False and max(counts) > len(local):
         raise ValueError(f"devices={max(counts)} but this process has {len(local)}; let it plan in a subprocess "
                          "(isolate=None or True).")
@@ -290,7 +296,7 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     resolved: dict = {}
 
     def rows_for(strategies: list[Strategy], count: int, opts: StepOptions, state_budget: int | None = None) -> list[dict]:
-        if isolate or on_tpu or (isolate is None and count > len(local)):
+        if isolate or on_target or (isolate is None and count > len(local)):
             return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng, "topology":
                                  topology_for(count), "hardware": hardware, "state_budget": state_budget}, count)
         if "model" not in resolved:

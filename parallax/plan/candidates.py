@@ -29,6 +29,7 @@ from parallax.state.search import abstract_batch
 from parallax.state.summary import summarize
 from parallax.step.build import make_train_step
 from parallax.step.options import StepOptions
+from parallax.step.offload import offloaded_parts
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
 def with_options(strategy: Strategy, **options: Any) -> Strategy:
@@ -73,7 +74,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
                                   multiple=options.grad_accum)
         plan = plan_state(model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
                           rng_streams=options.rng_streams, offload=options.offload)
-        totals = summarize(plan, find_frozen=False).totals
+        totals = host_counted(summarize(plan, find_frozen=False).totals, options.offload, list(mesh.devices.flat))
         state = totals["total"]["per_device"] - totals["total"]["host"]  # in device memory
         if state_budget is not None and state > state_budget:  # pruned before compiling, as the search prunes
             return {**row, "error": f"its state alone is {format_bytes(state)} per device, over the budget of "
@@ -91,7 +92,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         if "RESOURCE_EXHAUSTED" not in str(err) or "totals" not in locals():
             raise
         return over_memory(row, str(err), totals, plan.strategy.describe(mesh))
-    memory = inspect.memory_bytes(compiled)
+    memory = host_placed(inspect.memory_bytes(compiled), totals["total"]["host"], list(mesh.devices.flat))
     text = compiled.as_text()
     traffic = inspect.collective_bytes(text)
     layout = None
@@ -129,6 +130,33 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         row["step"] = priced_step(compiled, jaxpr, hardware, plan.strategy, laid, hosts, memory["host"],
                                   example_batch, shapes, fraction)
     return row
+
+
+def _without_memories(devices: Sequence[jax.Device]) -> bool:
+    """Whether ``devices`` are a GPU described to XLA's GPU compiler without the GPUs: no memory spaces,
+    so JAX drops a sharding's ``pinned_host`` there and the program holds offloaded state in device memory."""
+    return devices[0].platform == "gpu" and jax.default_backend() != "gpu"
+
+
+def host_counted(totals: dict, offload: Any, devices: Sequence[jax.Device]) -> dict:
+    """``totals`` (:func:`parallax.summarize`'s) with the state that ``offload`` keeps in host memory
+    counted there on deviceless GPUs, where the shardings could not say so."""
+    if not offload or totals["total"]["host"] or not _without_memories(devices):
+        return totals
+    totals = {part: dict(counts) for part, counts in totals.items()}
+    for part in offloaded_parts(offload):
+        totals[part]["host"] = totals[part]["per_device"]
+    totals["total"]["host"] = sum(totals[part]["host"] for part in totals if part != "total")
+    return totals
+
+
+def host_placed(memory: dict[str, int], host: int, devices: Sequence[jax.Device]) -> dict[str, int]:
+    """``memory`` (a deviceless GPU's compiled step, see :func:`host_counted`) with the ``host`` bytes of
+    offloaded state moved from its arguments, outputs and donated buffers to host memory."""
+    if not host or memory["host"] or not _without_memories(devices):
+        return memory
+    return {"arguments": memory["arguments"] - host, "outputs": memory["outputs"] - host,
+            "temporaries": memory["temporaries"], "aliased": max(memory["aliased"] - host, 0), "host": host}
 
 
 def state_bytes(totals: dict) -> dict:

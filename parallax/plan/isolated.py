@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any, Mapping
 
+from parallax.plan.target import deviceless
+
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 # XLA's CPU compiler (jaxlib 0.10 and 0.12) aborts in its all-reduce promotion pass on some pipelined bf16
 # steps ("Invalid binary instruction opcode copy" in CloneAllReduce: the reduction of a bf16 psum the
@@ -81,11 +83,13 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
                          "can import instead.") from None
     flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
     hardware = first.get("hardware")
-    simulated = 1 if hardware is not None and hardware.kind == "tpu" else devices  # a TPU's devices are the compiler's
-    if simulated == devices and "--xla_disable_hlo_passes" not in flags:
+    on_target = deviceless(hardware)  # its devices are the target compiler's, not simulated CPU devices
+    simulated = 1 if on_target else devices
+    if not on_target and "--xla_disable_hlo_passes" not in flags:
         flags += f" {CPU_PLANNING_FLAGS}"
-    where = (f"a {hardware.name} slice of {devices} chips (the TPU compiler)" if simulated != devices
-             else f"{devices} simulated CPU devices")
+    where = (f"{devices} simulated CPU devices" if not on_target else
+             f"a {hardware.name} slice of {devices} chips (the TPU compiler)" if hardware.kind == "tpu" else
+             f"{devices} {hardware.name} GPUs (XLA's GPU compiler, without the GPUs)")
     with tempfile.TemporaryDirectory(prefix="parallax-plan-") as folder:
         children = []
         for i, sent in enumerate(data):
@@ -179,14 +183,15 @@ def main(argv: list[str]) -> None:
     from parallax.plan.candidates import evaluate
     from parallax.sharding.named import parse_strategy
     from parallax.plan.refs import resolve
-    from parallax.plan.target import tpu_devices
+    from parallax.plan.target import deviceless, gpu_devices, tpu_devices
 
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
     args = {kind: resolve(kind, payload[kind]) for kind in ("model", "optimizer", "batch", "loss_fn")}
     hardware = payload.get("hardware")
-    devices = (tpu_devices(hardware, payload["devices"]) if hardware is not None and hardware.kind == "tpu"
-               else jax.devices())
+    devices = (jax.devices() if not deviceless(hardware) else
+               tpu_devices(hardware, payload["devices"]) if hardware.kind == "tpu" else
+               gpu_devices(hardware, payload["devices"]))
     rows = [evaluate(args["model"], args["optimizer"], args["batch"], args["loss_fn"], parse_strategy(strategy),
                      devices, payload["options"], payload["rng"], payload.get("topology"), hardware,
                      payload.get("state_budget"))
