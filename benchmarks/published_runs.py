@@ -105,6 +105,9 @@ def predict(run: Run, auto: bool = False) -> dict:
                              None)}}
 
 
+COMPILED_FOR = {"gpu": "GPU (deviceless)", "cpu": "CPU"}
+
+
 def markdown(results: list[dict]) -> str:
     gib = 2**30
     lines = ["## px.plan on this CPU against torchtitan's published H100 runs", "",
@@ -112,8 +115,8 @@ def markdown(results: list[dict]) -> str:
              "inter_host_gbps=400)`; sequence 8192; the model `benchmarks/llama.py` (scanned, bf16, full remat, "
              f"attention {CHUNK} queries at a time).", "",
              "| run | their setup | step published | step predicted | compute + memory + exposed | published / compute "
-             "| tok/s/GPU published | predicted | memory published | peak planned (CPU compile) | plan time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| tok/s/GPU published | predicted | memory published | peak planned | compiled for | plan time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         run, step = r["run"], r["step"]
         tokens = run["global_batch"] * SEQUENCE / run["devices"]  # per GPU and step
@@ -121,22 +124,24 @@ def markdown(results: list[dict]) -> str:
         if not step:
             why = r["error"] or "no step"
             lines.append(f"| {run['name']} | {run['their_setup']} | {published:.2f} s | not planned: {why} | - | - | "
-                         f"{run['published_tps']:,} | - | {run['published_gib']} GiB | - | {r['plan_seconds']:.0f} s |")
+                         f"{run['published_tps']:,} | - | {run['published_gib']} GiB | - | - | {r['plan_seconds']:.0f} s |")
             continue
         lines.append(
             f"| {run['name']} | {run['their_setup']} | {published:.2f} s | {step['seconds']:.2f} s "
             f"| {step['compute']:.2f} + {step['memory']:.2f} + {step['exposed']:.2f} s | {published / step['compute']:.2f} "
             f"| {run['published_tps']:,} | {r['predicted_tps']:,.0f} | {run['published_gib']} GiB "
-            f"| {r['peak'] / gib:.1f} GiB | {r['plan_seconds']:.0f} s |")
+            f"| {r['peak'] / gib:.1f} GiB | {COMPILED_FOR.get(r.get('backend'), r.get('backend'))} | {r['plan_seconds']:.0f} s |")
     lines += ["", "Step published: their tokens per GPU and step over their tokens per second per GPU. Step predicted: "
               "the compiled program's FLOPs (recomputation and the pipeline's bubble included) at the data sheet's "
               "dense bf16 peak (989 TFLOP/s, their MFU's) + its bytes at the memory bandwidth + the collectives on the "
               "critical path, nothing fitted. Published / compute: how many times the FLOPs at the peak their step "
               "took (the reciprocal of an MFU that counts the recomputation). The memory term is this model's "
               "attention as written in plain JAX, whose score tiles XLA writes to memory; their flash attention keeps "
-              "them on chip, which is most of the difference where the memory term leads. Peak planned: the CPU "
-              "compiler's program, not a GPU allocator's (theirs keeps more activations under selective "
-              "checkpointing in the 8B runs)."]
+              "them on chip, which is most of the difference where the memory term leads. Peak planned: XLA's GPU "
+              "compiler's program for H100s, compiled here without them (with JAX's CUDA plugin; else the CPU "
+              "compiler's, an overestimate), not PyTorch's allocator's: theirs keeps more activations under "
+              "selective checkpointing in the 8B runs, and shards the residual stream over the tensor axis "
+              "(sequence parallelism) and keeps float8 copies in the 70B and 405B ones."]
     return "\n".join(lines) + "\n"
 
 

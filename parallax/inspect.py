@@ -150,8 +150,8 @@ def _moved(kind: str, started: bool, result: str) -> list[int]:
     """The result shapes that count for one collective. An async ``-start`` op's result is a
     tuple that also holds its operands (and, for a permute, two ``u32[]`` sync flags)."""
     sizes = _shape_sizes(result)
-    if started and kind == "all-gather" and len(sizes) > 1:
-        return sizes[len(sizes) // 2:]  # (operands..., gathered...)
+    if started and kind in ("all-gather", "reduce-scatter", "all-to-all") and len(sizes) > 1:
+        return sizes[len(sizes) // 2:]  # ((operands...), results...): XLA:GPU's async forms
     if started and kind == "collective-permute":
         return sizes[:1]  # (operand, result, u32[], u32[])
     return sizes
@@ -170,6 +170,9 @@ def collective_bytes(hlo_text: str) -> dict[str, CollectiveStat]:
     Example:
         >>> line = "ag = (f32[16]{0}, f32[128]{0}) all-gather-start(f32[16]{0} p), replica_groups=[1,8]<=[8]"
         >>> collective_bytes(line)["all-gather"]
+        CollectiveStat(count=1, bytes=512)
+        >>> line = "rs = ((f32[128]{0}), f32[16]{0}) reduce-scatter-start(f32[128]{0} g), replica_groups=[1,8]<=[8]"
+        >>> collective_bytes(line)["reduce-scatter"]
         CollectiveStat(count=1, bytes=512)
     """
     stats = {kind: CollectiveStat() for kind in COLLECTIVES}
