@@ -56,15 +56,21 @@ def predict(config: str, hardware: str = "h200") -> dict:
     return report.rows[0]
 
 
-def compare(configs=CONFIGS, recorded_path: str = os.path.join(RESULTS, "gpu.json")) -> list[dict]:
+def measured_all(recorded_path: str = os.path.join(RESULTS, "gpu.json")) -> dict[str, dict]:
+    """:func:`measured` of ``gpu.json`` and of ``gpu_new.json`` beside it (measured later, on a quiet
+    device: its steps where gpu.json's memory run had none)."""
     with open(recorded_path) as f:
-        recorded = json.load(f)
-    truth = measured(recorded)
+        truth = measured(json.load(f))
     later = os.path.join(os.path.dirname(recorded_path), "gpu_new.json")
-    if os.path.exists(later):  # measured later, on a quiet device: its steps where gpu.json's memory run had none
+    if os.path.exists(later):
         with open(later) as f:
             for config, found in measured({"memory": [], **json.load(f)}).items():
                 truth[config] = {**found, **{k: v for k, v in truth.get(config, {}).items() if v}}
+    return truth
+
+
+def compare(configs=CONFIGS, recorded_path: str = os.path.join(RESULTS, "gpu.json")) -> list[dict]:
+    truth = measured_all(recorded_path)
     rows = []
     for config in configs:
         start = time.perf_counter()

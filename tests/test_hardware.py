@@ -179,8 +179,7 @@ def test_a_planning_subprocess_that_dies_says_why(status, stderr, says):
         assert "one device count per call" in message
 
 
-@pytest.mark.wide("a plan in two subprocesses side by side, and in one (about 25 s cold; 37 s compiled for the GPU)")
-@pytest.mark.budget(60, "with the CUDA plugin (make test-all) its children compile for an H100 with XLA's GPU compiler")
+@pytest.mark.wide("a plan in two subprocesses side by side, and in one (about 25 s cold)")
 def test_a_plan_priced_on_named_hardware_is_shared_among_children_with_the_rows_one_child_gives(monkeypatch):
     """Priced on a named hardware (nothing timed here), a subprocess plan shares its candidates among children
     compiling side by side; their rows come back in the candidates' order, equal to one child's."""
@@ -188,9 +187,13 @@ def test_a_plan_priced_on_named_hardware_is_shared_among_children_with_the_rows_
         2, len(os.sched_getaffinity(0)))
     assert isolated.workers({"hardware": None, "strategies": ["dp", "fsdp+tp2"]}) == 1  # the cost model times here
 
+    # An H100's figures under another name: compiled for CPU devices even where XLA's GPU compiler is installed
+    # (make test-all), which takes longer and is shown elsewhere; the sharing is the same.
+    h100 = px.Hardware("h100-on-cpu", **{k: v for k, v in PROFILES["h100"].items() if k != "sources"})
+
     def planned():
         return px.plan(TinyLM(), optax.adamw(1e-3), batches("lm", 1, 16)[0], loss_fn=px.per_example_loss(lm_loss),
-                       strategies=["dp", "fsdp+tp2", "tp"], devices=8, hardware="h100", precision="bf16",
+                       strategies=["dp", "fsdp+tp2", "tp"], devices=8, hardware=h100, precision="bf16",
                        compile="jit", isolate=True).rows
 
     shared = planned()
@@ -271,25 +274,12 @@ def test_a_gpu_plan_without_xlas_gpu_compiler_says_its_peak_is_the_cpus_and_how_
     assert "pip install 'parallax-flax[gpu]'" in str(report)
 
 
-def _h200_truth() -> dict:
-    """The recorded H200 runs' peaks and steps by configuration (benchmarks/results/gpu.json, gpu_new.json)."""
-    import json
-
-    from benchmarks.plan_hardware import RESULTS, measured
-
-    with open(os.path.join(RESULTS, "gpu.json")) as f:
-        truth = measured(json.load(f))
-    with open(os.path.join(RESULTS, "gpu_new.json")) as f:
-        truth.update({k: v for k, v in measured({"memory": [], **json.load(f)}).items() if k not in truth})
-    return truth
-
-
 def _planned_against_the_h200(config: str) -> tuple[float, float]:
     """``px.plan(hardware="h200")``'s peak and step for one of benchmarks/gpu.py's configurations, over
     what the H200 measured (1.0: exact)."""
-    from benchmarks.plan_hardware import predict
+    from benchmarks.plan_hardware import measured_all, predict
 
-    row, truth = predict(config), _h200_truth()[config]
+    row, truth = predict(config), measured_all()[config]
     assert row["backend"] == "gpu" and row["error"] is None, row  # XLA's GPU compiler's program
     return row["peak"] / truth["peak"], row["step"]["seconds"] / truth["step_s"]
 
@@ -304,12 +294,13 @@ def test_a_gpu_plan_is_compiled_by_xlas_gpu_compiler_within_a_tenth_of_the_h200s
 
 
 @needs_cuda_plugin
-@pytest.mark.wide("two H200 configurations compiled by XLA's GPU compiler and 16 GPUs over 2 hosts: ~35 s cold")
-@pytest.mark.budget(60, "two deviceless GPU compiles of the recorded runs' models (~20 s and ~9 s) and one of 16 GPUs")
-def test_gpu_plans_hold_offload_and_a_llama_to_the_h200_and_span_hosts():
-    """The optimizer state offloaded (the deviceless GPU compiler has no host memory: parallax counts it
-    there) and a Llama-shaped stack, each against the H200's allocator and clock."""
-    for config in ("bf16+offload", "llama bf16"):
+@pytest.mark.wide("four H200 configurations compiled by XLA's GPU compiler and 16 GPUs over 2 hosts: ~75 s cold")
+@pytest.mark.budget(120, "four deviceless GPU compiles of the recorded runs' models (~9-22 s each) and one of 16 GPUs")
+def test_gpu_plans_hold_the_other_recorded_h200_runs_and_a_llama_and_span_hosts():
+    """The recorded runs but bf16 (the core tier's): float32, remat, the optimizer state offloaded (the
+    deviceless GPU compiler has no host memory: parallax counts it there), and a Llama-shaped stack
+    measured later, each against the H200's allocator and clock."""
+    for config in ("fp32", "bf16+remat", "bf16+offload", "llama bf16"):
         peak, step = _planned_against_the_h200(config)
         assert abs(peak - 1) < 0.10 and abs(step - 1) < 0.25, (config, peak, step)
     report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,

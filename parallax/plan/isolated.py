@@ -74,16 +74,16 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
     import cloudpickle
 
     first = payloads[0]
+    hardware = first.get("hardware")
+    on_target = deviceless(hardware)  # its devices are the target compiler's, not simulated CPU devices
     try:
-        data = [cloudpickle.dumps({**payload, "devices": devices}) for payload in payloads]
+        data = [cloudpickle.dumps({**payload, "devices": devices, "deviceless": on_target}) for payload in payloads]
     except Exception as err:  # noqa: BLE001 - name the argument that cannot travel
         bad = next((k for k, v in first.items() if not _picklable(v)), "an argument")
         raise ValueError(f"Planning for {devices} devices runs in a subprocess, and {bad} cannot be sent to it "
                          f"({type(err).__name__}: {err}). Pass it as a 'package.module:name' string the subprocess "
                          "can import instead.") from None
     flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
-    hardware = first.get("hardware")
-    on_target = deviceless(hardware)  # its devices are the target compiler's, not simulated CPU devices
     simulated = 1 if on_target else devices
     if not on_target and "--xla_disable_hlo_passes" not in flags:
         flags += f" {CPU_PLANNING_FLAGS}"
@@ -183,13 +183,13 @@ def main(argv: list[str]) -> None:
     from parallax.plan.candidates import evaluate
     from parallax.sharding.named import parse_strategy
     from parallax.plan.refs import resolve
-    from parallax.plan.target import deviceless, gpu_devices, tpu_devices
+    from parallax.plan.target import gpu_devices, tpu_devices
 
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
     args = {kind: resolve(kind, payload[kind]) for kind in ("model", "optimizer", "batch", "loss_fn")}
     hardware = payload.get("hardware")
-    devices = (jax.devices() if not deviceless(hardware) else
+    devices = (jax.devices() if not payload.get("deviceless") else  # as the parent decided
                tpu_devices(hardware, payload["devices"]) if hardware.kind == "tpu" else
                gpu_devices(hardware, payload["devices"]))
     rows = [evaluate(args["model"], args["optimizer"], args["batch"], args["loss_fn"], parse_strategy(strategy),
