@@ -3,7 +3,7 @@
 usage: grain_run.py OUT_DIR [--form iter|map] [--steps N] [--workers N] [--resume] [--sigkill-at STEP]
            [--devices N]
 
-An MLP (tests.models.MLP, Adam, FSDP, ``compile="jit"``) on 256 random examples read from a
+An MLP (tests.models.MLP, Adam, FSDP with its split pinned, ``compile="jit"``) on 256 random examples read from a
 random-access source that appends each index it reads to OUT_DIR/reads-<pid>.txt (worker
 processes included). ``--form iter``: Grain shuffles and batches (``MapDataset.shuffle(7)
 .batch(16).to_iter_dataset()``, with ``--workers`` processes through ``mp_prefetch``), its
@@ -83,7 +83,9 @@ class KillAt:
 
 
 def trainer(out: str, steps: int, callbacks=(), devices=None) -> px.Trainer:
-    return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0), max_steps=steps,
+    # The split pinned: split="auto" times its candidates only for runs long enough to repay it, so a run of
+    # 5 steps and one of 10 could pick two layouts (one float32 ulp apart) once a machine's timings are cached.
+    return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0, split="largest"), max_steps=steps,
                       batch_size=BATCH, seed=0, compile="jit", checkpoint_dir=os.path.join(out, "ckpt"),
                       checkpoint_every=1, async_checkpoints=False, progress=False, callbacks=callbacks,
                       devices=None if devices is None else jax.devices()[:devices])
