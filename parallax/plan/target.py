@@ -53,6 +53,8 @@ GPU_TARGETS: dict[str, dict[str, Any]] = {
 
 def cuda_plugin_installed() -> bool:
     """Whether JAX's CUDA plugin (``jax[cuda12-local]`` or ``jax[cuda13-local]``) is importable here."""
+    if importlib.util.find_spec("jax_plugins") is None:  # no plugin at all: its namespace package is missing
+        return False
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
 
 
