@@ -39,11 +39,11 @@ def libtpu_installed() -> bool:
 
 # What XLA's GPU compiler is told of each named GPU (xla/backends/gpu/target_config/specs/*.txtpb in
 # openxla/xla: h100_sxm, h200, a100_sxm_80, b200); the memory's size and bandwidth come from the Hardware.
+_HOPPER = dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
+               l2_cache_size=52428800, clock_rate_ghz=1.98, compute_capability=(9, 0))  # H100 SXM and H200 alike
 GPU_TARGETS: dict[str, dict[str, Any]] = {
-    "h100": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
-                 l2_cache_size=52428800, clock_rate_ghz=1.98, compute_capability=(9, 0)),
-    "h200": dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
-                 l2_cache_size=52428800, clock_rate_ghz=1.98, compute_capability=(9, 0)),
+    "h100": _HOPPER,
+    "h200": _HOPPER,
     "a100": dict(core_count=108, fpus_per_core=64, shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
                  l2_cache_size=41943040, clock_rate_ghz=1.41, compute_capability=(8, 0)),
     "b200": dict(core_count=148, fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
