@@ -43,21 +43,21 @@ _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach 
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """How :func:`pipelined` runs the stacks it finds."""
-
+    """How :func:`pipelined` runs the stacks it finds (its arguments, the microbatch count fixed)."""
     mesh: Mesh
     axis: str
     microbatches: int
     repeats: int = 1
-    policy: Any = None  # what each iteration keeps besides its input (a jax.checkpoint policy)
-    prove: Callable | None = None  # proves a layer computes per example (prove_layer's signature)
-    keep_layer_inputs: bool = False  # blocks that checkpoint themselves: each one's input kept too
+    policy: Any = None
+    prove: Callable | None = None
+    keep_layer_inputs: bool = False
+    marked: bool = False
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
               policy: Any = None, params_argnum: int = 0, batch_argnums: Sequence[int] = (1,),
               state_argnums: Sequence[int] = (), prove: Callable | None = None,
-              keep_layer_inputs: bool = False) -> Callable:
+              keep_layer_inputs: bool = False, marked: bool = False) -> Callable:
     """``fn`` with each stack it scans over its params run as a pipeline over ``mesh``'s ``axis``.
 
     Args:
@@ -71,15 +71,16 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         prove: proves each layer computes every example on its own, so that microbatches
             compute what the batch does (:func:`parallax.pricing.per_example_proof.layer.prove_layer`,
             passed in by the step); a layer it does not prove is refused, naming the operation.
-        keep_layer_inputs: where the blocks checkpoint themselves, keep each one's input too, so that
-            each is recomputed once, not twice (``PipelineParallel(remat="layer")``).
+        keep_layer_inputs: where the blocks checkpoint themselves, keep each one's input too: each
+            recomputed once, not twice (``PipelineParallel(remat="layer")``).
+        marked: each call of a list of blocks is a checkpoint parallax made to find them; else the
+            model's own (``nn.remat``, ``remat=``), kept around each block, as in a stack.
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
 
     Raises:
-        ValueError: a stack found cannot be pipelined (the message names what and the fix), or
-            ``fn`` scans over no params at all.
+        ValueError: a stack cannot be pipelined (the message names what and the fix), or there is none.
     """
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -92,7 +93,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         if len(rows) != 1 or min(rows) % count:
             raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
-        stack = Stack(mesh, axis, count, repeats, policy, prove, keep_layer_inputs)
+        stack = Stack(mesh, axis, count, repeats, policy, prove, keep_layer_inputs, marked)
         # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
         # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
         def shape_of(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
@@ -315,8 +316,7 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
             "statistics (LayerNorm, RMSNorm), or train without PipelineParallel.")
     if any(BATCH not in kinds[p] for p in chain.carry):
         raise ValueError("The blocks pass on a value that is not per example: a pipeline passes only the activations.")
-    # Stepped over: each block's params and any other value that differs per block (a random key, the
-    # constants a linen block folds into its keys).
+    # Stepped over: each block's params, values that differ per block (a key; constants linen folds into keys).
     stepped = (*chain.weights, *chain.varying)
     weights = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in stepped]
     if chain.folded:
@@ -339,8 +339,8 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
         outs = _run_body(body, ordered, stack, draws(c), folds)
         return [outs[q] for q in chain.carry_out]
 
-    # Each call: the checkpoint parallax traced it as (a model's nn.remat folds into it), kept for remat="layer".
-    if stack.keep_layer_inputs:
+    # The calls' checkpoint: the model's own, kept as a stack's scan keeps it; parallax's mark, for remat="layer".
+    if stack.keep_layer_inputs or not stack.marked:
         layer = jax.checkpoint(layer, prevent_cse=first.params["prevent_cse"], policy=first.params["policy"])
     out = pipeline(layer, weights, [operands[p] for p in chain.carry], [operands[p] for p in per_example] + rows_of,
                    [operands[p] for p in shared], mesh=stack.mesh, axis=stack.axis, microbatches=stack.microbatches,

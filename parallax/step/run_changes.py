@@ -68,7 +68,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
                              microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
                              params_argnum=0, batch_argnums=(2,), state_argnums=(1,), prove=prove_layer,
-                             keep_layer_inputs=change.remat == "layer")
+                             keep_layer_inputs=change.remat == "layer",
+                             marked=change.blocks is not None and change.blocks not in remat_parts(remat)[0])
         else:
             raise TypeError(f"No step carries out the run change {change!r}.")
     return loss
