@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "parallax"
 # Lower layers first; a module may import its own layer and the ones before it.
 LAYERS = ("sharding", "models", "pricing", "step", "state", "train")
 # Shared helpers every layer may use; they import no layer.
-FOUNDATION = ("parallax._cache", "parallax._compat", "parallax._multihost", "parallax._names", "parallax._tree",
+FOUNDATION = ("parallax._cache", "parallax._compat", "parallax._errors", "parallax._multihost", "parallax._names", "parallax._tree",
               "parallax._units")
 LINEN_ADAPTER = "parallax.models.linen"
 MAX_LINES = 360
@@ -54,7 +54,7 @@ def layer(module: str) -> int | None:
 
 
 def test_layers_are_what_the_folders_say():
-    assert {m.split(".")[1] for m in MODULES if m.count(".")} == {*LAYERS, "_cache", "_compat", "_multihost", "_names", "_tree", "_units", "distributed", "inspect", "launch", "plan", "testing", "pytest_plugin"}
+    assert {m.split(".")[1] for m in MODULES if m.count(".")} == {*LAYERS, "_cache", "_compat", "_errors", "_multihost", "_names", "_tree", "_units", "distributed", "inspect", "launch", "plan", "testing", "pytest_plugin"}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import jax
 
+from parallax._errors import first_line
 from parallax._units import format_bytes, parse_bytes
 from parallax.plan import isolated
 from parallax.plan.auto import plan_auto
@@ -328,15 +329,14 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
             try:
                 resolved["blocks"] = repeated_blocks(here["model"], here["batch"], here["loss_fn"])
             except Exception as err:  # noqa: BLE001 - a model this cannot trace still gets the other options
-                log.info("Could not read the model's repeated blocks (%s); remat is not among the options tried.",
-                         str(err).splitlines()[0] if str(err) else type(err).__name__)
+                log.info("Could not read the model's repeated blocks (%s); remat is not tried.", first_line(err))
                 resolved["blocks"] = ()
             try:
                 resolved["attention"] = model_has_attention(here["model"], here["batch"], here["loss_fn"],
                                                             options.rng_streams)
             except Exception as err:  # noqa: BLE001 - as above: the other options are still tried
                 log.info("Could not read whether the model computes attention (%s); ContextParallel is not among the "
-                         "options tried.", str(err).splitlines()[0] if str(err) else type(err).__name__)
+                         "options tried.", first_line(err))
                 resolved["attention"] = False
         def tried(opts: StepOptions, count: int, other: Strategy | None = None, strategy: Strategy = strategy) -> dict:
             planned = other or strategy  # each compiled once

@@ -15,6 +15,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from parallax import inspect
+from parallax._errors import first_line
 from parallax._units import format_bytes
 from parallax.pricing.timing import closest
 from parallax.pricing.hardware import Hardware
@@ -87,7 +88,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         compiled = step.program(plan.abstract_arrays(), batch)  # the program the step compiled, not a second one
         jaxpr = step.trace(plan.abstract_arrays(), batch).jaxpr.jaxpr if hardware is not None else None
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
-        return {**row, "error": str(err).splitlines()[0]}
+        return {**row, "error": first_line(err)}
     except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program its device cannot hold
         if "RESOURCE_EXHAUSTED" not in str(err) or "totals" not in locals():
             raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from parallax._errors import first_line
 from parallax.pricing.hardware import Hardware
 
 __all__ = ["GPU_TARGETS", "check_target", "cuda_plugin_installed", "deviceless", "gpu_devices", "gpu_target_config",
@@ -107,7 +108,7 @@ def gpu_devices(hardware: Hardware, devices: int) -> list[Any]:
     except Exception as err:  # noqa: BLE001 - the GPU compiler's refusal, said in a line
         raise ValueError(f"XLA's GPU compiler cannot describe {devices} {hardware.name} devices "
                          f"({devices // per_host} hosts of {per_host}): "
-                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+                         f"{first_line(err)}") from None
     return list(described.devices)
 
 
@@ -155,7 +156,7 @@ def tpu_devices(hardware: Hardware, devices: int) -> list[Any]:
                                                  **options)
     except Exception as err:  # noqa: BLE001 - the TPU compiler's refusal, said in a line
         raise ValueError(f"The TPU compiler cannot describe {hardware.tpu_name} slices {shape} ({devices} chips): "
-                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+                         f"{first_line(err)}") from None
     found = list(described.devices)
     if len(found) != devices:
         raise ValueError(f"The TPU compiler describes {hardware.tpu_name}:{shape} as {len(found)} devices, not "

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from parallax import _cache
 from parallax._compat import mesh_context
+from parallax._errors import first_line
 from parallax.pricing.choice import Choice
 from parallax.pricing.cost import device_key
 
@@ -96,7 +97,7 @@ def settle(choice: Choice, timed: Callable[[str], Timed], budget: int | None, li
     try:
         times = measure({label: timed(label) for label in labels}, budget, device_key(devices))
     except jax.errors.JaxRuntimeError as err:
-        log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", str(err).splitlines()[0])
+        log.info("Timing the closest candidates failed (%s); keeping the cost model's pick.", first_line(err))
         return choice
     return dataclasses.replace(choice, picked=measured_pick(choice.picked, times), timed=times)
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from parallax._errors import first_line
 from parallax.models.blocks import listed_experts, module_calls, repeated_blocks
 from parallax.models.context_attention import holds_attention
 from parallax.models.expert_dispatch import stacked_experts
@@ -67,7 +68,7 @@ def read_or_none(what: str, read: Any) -> Any:
         return read()
     except Exception as err:  # noqa: BLE001
         log.info("Could not read the model's %s (%s); the candidates they would add are not priced.", what,
-                 str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                 first_line(err, 200))
         return None
 
 

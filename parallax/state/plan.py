@@ -14,6 +14,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import mesh_context
+from parallax._errors import first_line
 from parallax._tree import is_box, path_str
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
@@ -278,7 +279,7 @@ def _abstract(make: Callable, key: Any, example_batch: Any) -> TrainState:
             "The loss function (or the model) turns a traced array into a Python value: float(x), int(x), "
             "x.item(), bool(x) or `if x:` on an array. parallax compiles the loss, so values stay arrays: "
             "return the loss array (not float(loss)), and use jnp.where / lax.cond instead of Python `if`. "
-            f"JAX's message: {str(err).splitlines()[0]}"
+            f"JAX's message: {first_line(err)}"
         ) from err
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from parallax._errors import first_line
 from parallax._tree import path_str
 
 log = logging.getLogger("parallax")
@@ -80,7 +81,7 @@ def read_params(path: str | os.PathLike, expected: Any, shardings: Any) -> Any:
         metadata = checkpointer.metadata(path)
     except Exception as err:  # noqa: BLE001 - orbax raises many kinds for a folder that is not a checkpoint
         raise ValueError(f"params={path!r} is not an orbax checkpoint ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0][:200]}).") from err
+                         f"{first_line(err, 200)}).") from err
     tree = getattr(metadata, "item_metadata", None) or getattr(metadata, "tree", None) or metadata
     tree = dict(tree) if hasattr(tree, "keys") else tree
     nested = isinstance(tree, dict) and "params" in tree and not _fits(tree, expected)

@@ -1,13 +1,12 @@
 """``strategy="auto"`` and ``FSDP(split="auto")``: compile each candidate, price it, keep the fastest that fits.
 
-Each candidate's state is planned from shapes (nothing is allocated) and its train step is compiled
-ahead of time on abstract arrays placed on the candidate's mesh, then priced by the cost model
-(:mod:`parallax.pricing.cost`; over several hosts, its collectives on the links they run over).
-Candidates whose state alone exceeds the memory budget are dropped before anything compiles; those
-whose compiled peak exceeds it after. A candidate that does not apply (the batch does not divide, a
-tensor layout cannot be derived) is skipped with its reason. Where the best estimates lie close
-together, the closest few are run for a few steps and the measured fastest is kept where it beats
-the cost model's pick by more than 10% (:mod:`parallax.pricing.timing`, ``StepOptions.timed_candidates``).
+Each candidate's state is planned from shapes (nothing is allocated) and its train step is compiled ahead of time on
+abstract arrays placed on the candidate's mesh, then priced by the cost model (:mod:`parallax.pricing.cost`; over
+several hosts, its collectives on the links they run over). Candidates whose state alone exceeds the memory budget are
+dropped before anything compiles; those whose compiled peak exceeds it after. A candidate that does not apply (the
+batch does not divide, a tensor layout cannot be derived) is skipped with its reason. Where the best estimates lie
+close together, the closest few are run and the measured fastest kept where it beats the cost model's pick by over
+10% (:mod:`parallax.pricing.timing`, ``StepOptions.timed_candidates``).
 
 Example:
     >>> found = resolve(model, optax.adam(1e-3), batch, "auto", loss_fn=loss_fn, devices=jax.devices()[:4])
@@ -26,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax._errors import first_line
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
@@ -341,7 +341,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
                                                                   abstract_batch(example_batch, placement))
         except (ValueError, TypeError) as err:  # does not apply: sizes, the batch, a layout
-            skipped[label] = str(err).splitlines()[0]
+            skipped[label] = first_line(err)
             continue
         label = f"{base}, {step_choice.picked}"  # the path it compiled on (the loss may allow only jit)
         laid_out.setdefault((step_choice.picked, layout), label)

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from parallax._compat import mesh_context
+from parallax._errors import first_line
 from parallax.pricing.choice import Choice, choose, memory_budget
 from parallax.step.batch import layout_key, state_specs_of
 from parallax.step.resharding import compile_reporting
@@ -50,7 +51,7 @@ class CompiledPaths:
                     compiled[mode], self.reshardings[mode] = compile_reporting(fn.lower(state, batch), *params_layout)
                 except (ValueError, TypeError, NotImplementedError) as err:  # a path may not support this model
                     log.info("Compile path %s does not apply here (%s); not a candidate.", mode,
-                             str(err).splitlines()[0])
+                             first_line(err))
                     failed = failed or err
                     continue
                 functions[mode] = fn

@@ -28,6 +28,7 @@ from typing import Callable, TypeVar
 from jax.sharding import Mesh
 
 from parallax._compat import mesh_context
+from parallax._errors import first_line
 from parallax.sharding.mesh import describe_axis_types, is_explicit, with_axis_types, with_unit_axis
 
 log = logging.getLogger("parallax")
@@ -106,7 +107,7 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
                 refused.append((tried, err))
                 break
             return train_mesh, result, _note(mesh, train_mesh, mode, refused)
-    lines = "; ".join(f"with {tried.capitalize()} axes: {str(err).splitlines()[0][:300]}" for tried, err in refused)
+    lines = "; ".join(f"with {tried.capitalize()} axes: {first_line(err, 300)}" for tried, err in refused)
     other = "" if mode == DETECT else f" (sharding_mode={mode!r}; 'detect' also tries the other mode)"
     raise ValueError(
         f"JAX refuses this model's sharding on the mesh ({describe_axis_types(mesh)}){other}: {lines}. An ordinary "
@@ -119,7 +120,7 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
 def _note(given: Mesh, used: Mesh, mode: str, refused: list) -> str:
     kind = "Explicit" if is_explicit(used) else "Auto"
     if refused:
-        why = f"with {refused[0][0].capitalize()} axes JAX refused it: {str(refused[0][1]).splitlines()[0][:160]}"
+        why = f"with {refused[0][0].capitalize()} axes JAX refused it: {first_line(refused[0][1], 160)}"
     elif mode != DETECT:
         why = f"sharding_mode={mode!r}"
     else:

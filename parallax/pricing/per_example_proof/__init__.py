@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from parallax._errors import first_line
 from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample, Random, kind_name
 from parallax.pricing.per_example_proof.interpret import SYNCED, Entry, interpret
 
@@ -83,7 +84,7 @@ def prove_loss(loss: Callable, params: Any, model_state: Any, batch: Any, key: A
         except Exception as err:  # noqa: BLE001 - a loss that does not trace here is only "not proven"
             where = "the global batch" if size == rows else "one shard's batch"
             return Proof(False, f"it does not trace at {where} ({type(err).__name__}: "
-                                f"{str(err).splitlines()[0][:160]})")
+                                f"{first_line(err, 160)})")
         inputs = ([Fixed()] * len(jax.tree.leaves(params)) + [Fixed()] * len(jax.tree.leaves(model_state))
                   + [PerExample(0)] * len(jax.tree.leaves(this_batch))
                   + [Fixed() if draws else Random()] * len(jax.tree.leaves(key)))
