@@ -69,10 +69,23 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
                              microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
                              params_argnum=0, batch_argnums=(2,), state_argnums=(1,), prove=prove_layer,
                              keep_layer_inputs=change.remat == "layer",
-                             marked=change.blocks is not None and change.blocks not in remat_parts(remat)[0])
+                             marked=marks_blocks(change.blocks, remat))
         else:
             raise TypeError(f"No step carries out the run change {change!r}.")
     return loss
+
+
+def marks_blocks(blocks: str | type | None, remat: tuple) -> bool:
+    """Whether the step marks ``blocks`` (a pipeline's class) itself, to find their calls, because the
+    step options' ``remat`` names no such class: then each call's checkpoint is parallax's, not one the
+    user asked for (:func:`with_blocks_marked`).
+
+    Example:
+        >>> marks_blocks("Block", ()), marks_blocks("Block", ("Block",)), marks_blocks(None, ())
+        (True, False, False)
+    """
+    name = lambda entry: entry if isinstance(entry, str) else getattr(entry, "__name__", None)  # noqa: E731
+    return blocks is not None and name(blocks) not in {name(target) for target in remat_parts(remat)[0]}
 
 
 def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
