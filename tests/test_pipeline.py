@@ -727,7 +727,7 @@ def test_a_list_of_blocks_that_rematerialise_themselves_pipelines_at_the_cost_of
     checkpoint inside the pipeline, as the same blocks in an ``nn.scan`` do, so the step has the
     stack's matmuls, and its peak exceeds the stack's by no more than the copy of the blocks' params
     the list's step stacks for the pipeline (each device's share); and it trains like one device.
-    (Before, each block ran plainly inside the iteration's checkpoint: 0.85× the matmuls, 1.8× the peak.)"""
+    (Before, each block ran plainly inside the iteration's checkpoint: here 0.84× the matmuls.)"""
     from benchmarks.llama import Llama, ListedLlama, Shape, loss_fn
     from parallax.pricing.fused_bytes import dot_flops
 
