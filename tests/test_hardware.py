@@ -439,3 +439,21 @@ def test_a_405b_llama_is_planned_for_512_tpu_chips_on_this_machine_in_minutes():
     assert step["flops"] > 6 * row["params"] * tokens / 512  # every layer's matmuls, and the remat's recompute
     assert 0 < step["mfu"] < 1 and step["tokens_per_second"] == pytest.approx(tokens / step["seconds"] / 512)
     assert row["collectives"]["all-reduce"]["count"] > shape.layers  # counted per layer of the scan's loop
+
+
+@needs_cuda_plugin
+@pytest.mark.wide("a pipeline over a list of blocks compiled by XLA's GPU compiler in a planning child (~20 s cold)")
+def test_a_pipeline_over_a_list_of_blocks_is_planned_on_a_named_gpu_its_blocks_found():
+    """``PipelineParallel`` without ``blocks=`` over a Hugging Face–style list, planned for H100s: the
+    blocks are found from the model's traced calls without running anything (a key made outside a
+    trace ran on the default backend, which a deviceless GPU target does not have, and the plan said
+    the model had no stack)."""
+    from benchmarks.llama import ListedLlama, Shape, loss_fn
+
+    shape = Shape(layers=4, dim=32, ffn=64, heads=4, kv_heads=2, vocab=64, dtype="float32")
+    report = px.plan(ListedLlama(shape), optax.adamw(1e-3), {"tokens": jax.ShapeDtypeStruct((8, 17), np.int32)},
+                     loss_fn=loss_fn, strategies=[px.combine(px.PipelineParallel(2), px.FSDP(4))], devices=8,
+                     hardware="h100", compile="jit")
+    row = report.rows[0]
+    assert row["error"] is None and row["backend"] == "gpu" and row["peak"] > 0, row
+    assert "blocks='Block'" in row["strategy"], row["strategy"]

@@ -32,7 +32,8 @@ def traced_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Seque
         params, state = adapter.init(rngs, batch, loss_fn, ())
         return adapter.apply(adapter.unbox(params), state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
 
-    return jax.make_jaxpr(loss)(jax.random.PRNGKey(0), example_batch)
+    # The key as a shape: made here, it would run on the default backend (none on a deviceless target).
+    return jax.make_jaxpr(loss)(jax.ShapeDtypeStruct((2,), jax.numpy.uint32), example_batch)
 
 
 def stacked_layers(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> bool:
@@ -48,14 +49,16 @@ def params_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Seque
     from parallax.models import ModelRun, adapter_for
 
     adapter = adapter_for(model)
-    key = jax.random.PRNGKey(0)
-    rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
-    params, state = jax.eval_shape(lambda batch: adapter.init(rngs, batch, loss_fn, ()), example_batch)
+    def streams() -> dict:  # made inside each trace: nothing runs (a deviceless target runs nothing)
+        key = jax.random.PRNGKey(0)
+        return {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+
+    params, state = jax.eval_shape(lambda batch: adapter.init(streams(), batch, loss_fn, ()), example_batch)
     params = adapter.unbox(params)
     paths = [path_str(key_path) for key_path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
     def loss(params: Any, state: Any, batch: Any) -> Any:
-        return adapter.apply(params, state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
+        return adapter.apply(params, state, batch, rngs=streams(), loss_fn=loss_fn, run=ModelRun(train=True))
 
     return jax.make_jaxpr(loss)(params, state, example_batch), paths, [leaf.shape for leaf in jax.tree.leaves(params)]
 

@@ -78,9 +78,12 @@ class LinenModel:
                 calls.add((type(context.module).__name__, tuple(context.module.path)))
             return next_fun(*args, **kwargs)
 
+        def init(batch: Any) -> Any:  # the key made inside the trace: nothing runs (a deviceless target runs nothing)
+            key = jax.random.key(0)
+            return self.model.init({"params": key, "dropout": key}, batch, method=_method(batch, loss_fn))
+
         with nn.intercept_methods(record):  # the batch traced (not a constant): shapes alone will do
-            jax.eval_shape(lambda key, batch: self.model.init({"params": key, "dropout": key}, batch,
-                                                              method=_method(batch, loss_fn)), jax.random.key(0), batch)
+            jax.eval_shape(init, batch)
         return calls
 
     def values(self) -> None:
