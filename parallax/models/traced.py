@@ -28,12 +28,17 @@ def traced_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Seque
     adapter = adapter_for(model)
 
     def loss(key: Any, batch: Any) -> Any:
-        rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+        rngs = _streams(key, rng_streams)
         params, state = adapter.init(rngs, batch, loss_fn, ())
         return adapter.apply(adapter.unbox(params), state, batch, rngs=rngs, loss_fn=loss_fn, run=ModelRun(train=True))
 
-    # The key as a shape: made here, it would run on the default backend (none on a deviceless target).
-    return jax.make_jaxpr(loss)(jax.ShapeDtypeStruct((2,), jax.numpy.uint32), example_batch)
+    # The key as a shape (eval_shape runs nothing: on a deviceless target there is no backend to run it on).
+    return jax.make_jaxpr(loss)(jax.eval_shape(lambda: jax.random.PRNGKey(0)), example_batch)
+
+
+def _streams(key: Any, rng_streams: Sequence[str]) -> dict:
+    """The init's and each stream's key, folded from ``key``."""
+    return {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
 
 
 def stacked_layers(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> bool:
@@ -50,8 +55,7 @@ def params_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Seque
 
     adapter = adapter_for(model)
     def streams() -> dict:  # made inside each trace: nothing runs (a deviceless target runs nothing)
-        key = jax.random.PRNGKey(0)
-        return {name: jax.random.fold_in(key, i) for i, name in enumerate(("params", *rng_streams))}
+        return _streams(jax.random.PRNGKey(0), rng_streams)
 
     params, state = jax.eval_shape(lambda batch: adapter.init(streams(), batch, loss_fn, ()), example_batch)
     params = adapter.unbox(params)
