@@ -24,15 +24,16 @@ def jit_run(options: StepOptions, mesh: Mesh, train: bool) -> ModelRun:
 
 
 def jit_loss(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str], run: ModelRun, mesh: Mesh,
-             strategy: Strategy, param_specs: Any = None) -> Callable:
+             strategy: Strategy, param_specs: Any = None, scan_lists: bool = True) -> Callable:
     """The loss closure (:func:`parallax.step.loss.loss_closure`) as the jit path runs it.
 
     On a mesh with Explicit axes, which wants a contraction's operands to agree, the params are
     first resharded without the FSDP axes: each FSDP shard is all-gathered where the model uses
-    it, and the transpose (a reduce-scatter) brings its gradient back to the shard.
+    it, and the transpose (a reduce-scatter) brings its gradient back to the shard. A list of
+    identical checkpointed blocks runs as a loop where ``scan_lists`` (:func:`with_run_changes`).
     """
     closure = with_run_changes(loss_closure(adapter, loss_fn, rng_streams, with_blocks_marked(run, strategy)),
-                               strategy, mesh, run.remat)
+                               strategy, mesh, run.remat, scan_lists)
     if not (is_explicit(mesh) and strategy.fsdp_axes and param_specs is not None):
         return closure
     fsdp = set(strategy.fsdp_axes)
@@ -64,7 +65,8 @@ def jit_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOptions, mes
         lambda spec: NamedSharding(mesh, spec), param_specs, is_leaf=is_spec)
 
     def gradients(state, batch, key):
-        loss = jit_loss(adapter_for(state.model), loss_fn, options.rng_streams, run, mesh, strategy, param_specs)
+        loss = jit_loss(adapter_for(state.model), loss_fn, options.rng_streams, run, mesh, strategy, param_specs,
+                        options.scan_lists)
         if not train:
             return loss(state.params, state.model_state, batch, key)[1][0]
         grad_fn = jax.value_and_grad(loss, has_aux=True)

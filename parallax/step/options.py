@@ -68,6 +68,12 @@ class StepOptions:
             than a whole step. With several processes, process 0's clock decides for all. Where the
             clock cut it short, the same search on the same machine stops there again (cached:
             :mod:`parallax.state.search_budget`), so a rerun trains on the same plan.
+        scan_lists: a list of identical blocks the model checkpoints (``nn.remat``, or ``remat=``
+            naming their class) and calls in turn runs as one loop over their params stacked,
+            as a scanned stack runs (:mod:`parallax.models.list_scan`): the same operations, a
+            compile time that does not grow with the depth, and FSDP gathering one block's params
+            at a time. The state keeps the model's own tree. Under data, FSDP and tensor
+            parallelism; a pipeline runs a list its own way. ``False``: the blocks run unrolled.
 
     Example:
         >>> StepOptions(grad_accum=2, precision="bf16").grad_accum
@@ -90,6 +96,7 @@ class StepOptions:
     memory_budget: int | str | None = None
     timed_candidates: int = 3
     search_seconds: float | None = 120.0
+    scan_lists: bool = True
 
     def __post_init__(self):
         for name in ("rng_streams", "remat"):
@@ -109,6 +116,9 @@ class StepOptions:
         if self.search_seconds is not None and (isinstance(self.search_seconds, bool) or not isinstance(
                 self.search_seconds, (int, float)) or not self.search_seconds > 0):
             raise ValueError(f"search_seconds={self.search_seconds!r}; use a number of seconds > 0, or None (no limit).")
+        if not isinstance(self.scan_lists, bool):
+            raise ValueError(f"scan_lists={self.scan_lists!r}; use True (a list of checkpointed blocks runs as a "
+                             "loop) or False (unrolled).")
         if self.batch_stats not in BATCH_STATS_MODES:
             raise ValueError(f"batch_stats={self.batch_stats!r}; use one of {BATCH_STATS_MODES}.")
         if self.batch_stats == "local" and self.compile == "jit":

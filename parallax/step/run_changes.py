@@ -23,6 +23,7 @@ from parallax.models.batch_pins import batch_pinned
 from parallax.models.blocks import listed_siblings, repeated_blocks
 from parallax.models.context_attention import context_parallel
 from parallax.models.expert_dispatch import expert_parallel
+from parallax.models.list_scan import scanned_lists
 from parallax.models.pipeline_stack import pipelined
 from parallax.models.remat_policy import remat_parts
 from parallax.pricing.per_example_proof.layer import prove_layer
@@ -35,15 +36,21 @@ from parallax.sharding.strategy import Strategy
 log = logging.getLogger("parallax")
 
 
-def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tuple = ()) -> Callable:
+def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tuple = (),
+                     scan_lists: bool = True) -> Callable:
     """``loss(params, model_state, batch, key)`` with the strategy's run changes carried out; a
     pipeline's iterations keep what ``remat``'s checkpoint policy keeps besides their inputs. A
     strategy that only places arrays and splits the batch (data parallelism, FSDP, with tensor
-    parallelism) keeps the batch's split through the model's loops
+    parallelism) runs a list of identical checkpointed blocks as a loop where ``scan_lists``
+    (:mod:`parallax.models.list_scan`) and keeps the batch's split through the model's loops
     (:mod:`parallax.models.batch_pins`)."""
     policy = remat_parts(remat)[1]
     spec = strategy.batch_spec()
     batch = spec[0] if spec else None
+    if scan_lists and not strategy.run_changes and not is_explicit(mesh):
+        # A list of identical checkpointed blocks run as a loop over their params stacked, as a
+        # stack runs: compile time independent of the depth, FSDP's gathers one block at a time.
+        loss = scanned_lists(loss, params_argnum=0)
     if batch and not strategy.run_changes and not is_explicit(mesh):
         # The batch's split kept through the model's loops (a scanned stack), which the compiler may
         # otherwise gather to keep the weights where they are (parallax.models.batch_pins).

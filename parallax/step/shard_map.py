@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax._compat import shard_map
 from parallax.models import LossFn, ModelRun, ParamGather, adapter_for
+from parallax.models.list_scan import scanned_lists
 from parallax.sharding.gather import gather_once, scatter_mean
 from parallax.sharding.specs import dims_axes, is_spec, without_axes
 from parallax.sharding.strategy import Strategy
@@ -43,6 +44,10 @@ def shard_map_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOption
     gathering_run = dataclasses.replace(run, gather=ParamGather(param_specs, fsdp_axes) if fsdp_axes else None)
     accumulating = options.grad_accum > 1
 
+    def closure(adapter, model_run):  # a list of identical checkpointed blocks run as a loop, as jit's step runs it
+        loss = loss_closure(adapter, loss_fn, options.rng_streams, model_run)
+        return scanned_lists(loss, params_argnum=0) if options.scan_lists else loss
+
     def fold_over_data(key):
         index = 0
         for axis in data_axes:
@@ -63,16 +68,16 @@ def shard_map_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOption
         key = fold_over_data(key)
         adapter = adapter_for(model)
         if not train:
-            loss = loss_closure(adapter, loss_fn, options.rng_streams, gathering_run)
+            loss = closure(adapter, gathering_run)
             return reduce_sums(loss(params, model_state, batch, key)[1][0])
         if not accumulating:
-            loss = loss_closure(adapter, loss_fn, options.rng_streams, gathering_run)
+            loss = closure(adapter, gathering_run)
             grads, sums, model_state = accumulated(jax.value_and_grad(loss, has_aux=True), 1)(
                 params, model_state, batch, key)
         else:
             # Gather each FSDP shard once per step, accumulate full gradients over the
             # microbatches, then reduce-scatter once (not once per microbatch).
-            loss = loss_closure(adapter, loss_fn, options.rng_streams, run)
+            loss = closure(adapter, run)
             full = gather_once(params, param_specs, set(fsdp_axes))
             grads, sums, model_state = accumulated(jax.value_and_grad(loss, has_aux=True), options.grad_accum)(
                 full, model_state, batch, key)
