@@ -1,6 +1,7 @@
 """``px.plan(hardware=...)`` from this CPU against training runs someone else published.
 
     python -m benchmarks.published_runs --out benchmarks/results      # about 10 minutes on two cores
+    python -m benchmarks.published_runs --listed --out benchmarks/results   # the blocks kept in a list
 
 torchtitan's Llama 3.1 runs on H100s (``benchmarks/llama3_h100_202412_torchtitan.md`` in
 pytorch/torchtitan, December 2024: 8 to 512 GPUs, FSDP, TP, PP, sequence 8192, their tokens per
@@ -76,13 +77,13 @@ def strategy(layout: str):
     return built[0] if len(built) == 1 else px.combine(*built)
 
 
-def predict(run: Run, auto: bool = False) -> dict:
+def predict(run: Run, auto: bool = False, listed: bool = False) -> dict:
     import optax
 
     import parallax as px
-    from benchmarks.llama import SHAPES, Llama, batch, loss_fn
+    from benchmarks.llama import SHAPES, ListedLlama, Llama, batch, loss_fn
 
-    model = Llama(SHAPES[run.model]._replace(chunk=CHUNK))
+    model = (ListedLlama if listed else Llama)(SHAPES[run.model]._replace(chunk=CHUNK))
     start = time.perf_counter()
     try:
         report = px.plan(model, optax.adamw(3e-4), batch(run.global_batch, SEQUENCE), loss_fn=loss_fn,
@@ -108,11 +109,13 @@ def predict(run: Run, auto: bool = False) -> dict:
 COMPILED_FOR = {"gpu": "GPU (deviceless)", "cpu": "CPU"}
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: list[dict], listed: bool = False) -> str:
     gib = 2**30
+    written = ("`ListedLlama`, its blocks kept in a list of `nn.remat` blocks as Hugging Face writes them" if listed
+               else "scanned")
     lines = ["## px.plan on this CPU against torchtitan's published H100 runs", "",
              f"Source: {SOURCE}. Hardware: `px.Hardware(\"h100\", memory_gib=96, memory_tbps=2.4, "
-             "inter_host_gbps=400)`; sequence 8192; the model `benchmarks/llama.py` (scanned, bf16, full remat, "
+             f"inter_host_gbps=400)`; sequence 8192; the model `benchmarks/llama.py` ({written}, bf16, full remat, "
              f"attention {CHUNK} queries at a time).", "",
              "| run | their setup | step published | step predicted | compute + memory + exposed | published / compute "
              "| tok/s/GPU published | predicted | memory published | peak planned | compiled for | plan time |",
@@ -176,20 +179,23 @@ def main() -> None:
     parser.add_argument("--from-json", default=None, help="render a published_runs.json again, planning nothing")
     parser.add_argument("--auto", action="store_true", help="also plan strategies=['auto'] for each run: its pick "
                         "against their layout (written to published_auto.{json,md})")
+    parser.add_argument("--listed", action="store_true", help="the model's blocks kept in a list, as Hugging Face "
+                        "writes them (benchmarks.llama.ListedLlama; written to published_listed.{json,md})")
     args = parser.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
-            print(markdown(json.load(f)))
+            print(markdown(json.load(f), args.listed))
         return
     chosen = [run for run in RUNS if run.name in args.runs.split(",")]
     results = []
     for run in chosen:
-        results.append(predict(run, args.auto))
+        results.append(predict(run, args.auto, args.listed))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "note"}, default=str), flush=True)
-    text = markdown(results) + (auto_markdown(results) if args.auto else "")
+    text = markdown(results, args.listed) + (auto_markdown(results) if args.auto else "")
     print(text)
     if args.out:
-        name = "published_auto" if args.auto else "published_runs"
+        name = {(False, False): "published_runs", (True, False): "published_auto", (False, True): "published_listed",
+                (True, True): "published_listed_auto"}[args.auto, args.listed]
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:

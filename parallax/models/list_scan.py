@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -41,6 +42,7 @@ from jax.extend import core
 from parallax.models.rebind import bind_eqn
 from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants, params_within
 
+log = logging.getLogger("parallax")
 _INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a list inside them
 
 
@@ -127,6 +129,8 @@ def _loop(chain: Chain, calls: Sequence[Any], read: Callable) -> list[Any]:
     """The chain's calls run as one ``lax.scan`` over what differs from call to call (each one's
     params, a key per block, the constants linen folds into its keys): the last call's outputs."""
     first, last = calls[0], calls[-1]
+    log.debug("A list of %d identical checkpointed blocks runs as one loop over their params stacked "
+              "(StepOptions(scan_lists=False) unrolls it).", len(calls))
     stepped = (*chain.weights, *chain.varying)
     xs = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in stepped]
     if chain.folded:
