@@ -77,7 +77,7 @@ def strategy(layout: str):
     return built[0] if len(built) == 1 else px.combine(*built)
 
 
-def predict(run: Run, auto: bool = False, listed: bool = False) -> dict:
+def predict(run: Run, auto: bool = False, listed: bool = False, memory_budget: str | None = None) -> dict:
     import optax
 
     import parallax as px
@@ -88,7 +88,7 @@ def predict(run: Run, auto: bool = False, listed: bool = False) -> dict:
     try:
         report = px.plan(model, optax.adamw(3e-4), batch(run.global_batch, SEQUENCE), loss_fn=loss_fn,
                          strategies=[strategy(run.layout), *(["auto"] if auto else [])], devices=run.devices,
-                         hardware=hardware(), compile="jit")
+                         hardware=hardware(), compile="jit", memory_budget=memory_budget)
     except RuntimeError as err:  # the planning subprocess died: recorded, the other runs still planned
         return {"run": run._asdict(), "plan_seconds": time.perf_counter() - start, "peak": None, "fits": None,
                 "note": None, "error": str(err).splitlines()[0], "step": {}, "predicted_tps": None, "mesh": None,
@@ -181,6 +181,8 @@ def main() -> None:
                         "against their layout (written to published_auto.{json,md})")
     parser.add_argument("--listed", action="store_true", help="the model's blocks kept in a list, as Hugging Face "
                         "writes them (benchmarks.llama.ListedLlama; written to published_listed.{json,md})")
+    parser.add_argument("--memory-budget", default=None, help="bytes per device a plan must fit (e.g. 10TB: a run that "
+                        "does not fit the H100's 96 GiB is then not searched for a fix, planned once)")
     args = parser.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
@@ -189,7 +191,7 @@ def main() -> None:
     chosen = [run for run in RUNS if run.name in args.runs.split(",")]
     results = []
     for run in chosen:
-        results.append(predict(run, args.auto, args.listed))
+        results.append(predict(run, args.auto, args.listed, args.memory_budget))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "note"}, default=str), flush=True)
     text = markdown(results, args.listed) + (auto_markdown(results) if args.auto else "")
     print(text)

@@ -58,6 +58,20 @@ def primitives(fn, *args):
     return [eqn.primitive.name for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
 
 
+def scan_lengths(jaxpr) -> list[int]:
+    """The length of every ``scan`` in ``jaxpr``, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["length"])
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += scan_lengths(inner)
+    return found
+
+
 def test_a_list_of_checkpointed_blocks_runs_as_one_loop_with_the_lists_values_gradients_and_dropout_masks():
     """Each block's dropout mask is drawn from a key folded with its own path: the loop steps over
     those constants, so every block draws what it draws in the list. A model that reads every
@@ -101,15 +115,15 @@ def test_fsdp_steps_a_list_of_checkpointed_blocks_at_the_stacks_cost_and_trains_
                    for i in range(shape.layers)})
     strategy = px.FSDP(min_weight_size=0, split="largest")
     peaks, loops = {}, {}
+    placed = jax.device_put(tokens[0], NamedSharding(strategy.make_mesh(), strategy.batch_spec()))
     for written, model, params, scan in (("stacked", Llama(shape), stacked, True),
                                          ("listed", ListedLlama(shape), listed, True),
                                          ("unrolled", ListedLlama(shape), listed, False)):
         state = px.init_state(model, optax.adamw(1e-2), tokens[0], strategy=strategy, loss_fn=lm_loss, params=params)
-        compiled = px.make_train_step(lm_loss, strategy, compile="jit", scan_lists=scan).lower(
-            state, jax.device_put(tokens[0], NamedSharding(strategy.make_mesh(), strategy.batch_spec()))).compile()
-        peaks[written] = px.inspect.peak_bytes(px.inspect.memory_bytes(compiled))
-        loops[written] = compiled.as_text().count(" while(")
-    assert loops["listed"] == loops["stacked"] > loops["unrolled"], loops  # the blocks' loop, as the stack's
+        traced = px.make_train_step(lm_loss, strategy, compile="jit", scan_lists=scan).trace(state, placed)
+        peaks[written] = px.inspect.peak_bytes(px.inspect.memory_bytes(traced.lower().compile()))
+        loops[written] = scan_lengths(traced.jaxpr.jaxpr).count(shape.layers)
+    assert loops["listed"] == loops["stacked"] > loops["unrolled"] == 0, loops  # the blocks' loop, as the stack's
     restacked = sum(x.nbytes for x in jax.tree.leaves(stacked["layers"])) / jax.device_count()
     assert peaks["listed"] - peaks["stacked"] <= 1.2 * restacked < peaks["unrolled"] - peaks["stacked"], (
         peaks, restacked)
@@ -134,3 +148,27 @@ def test_scan_lists_takes_a_bool():
         assert "scan_lists='yes'" in str(err) and "False" in str(err)
     else:
         raise AssertionError("scan_lists='yes' was taken")
+
+
+@pytest.mark.wide("a Hugging Face model traced unrolled and looped, then trained against one device (20 s)")
+def test_a_hugging_face_list_checkpointed_by_remat_runs_as_a_loop_and_trains_like_one_device():
+    """Hugging Face's Flax GPT-2 (its blocks in a list, dropout on) with ``remat=("FlaxGPT2Block",)``:
+    the blocks run as a loop (the step has a loop over the 3 blocks the unrolled one lacks), exact
+    against one device with AdamW (``shard_map``'s path: the dropout test above)."""
+    from tests import third_party
+
+    model, batches_ = third_party.gpt2(layers=3, dropout=0.1), third_party.batches("text", 2)
+
+    def loss(model, batch):  # GPT-2's causal-LM loss with its residual dropout on
+        tokens = batch["tokens"]
+        positions = np.broadcast_to(np.arange(tokens.shape[1] - 1), (tokens.shape[0], tokens.shape[1] - 1))
+        logits = model(tokens[:, :-1], (tokens[:, :-1] >= 0).astype("int32"), positions, deterministic=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    strategy, remat = px.FSDP(min_weight_size=0), ("FlaxGPT2Block",)
+    state = px.init_state(model, optax.adamw(1e-2), batches_[0], strategy=strategy, loss_fn=loss)
+    loops = {scan: scan_lengths(px.make_train_step(loss, strategy, compile="jit", remat=remat, scan_lists=scan).trace(
+        state, batches_[0]).jaxpr.jaxpr).count(3) for scan in (True, False)}
+    assert loops[True] > loops[False] == 0, loops
+    report = px.testing.assert_equivalent(model, optax.adamw(1e-2), loss, batches_, strategy, compile="jit", remat=remat)
+    assert report.mode == "jit", report

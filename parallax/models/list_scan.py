@@ -80,7 +80,8 @@ def _loops(jaxpr: Any, flags: Sequence[bool], consts: Sequence[Any]) -> dict[int
         calls = [jaxpr.eqns[i] for i in chain.calls]
         carried = all(uses.get(eqn.outvars[q], 0) == 1 for eqn in calls[:-1] for q in chain.carry_out)
         others = any(uses.get(v, 0) for eqn in calls for q, v in enumerate(eqn.outvars) if q not in chain.carry_out)
-        if carried and not others:
+        typed = all(calls[0].invars[p].aval == calls[0].outvars[q].aval for p, q in zip(chain.carry, chain.carry_out))
+        if carried and not others and typed:  # else left unrolled: a loop's carry keeps its type
             found[chain.calls[-1]] = chain
     return found
 
