@@ -126,6 +126,23 @@ def test_advice_for_each_device_count_nothing_fits_on():
     assert "Nothing fits 8KB on 4 devices; for DataParallel(data=4)" in str(report)
 
 
+def test_an_option_whose_planning_subprocess_dies_is_reported_and_the_search_goes_on():
+    """Planning an option may kill its subprocess (a 70B list's 2x devices ran out of this machine's
+    memory): that option is reported as not planned, the next ones are still tried, and nothing
+    raises (before, the whole plan, its planned rows too, was lost to the RuntimeError)."""
+    from parallax.plan.fixes import find_fix
+
+    def evaluate(options, devices, strategy=None):
+        if options.offload == "optimizer":
+            raise RuntimeError("Planning on 16 h100 GPUs failed in its subprocess: it ran out of this machine's memory")
+        return {"strategy": "FSDP(fsdp=%d)" % devices, "peak": 10 if options.offload else 100, "compiled": {}}
+
+    tried = find_fix(evaluate, px.StepOptions(), 8, 50, ())
+    assert [fix.change for fix in tried] == ["offload='optimizer'", "offload='optimizer+params'"], tried
+    assert tried[0].row["error"].startswith("not planned here: Planning on 16 h100 GPUs") and not tried[0].fits
+    assert tried[-1].fits
+
+
 def test_a_plan_in_a_subprocess_equals_a_plan_in_this_process(reports):
     here = reports["mlp"]
     there = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,

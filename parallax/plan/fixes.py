@@ -8,7 +8,7 @@ nothing; the params in host memory too; that with the blocks rematerialised; the
 the devices, each also with the sequence split over the added devices
 (:class:`parallax.ContextParallel`, for a model with attention, its keys and values gathered, then
 passed round a ring): more devices hold a batch of few long sequences only by splitting them. The first that fits ends the search; every one tried is
-reported with its numbers.
+reported with its numbers; one whose planning subprocess died is reported so, and the search goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from parallax._errors import first_line
 from parallax.sharding.context_parallel import METHODS, ContextParallel
 from parallax.sharding.strategy import Strategy, combine
 from parallax.step.options import StepOptions
@@ -107,7 +108,10 @@ def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, 
                 attempts.append((f"devices={devices * factor}, strategy={split.describe()}", options, devices * factor,
                                  split))
     for change, opts, count, other in attempts:
-        row = evaluate(opts, count) if other is None else evaluate(opts, count, other)
+        try:
+            row = evaluate(opts, count) if other is None else evaluate(opts, count, other)
+        except RuntimeError as err:  # its planning subprocess died (e.g. out of this machine's memory): the
+            row = {"error": f"not planned here: {first_line(err)}"}  # plan and the other options kept
         fits = row.get("error") is None and row["peak"] <= budget
         tried.append(Fix(change, count, row, fits))
         if fits:
