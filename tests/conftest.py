@@ -80,7 +80,7 @@ FILE_SECONDS = {
         "test_context_parallel.py": 175, "test_offload.py": 134, "test_expert_parallel.py": 134, "test_auto.py": 128,
         "test_third_party.py": 128, "test_nnx.py": 121, "test_examples.py": 116, "test_faults.py": 109,
         "test_zoo.py": 103, "test_your_mesh.py": 100, "test_plan.py": 95, "test_step.py": 83, "test_trainer.py": 79,
-        "test_microbatches.py": 70, "test_hardware.py": 142, "test_batch_pins.py": 25,
+        "test_microbatches.py": 70, "test_hardware.py": 142, "test_batch_pins.py": 25, "test_list_scan.py": 55,
         "test_benchmarks.py": 66, "test_resharding.py": 66, "test_testing.py": 64, "test_losses.py": 61,
         "test_grain.py": 54, "test_fsdp.py": 50, "test_docs.py": 43, "test_per_example_proof.py": 42,
         "test_topology.py": 40, "test_elastic.py": 28, "test_tp_layout.py": 27, "test_model_habits.py": 17,
@@ -91,7 +91,8 @@ FILE_SECONDS = {
     "launch": {"test_multiprocess.py": 409, "test_docs_pages.py": 26, "test_grain.py": 15},
     "core": {
         "test_pipeline.py": 128, "test_context_parallel.py": 84, "test_step.py": 70, "test_expert_parallel.py": 67,
-        "test_microbatches.py": 70, "test_hardware.py": 62, "test_batch_pins.py": 25, "test_testing.py": 61, "test_nnx.py": 60, "test_plan.py": 55, "test_trainer.py": 45, "test_your_mesh.py": 44,
+        "test_microbatches.py": 70, "test_hardware.py": 62, "test_batch_pins.py": 25, "test_list_scan.py": 35,
+        "test_testing.py": 61, "test_nnx.py": 60, "test_plan.py": 55, "test_trainer.py": 45, "test_your_mesh.py": 44,
         "test_equivalence.py": 42, "test_offload.py": 37, "test_third_party.py": 34, "test_per_example_proof.py": 28,
         "test_docs.py": 25, "test_auto.py": 25, "test_losses.py": 21, "test_elastic.py": 17,
         "test_model_habits.py": 15, "test_tp_layout.py": 14, "test_zoo.py": 13, "test_grain.py": 13,
