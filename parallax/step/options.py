@@ -72,8 +72,10 @@ class StepOptions:
             naming their class) and calls in turn runs as one loop over their params stacked,
             as a scanned stack runs (:mod:`parallax.models.list_scan`): the same operations, a
             compile time that does not grow with the depth, and FSDP gathering one block's params
-            at a time. The state keeps the model's own tree. Under data, FSDP and tensor
-            parallelism; a pipeline runs a list its own way. ``False``: the blocks run unrolled.
+            at a time. The state keeps the model's own tree. Where FSDP splits the params (with
+            data and tensor parallelism or without): the loop copies each device's share of the
+            blocks' params stacked, which data parallelism alone would copy whole; a pipeline runs
+            a list its own way. ``False``: the blocks run unrolled.
 
     Example:
         >>> StepOptions(grad_accum=2, precision="bf16").grad_accum

@@ -46,7 +46,7 @@ def shard_map_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOption
 
     def closure(adapter, model_run):  # a list of identical checkpointed blocks run as a loop, as jit's step runs it
         loss = loss_closure(adapter, loss_fn, options.rng_streams, model_run)
-        return scanned_lists(loss, params_argnum=0) if options.scan_lists else loss
+        return scanned_lists(loss, params_argnum=0) if options.scan_lists and fsdp_axes else loss
 
     def fold_over_data(key):
         index = 0
