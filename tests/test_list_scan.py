@@ -101,8 +101,8 @@ def test_fsdp_steps_a_list_of_checkpointed_blocks_at_the_stacks_cost_and_trains_
     """``benchmarks/llama.py``'s ``ListedLlama`` (a list of ``nn.remat`` blocks) under FSDP: the step
     loops over the blocks, so its peak is the same blocks stacked's plus each device's share of the
     blocks' params stacked (unrolled, the compiler gathered several blocks' params at once: here
-    ~2× the stack's); ``scan_lists=False`` unrolls it. And it trains as one device does, with
-    AdamW."""
+    ~2× the stack's); ``scan_lists=False`` unrolls it, as data parallelism alone does (it would copy
+    the params whole). And it trains as one device does, with AdamW."""
     from benchmarks.llama import Llama, ListedLlama, Shape
     from benchmarks.llama import loss_fn as lm_loss
 
@@ -124,6 +124,11 @@ def test_fsdp_steps_a_list_of_checkpointed_blocks_at_the_stacks_cost_and_trains_
         peaks[written] = px.inspect.peak_bytes(px.inspect.memory_bytes(traced.lower().compile()))
         loops[written] = scan_lengths(traced.jaxpr.jaxpr).count(shape.layers)
     assert loops["listed"] == loops["stacked"] > loops["unrolled"] == 0, loops  # the blocks' loop, as the stack's
+    dp = px.DataParallel()  # params whole on every device: the loop would copy them whole, so the list stays unrolled
+    state = px.init_state(ListedLlama(shape), optax.adamw(1e-2), tokens[0], strategy=dp, loss_fn=lm_loss, params=listed)
+    traced = px.make_train_step(lm_loss, dp, compile="jit").trace(
+        state, jax.device_put(tokens[0], NamedSharding(dp.make_mesh(), dp.batch_spec())))
+    assert scan_lengths(traced.jaxpr.jaxpr).count(shape.layers) == 0
     restacked = sum(x.nbytes for x in jax.tree.leaves(stacked["layers"])) / jax.device_count()
     assert peaks["listed"] - peaks["stacked"] <= 1.2 * restacked < peaks["unrolled"] - peaks["stacked"], (
         peaks, restacked)
