@@ -34,9 +34,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from parallax.models.follow_dims import follow_rows, note, split_scan
 from parallax.models.rebind import bind_eqn
-from parallax.sharding.chains import REMAT, call_body
+from parallax.sharding.chains import CALLS, REMAT, call_body
 
-_OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
+_OPENED = (*CALLS, *REMAT)
 
 
 def batch_pinned(fn: Callable, *, mesh: Mesh, batch_axes: Sequence[str], batch_argnum: int) -> Callable:

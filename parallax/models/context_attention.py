@@ -38,9 +38,9 @@ from parallax.models.attention_weights import region as ring_region
 from parallax.models.rebind import bind_eqn, reshaped_dim
 from parallax.models.ring_attention import Ring
 from parallax.models.traced import traced_loss
-from parallax.sharding.chains import REMAT, call_body
+from parallax.sharding.chains import CALLS, REMAT, call_body
 
-_INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach the attention inside them
+_INLINED = CALLS  # calls opened to reach the attention inside them
 _OPAQUE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")  # read, not opened
 _OPENED = (*_INLINED, *REMAT, "scan")
 

@@ -42,12 +42,12 @@ from parallax.models.listed_experts import holds_modules, run_siblings, schedule
 from parallax.models.follow_dims import Follow, dot_dim, follow_rows, moved, note, split_scan
 from parallax.models.rebind import bind_eqn
 from parallax.models.traced import params_loss
-from parallax.sharding.chains import REMAT, call_body, params_within
+from parallax.sharding.chains import CALLS, REMAT, call_body, params_within
 from parallax.sharding.expert_parallel import ruled_dims
 from parallax.sharding.siblings import Siblings, find_siblings
 from parallax.sharding.tp_layout import expert_dims
 
-_OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
+_OPENED = (*CALLS, *REMAT)
 
 
 def expert_parallel(fn: Callable, *, mesh: Mesh, axis: str, rules: Sequence[tuple[str, int]] = (),

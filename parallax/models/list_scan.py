@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -40,10 +41,10 @@ import jax
 from jax.extend import core
 
 from parallax.models.rebind import bind_eqn
-from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants, params_within
+from parallax.sharding.chains import (CALLS, REMAT, Chain, call_body, find_chains, folded_constants, params_within,
+                                      use_counts)
 
 log = logging.getLogger("parallax")
-_INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a list inside them
 
 
 def scanned_lists(fn: Callable, *, params_argnum: int = 0) -> Callable:
@@ -60,66 +61,61 @@ def scanned_lists(fn: Callable, *, params_argnum: int = 0) -> Callable:
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         flags = [i == params_argnum for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
-        if not _holds_list(closed.jaxpr, flags, closed.consts):
+        found = _find(closed.jaxpr, flags, closed.consts)
+        if found is None:
             return fn(*args)
-        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), flags)
+        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), found)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
 
 
-def _loops(jaxpr: Any, flags: Sequence[bool], consts: Sequence[Any]) -> dict[int, Chain]:
-    """The chains of ``jaxpr`` a loop runs, by their last call's index."""
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """Where a jaxpr's loops are: its chains a loop runs, by their last call's index, and what the
+    calls it opens (by index) hold."""
+    loops: dict[int, Chain]
+    inner: dict[int, "_Found"]
+
+
+def _find(jaxpr: Any, flags: Sequence[bool], consts: Sequence[Any]) -> _Found | None:
+    """The loops of ``jaxpr`` and of the calls it makes (``flags``: which invars are params), read
+    once; ``None`` where there are none."""
     params = params_within(jaxpr, flags)
-    uses: dict[Any, int] = {}
-    for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]:
-        if not isinstance(v, core.Literal):
-            uses[v] = uses.get(v, 0) + 1
-    found = {}
+    uses = use_counts(jaxpr)
+    loops = {}
     for chain in find_chains(jaxpr, lambda v: v in params, consts):
         calls = [jaxpr.eqns[i] for i in chain.calls]
         carried = all(uses.get(eqn.outvars[q], 0) == 1 for eqn in calls[:-1] for q in chain.carry_out)
         others = any(uses.get(v, 0) for eqn in calls for q, v in enumerate(eqn.outvars) if q not in chain.carry_out)
         typed = all(calls[0].invars[p].aval == calls[0].outvars[q].aval for p, q in zip(chain.carry, chain.carry_out))
         if carried and not others and typed:  # else left unrolled: a loop's carry keeps its type
-            found[chain.calls[-1]] = chain
-    return found
+            loops[chain.calls[-1]] = chain
+    inner = {}
+    for index, eqn in enumerate(jaxpr.eqns):
+        body, body_consts = call_body(eqn) if eqn.primitive.name in CALLS else (None, ())
+        held = None if body is None else _find(
+            body, [not isinstance(v, core.Literal) and v in params for v in eqn.invars], body_consts)
+        if held is not None:
+            inner[index] = held
+    return _Found(loops, inner) if loops or inner else None
 
 
-def _holds_list(jaxpr: Any, flags: Sequence[bool], consts: Sequence[Any]) -> bool:
-    if _loops(jaxpr, flags, consts):
-        return True
-    params = params_within(jaxpr, flags)
-    return any(_opened(eqn, params) for eqn in jaxpr.eqns if eqn.primitive.name in _INLINED)
-
-
-def _inner_flags(eqn: Any, params: set) -> list[bool]:
-    return [not isinstance(v, core.Literal) and v in params for v in eqn.invars]
-
-
-def _opened(eqn: Any, params: set) -> bool:
-    """Whether the call ``eqn`` holds a loopable chain (``params``: its caller's values read from params alone)."""
-    inner, inner_consts = call_body(eqn)
-    return inner is not None and _holds_list(inner, _inner_flags(eqn, params), inner_consts)
-
-
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], flags: Sequence[bool]) -> list[Any]:
-    """Evaluates ``jaxpr``, each loopable chain run as a ``lax.scan`` at its last call, the calls
-    that hold one opened (``flags``: which of ``args`` are params)."""
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], found: _Found) -> list[Any]:
+    """Evaluates ``jaxpr``, each of ``found``'s chains run as a ``lax.scan`` at its last call, the
+    calls that hold one opened."""
     values: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     values.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
-    loops = _loops(jaxpr, flags, consts)
-    inside = {index for chain in loops.values() for index in chain.calls[:-1]}
-    params = params_within(jaxpr, flags)
+    inside = {index for chain in found.loops.values() for index in chain.calls[:-1]}
     for index, eqn in enumerate(jaxpr.eqns):
         if index in inside:  # run in the loop, at the chain's last call
             continue
-        if index in loops:
-            outs = _loop(loops[index], [jaxpr.eqns[i] for i in loops[index].calls], read)
-        elif eqn.primitive.name in _INLINED and _opened(eqn, params):
+        if index in found.loops:
+            outs = _loop(found.loops[index], [jaxpr.eqns[i] for i in found.loops[index].calls], read)
+        elif index in found.inner:
             inner, inner_consts = call_body(eqn)
-            outs = _evaluate(inner, inner_consts, [read(v) for v in eqn.invars], _inner_flags(eqn, params))
+            outs = _evaluate(inner, inner_consts, [read(v) for v in eqn.invars], found.inner[index])
         else:
             outs = bind_eqn(eqn, [read(v) for v in eqn.invars])
         values.update(zip(eqn.outvars, outs))

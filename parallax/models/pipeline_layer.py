@@ -30,12 +30,12 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from jax.extend import core
 
-from parallax.sharding.chains import REMAT
+from parallax.sharding.chains import CALLS, REMAT
 
 RANDOM_BITS = "random_bits"
 # Calls opened to reach a draw inside them (a jax.checkpoint stays one, with its policy); a draw
 # inside any other (a custom derivative, a loop, a branch) is refused.
-OPENED = ("jit", "pjit", "closed_call", "core_call", *REMAT)
+OPENED = (*CALLS, *REMAT)
 
 
 def in_context(jaxpr: Any, mesh: Any) -> Any:

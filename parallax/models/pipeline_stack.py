@@ -35,10 +35,10 @@ from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_
 from parallax.models.rebind import bind_eqn
 from parallax.models.remat_policy import rematerialises
 from parallax.sharding.pipeline import NoStackError
-from parallax.sharding.chains import REMAT, Chain, call_body, find_chains, folded_constants
+from parallax.sharding.chains import CALLS, REMAT, Chain, call_body, find_chains, folded_constants, use_counts
 
 PARAMS, STATE = "params", "state"  # what a value is computed from (and BATCH, the batch)
-_INLINED = ("jit", "pjit", "closed_call", "core_call")  # calls opened to reach a stack inside them
+_INLINED = CALLS  # calls opened to reach a stack inside them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +171,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         values[var], kind_of[var] = value, kind
     read = lambda v: v.val if isinstance(v, core.Literal) else values[v]  # noqa: E731
     kind = lambda v: frozenset() if isinstance(v, core.Literal) else kind_of[v]  # noqa: E731
-    uses: dict[Any, int] = {}
-    for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]:
-        if not isinstance(v, core.Literal):
-            uses[v] = uses.get(v, 0) + 1
+    uses = use_counts(jaxpr)
     used = set(uses)
     chains = _chains(jaxpr, kinds, consts)
     ends = {chain.calls[-1]: chain for chain in chains}

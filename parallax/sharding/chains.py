@@ -19,6 +19,7 @@ import numpy as np
 from jax.extend import core
 
 REMAT = ("checkpoint", "remat2", "remat")  # jax.checkpoint's primitive, by its names across versions
+CALLS = ("jit", "pjit", "closed_call", "core_call")  # the primitives that call a traced function as it is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +191,15 @@ def owned_params(jaxpr: Any, param_count: int, find: Callable,
                 if source is not None:
                     found[source] = (number, member)
     return found
+
+
+def use_counts(jaxpr: Any) -> dict[Any, int]:
+    """How many times each value of ``jaxpr`` is read: by its equations and as an output."""
+    uses: dict[Any, int] = {}
+    for v in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]:
+        if not isinstance(v, core.Literal):
+            uses[v] = uses.get(v, 0) + 1
+    return uses
 
 
 def call_body(eqn: Any) -> Any:
