@@ -143,6 +143,13 @@ class ListedLlama(nn.Module):
         return nn.Dense(self.shape.vocab, use_bias=False, dtype=jnp.dtype(self.shape.dtype), name="head")(x)
 
 
+def listed_params(stacked: dict, layers: int) -> dict:
+    """``Llama``'s params as ``ListedLlama`` holds them: the stack's blocks one per layer (``layers_{i}``)."""
+    params = {name: value for name, value in stacked.items() if name != "layers"}
+    params.update({f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked["layers"]["block"]) for i in range(layers)})
+    return params
+
+
 def loss_fn(model, batch):
     logits = model(batch["tokens"][:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()

@@ -22,7 +22,7 @@ def main() -> None:
 
     import parallax as px
     from benchmarks import TimedSteps, report, time_interleaved
-    from benchmarks.llama import Llama, ListedLlama, Shape, loss_fn
+    from benchmarks.llama import Llama, ListedLlama, Shape, listed_params, loss_fn
     from parallax.pricing.fused_bytes import dot_flops
 
     shape = Shape(layers=8, dim=128, ffn=256, heads=4, kv_heads=2, vocab=256, dtype="float32")
@@ -32,13 +32,6 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, shape.vocab, size=(rows, sequence + 1)).astype(np.int32)}
     stacked_params = Llama(shape).init(jax.random.key(0), batch["tokens"][:, :-1])["params"]
-
-    def listed_params():  # the stacked params, one block per layer: the same model written as a list
-        layers = stacked_params["layers"]["block"]
-        params = {name: value for name, value in stacked_params.items() if name != "layers"}
-        for i in range(shape.layers):
-            params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], layers)
-        return params
 
     strategies = {"FSDP(8)": lambda: px.FSDP(8, min_weight_size=1),
                   "PP(2) × FSDP(4)": lambda: px.combine(px.PipelineParallel(2, microbatches=4),
@@ -50,7 +43,7 @@ def main() -> None:
         def __init__(self, written: str, strategy_name: str):
             self.written, self.strategy_name, self.times = written, strategy_name, []
             model = Llama(shape) if written == "stacked" else ListedLlama(shape)
-            params = stacked_params if written == "stacked" else listed_params()
+            params = stacked_params if written == "stacked" else listed_params(stacked_params, shape.layers)
             strategy = strategies[strategy_name]()
             self.state = px.init_state(model, optax.adamw(1e-3), batch, strategy=strategy, loss_fn=loss_fn,
                                        params=params)

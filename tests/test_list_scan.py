@@ -103,16 +103,14 @@ def test_fsdp_steps_a_list_of_checkpointed_blocks_at_the_stacks_cost_and_trains_
     blocks' params stacked (unrolled, the compiler gathered several blocks' params at once: here
     ~2× the stack's); ``scan_lists=False`` unrolls it, as data parallelism alone does (it would copy
     the params whole). And it trains as one device does, with AdamW."""
-    from benchmarks.llama import Llama, ListedLlama, Shape
+    from benchmarks.llama import Llama, ListedLlama, Shape, listed_params
     from benchmarks.llama import loss_fn as lm_loss
 
     shape = Shape(layers=4, dim=32, ffn=64, heads=4, kv_heads=2, vocab=64, dtype="float32")
     rng = np.random.default_rng(0)
     tokens = [{"tokens": rng.integers(0, shape.vocab, size=(8, 17)).astype(np.int32)} for _ in range(2)]
     stacked = Llama(shape).init(jax.random.key(0), tokens[0]["tokens"][:, :-1])["params"]
-    listed = {name: value for name, value in stacked.items() if name != "layers"}
-    listed.update({f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked["layers"]["block"])
-                   for i in range(shape.layers)})
+    listed = listed_params(stacked, shape.layers)
     strategy = px.FSDP(min_weight_size=0, split="largest")
     peaks, loops = {}, {}
     placed = jax.device_put(tokens[0], NamedSharding(strategy.make_mesh(), strategy.batch_spec()))

@@ -728,16 +728,14 @@ def test_a_list_of_blocks_that_rematerialise_themselves_pipelines_at_the_cost_of
     stack's matmuls, and its peak exceeds the stack's by no more than the copy of the blocks' params
     the list's step stacks for the pipeline (each device's share); and it trains like one device.
     (Before, each block ran plainly inside the iteration's checkpoint: here 0.84× the matmuls.)"""
-    from benchmarks.llama import Llama, ListedLlama, Shape, loss_fn
+    from benchmarks.llama import Llama, ListedLlama, Shape, listed_params, loss_fn
     from parallax.pricing.fused_bytes import dot_flops
 
     shape = Shape(layers=4, dim=32, ffn=64, heads=4, kv_heads=2, vocab=64, dtype="float32")
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, shape.vocab, size=(8, 17)).astype(np.int32)} for _ in range(2)]
     stacked = Llama(shape).init(jax.random.key(0), batches[0]["tokens"][:, :-1])["params"]
-    listed = {name: value for name, value in stacked.items() if name != "layers"}
-    listed.update({f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked["layers"]["block"])
-                   for i in range(shape.layers)})
+    listed = listed_params(stacked, shape.layers)
     strategy = px.combine(px.PipelineParallel(2, microbatches=4), px.FSDP(4, min_weight_size=0, split="largest"))
     cost = {}
     for written, model, params in (("stacked", Llama(shape), stacked), ("listed", ListedLlama(shape), listed)):
