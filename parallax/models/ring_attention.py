@@ -29,12 +29,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from parallax._compat import shard_map
-from parallax.models.attention_weights import SHAPED, Const, derived_ops, flatten, is_var, shape_of, weights_ops
-from parallax.models.rebind import bind, bind_eqn
+from parallax.models.attention_tiles import Tiles
 
 _COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
 _IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
@@ -60,79 +58,24 @@ class Ring:
             region: the indices of the equations between its two contractions computed from its scores.
             read: a variable's value (everything computed before the values contraction).
         """
-        scores_eqn, values_eqn = eqns[attention.scores], eqns[attention.values]
-        dims = attention.dims
-        query_side = 0 if dims[(attention.scores, 0)][0] is not None else 1
-        weights_side = 0 if dims[(attention.values, 0)][0] is not None else 1
-        scores = scores_eqn.outvars[0]
-        weights = values_eqn.invars[weights_side]
-        alias: dict = {}
-        ops = flatten([eqns[i] for i in region], alias)
-        weights = alias.get(weights, weights)  # a call's result: the variable its body computes it in
-        info = weights_ops(ops, scores, dims[(attention.scores, "out")], weights)
-        env: dict = {}
-
-        def val(v: Any) -> Any:
-            if isinstance(v, (core.Literal, Const)):
-                return v.val if isinstance(v, core.Literal) else v.value
-            return env[v] if v in env else read(v)
-
-        per_block = derived_ops(ops, info.derived) | info.inside
-        for index, op in enumerate(ops):  # the side values the blocks start from (a mask, dropout's bits), whole
-            if index not in per_block:
-                env.update(zip(op.outvars, bind(op.primitive, op.params, [val(v) for v in op.invars])))
-        q_in = read(scores_eqn.invars[query_side])
-        k_in = read(scores_eqn.invars[1 - query_side])
-        v_in = read(values_eqn.invars[1 - weights_side])
-        side_values = [val(v) for v in info.sides]
-        queries, keys = attention.queries, attention.keys
-        spec = lambda ndim, split: PartitionSpec(*[self.axis if d == split else None for d in range(ndim)])  # noqa: E731
-        q_dim = dims[(attention.scores, query_side)][0]
-        k_dim = dims[(attention.scores, 1 - query_side)][1]
-        v_dim = dims[(attention.values, 1 - weights_side)][1]
-        side_dims = [info.roles.get(v, (None, None)) for v in info.sides]
-        side_specs = [spec(len(shape_of(v)), q if q is not None and shape_of(v)[q] == queries else None)
-                      for v, (q, _) in zip(info.sides, side_dims)]
-        out_dim = dims[(attention.values, "out")][0]
-        size, block = self.size, keys // self.size
-
-        def blocked(shape: Sequence[int], roles: tuple) -> tuple:
-            q, k = roles
-            return tuple(queries // size if d == q and n == queries else block if d == k and n == keys else n
-                         for d, n in enumerate(shape))
+        tiles = Tiles.of(eqns, attention, region, read)
+        q_in, k_in, v_in, side_values = tiles.inputs(read)
+        size, block = self.size, tiles.keys // self.size
+        shape = (tiles.queries // size, block)
+        ops = tiles.ops
 
         def one_block(q, kb, source, finals, sides, until):
-            local: dict = {scores: bind_eqn(scores_eqn, [q, kb] if query_side == 0 else [kb, q])[0]}
-            for v, (qd, kd), x in zip(info.sides, side_dims, sides):
-                if kd is not None and x.shape[kd] == keys:
-                    x = jax.lax.dynamic_slice_in_dim(x, source * block, block, axis=kd)
-                local[v] = x
-            get = lambda v: local[v] if is_var(v) and v in local else val(v)  # noqa: E731
-            for index, op in enumerate(ops):
-                if index not in per_block:
-                    continue
-                if index in finals:
-                    local[op.outvars[0]] = finals[index]
-                    continue
-                # Shardings traced outside the ring name the mesh before its axis went manual: left to the body.
-                params = {name: None if name in ("sharding", "out_sharding") else value
-                          for name, value in op.params.items()}
-                if op.primitive.name in SHAPED:
-                    key = SHAPED[op.primitive.name]
-                    params[key] = blocked(params[key], info.roles.get(op.outvars[0], (None, None)))
-                local.update(zip(op.outvars, bind(op.primitive, params, [get(v) for v in op.invars])))
-                if index == until:
-                    return local[op.outvars[0]]
-            return local[weights]
+            sides = [tiles.side_tile(x, dims, source * block, block) for x, dims in zip(sides, tiles.side_dims)]
+            return tiles.run(tiles.scores_of(q, kb), sides, finals, shape, until)
 
         def body(q, k, v, *sides):
             index = jax.lax.axis_index(self.axis)
             perm = [(i, (i + 1) % size) for i in range(size)]
             finals: dict = {}
-            for reduction in [*info.reductions, None]:  # a pass round the ring for each, then the values'
+            for reduction in [*tiles.info.reductions, None]:  # a pass round the ring for each, then the values'
                 if reduction is None:
-                    part = jax.checkpoint(lambda kb, vb, source: bind_eqn(values_eqn, _sides(
-                        one_block(q, kb, source, finals, sides, None), vb, weights_side))[0])
+                    part = jax.checkpoint(lambda kb, vb, source: tiles.values_of(
+                        one_block(q, kb, source, finals, sides, None), vb))
                     combine = jax.lax.add
                 else:
                     part = jax.checkpoint(lambda kb, vb, source, r=reduction: one_block(q, kb, source, finals, sides, r))
@@ -145,19 +88,14 @@ class Ring:
                     vb = jax.lax.ppermute(vb, self.axis, perm) if moves_values else vb
                     return (kb, vb, total), None
 
-                shape = jax.eval_shape(part, k, v, index)
-                start = jnp.full(shape.shape, _IDENTITY[combine], shape.dtype)
+                shape_out = jax.eval_shape(part, k, v, index)
+                start = jnp.full(shape_out.shape, _IDENTITY[combine], shape_out.dtype)
                 total = jax.lax.scan(step, (k, v, start), jnp.arange(size))[0][2]
                 if reduction is None:
                     return total
                 finals = {**finals, reduction: total}
             raise AssertionError("unreachable")
 
-        run = shard_map(body, mesh=self.mesh,
-                        in_specs=(spec(q_in.ndim, q_dim), spec(k_in.ndim, k_dim), spec(v_in.ndim, v_dim), *side_specs),
-                        out_specs=spec(len(shape_of(values_eqn.outvars[0])), out_dim), manual_axes={self.axis})
+        in_specs, out_specs = tiles.specs(self.axis, q_in, k_in, v_in)
+        run = shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, manual_axes={self.axis})
         return run(q_in, k_in, v_in, *side_values)
-
-
-def _sides(weights: Any, values: Any, weights_side: int) -> list:
-    return [weights, values] if weights_side == 0 else [values, weights]

@@ -1,0 +1,167 @@
+"""An attention's ops from its scores to its weights, ready to run on a tile of its scores.
+
+:mod:`parallax.models.ring_attention` and :mod:`parallax.models.balanced_attention` run an attention
+found in a trace (:mod:`parallax.models.context_attention`) inside a ``shard_map`` over the context
+axis, a tile of the scores at a time: some of the queries against some of the keys. The ops between
+the two contractions (a mask, a softmax, dropout: the model's own, traced at the whole sequence's
+shapes) are re-run at the tile's shapes, each value's queries' and keys' dims followed through them
+(:mod:`parallax.models.attention_weights`). :class:`Tiles` holds what both need: the ops, the values
+they read besides the scores (computed whole, once), where each operand's sequence dims are, and
+:meth:`Tiles.run`, which evaluates the ops on one tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core
+from jax.sharding import PartitionSpec
+
+from parallax.models.attention_weights import SHAPED, Const, Weights, derived_ops, flatten, is_var, shape_of, weights_ops
+from parallax.models.rebind import bind, bind_eqn
+
+
+@dataclasses.dataclass
+class Tiles:
+    """One attention's equations and dims, and its weights' ops (:meth:`run` on a tile).
+
+    Attributes:
+        scores_eqn, values_eqn: the two contractions.
+        query_side, weights_side: which operand of each holds the queries, the weights.
+        q_dim, k_dim, v_dim, out_dim: the queries' dim in ``q``, the keys' in ``k`` and ``v``, the
+            queries' in the result.
+        queries, keys: the sequence lengths.
+        info: the weights' ops (:class:`~parallax.models.attention_weights.Weights`).
+        sides, side_dims: the values those ops read besides the scores, and each one's (queries'
+            dim, keys' dim).
+    """
+
+    scores_eqn: Any
+    values_eqn: Any
+    query_side: int
+    weights_side: int
+    q_dim: int
+    k_dim: int
+    v_dim: int
+    out_dim: int
+    queries: int
+    keys: int
+    info: Weights
+    sides: list
+    side_dims: list
+    scores: Any
+    weights: Any
+    per_block: set
+    val: Callable
+
+    @classmethod
+    def of(cls, eqns: Sequence[Any], attention: Any, region: list[int], read: Callable) -> "Tiles":
+        """The tiles of ``attention`` (found in ``eqns``; ``region``: the equations between its
+        contractions computed from its scores; ``read``: a variable's value before the values
+        contraction). The side values are computed here, whole."""
+        scores_eqn, values_eqn = eqns[attention.scores], eqns[attention.values]
+        dims = attention.dims
+        query_side = 0 if dims[(attention.scores, 0)][0] is not None else 1
+        weights_side = 0 if dims[(attention.values, 0)][0] is not None else 1
+        scores = scores_eqn.outvars[0]
+        alias: dict = {}
+        ops = flatten([eqns[i] for i in region], alias)
+        weights = values_eqn.invars[weights_side]
+        weights = alias.get(weights, weights)  # a call's result: the variable its body computes it in
+        info = weights_ops(ops, scores, dims[(attention.scores, "out")], weights)
+        env: dict = {}
+
+        def val(v: Any) -> Any:
+            if isinstance(v, (core.Literal, Const)):
+                return v.val if isinstance(v, core.Literal) else v.value
+            return env[v] if v in env else read(v)
+
+        per_block = derived_ops(ops, info.derived) | info.inside
+        for index, op in enumerate(ops):  # the side values the tiles start from (a mask, dropout's bits), whole
+            if index not in per_block:
+                env.update(zip(op.outvars, bind(op.primitive, op.params, [val(v) for v in op.invars])))
+        return cls(scores_eqn, values_eqn, query_side, weights_side,
+                   q_dim=dims[(attention.scores, query_side)][0], k_dim=dims[(attention.scores, 1 - query_side)][1],
+                   v_dim=dims[(attention.values, 1 - weights_side)][1], out_dim=dims[(attention.values, "out")][0],
+                   queries=attention.queries, keys=attention.keys, info=info, sides=list(info.sides),
+                   side_dims=[info.roles.get(v, (None, None)) for v in info.sides], scores=scores, weights=weights,
+                   per_block=per_block, val=val)
+
+    @property
+    def ops(self) -> list:
+        return self.info.ops
+
+    def inputs(self, read: Callable) -> tuple[Any, Any, Any, list]:
+        """The queries, keys and values, and the side values (whole)."""
+        return (read(self.scores_eqn.invars[self.query_side]), read(self.scores_eqn.invars[1 - self.query_side]),
+                read(self.values_eqn.invars[1 - self.weights_side]), [self.val(v) for v in self.sides])
+
+    def specs(self, axis: str, q: Any, k: Any, v: Any) -> tuple:
+        """``shard_map``'s specs: the queries split along theirs, the keys and values along theirs,
+        each side value along its queries' dim (if it has one at full length), the result along its
+        queries'."""
+        spec = lambda ndim, split: PartitionSpec(*[axis if d == split else None for d in range(ndim)])  # noqa: E731
+        sides = [spec(len(shape_of(v)), qd if qd is not None and shape_of(v)[qd] == self.queries else None)
+                 for v, (qd, _) in zip(self.sides, self.side_dims)]
+        ins = (spec(q.ndim, self.q_dim), spec(k.ndim, self.k_dim), spec(v.ndim, self.v_dim), *sides)
+        return ins, spec(len(shape_of(self.values_eqn.outvars[0])), self.out_dim)
+
+    def scores_of(self, q: Any, k: Any) -> Any:
+        """The scores of a tile of queries against a block of keys."""
+        return bind_eqn(self.scores_eqn, [q, k] if self.query_side == 0 else [k, q])[0]
+
+    def values_of(self, weights: Any, v: Any) -> Any:
+        """A tile's weights times its block of values."""
+        return bind_eqn(self.values_eqn, [weights, v] if self.weights_side == 0 else [v, weights])[0]
+
+    def side_tile(self, x: Any, dims: tuple, key_start: Any, key_len: int) -> Any:
+        """A side value's columns ``key_start`` to ``key_start + key_len`` (if it has the keys' dim whole)."""
+        kd = dims[1]
+        if kd is None or x.shape[kd] != self.keys or key_len == self.keys:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, key_start, key_len, axis=kd)
+
+    def run(self, scores: Any, sides: Sequence[Any], finals: dict, shape: tuple[int, int],
+            until: int | None = None, want: Any = None, skip_scores: bool = False) -> Any:
+        """The weights of one tile of ``shape`` (queries, keys), from its scores and its side values.
+
+        Args:
+            scores: the tile's scores (``None`` with ``skip_scores``: the ops computed from them are not run).
+            sides: the side values, each at the tile's queries' rows and keys' columns.
+            finals: ``{op index: value}``: reductions over the keys already combined over the tiles.
+            shape: the tile's number of queries and of keys.
+            until: stop after this op and return its result.
+            want: return this variable (once the ops before ``until`` ran) instead.
+            skip_scores: run only the ops not computed from the scores (a mask's broadcast).
+        """
+        local: dict = {self.scores: scores} if scores is not None else {}
+        local.update(zip(self.sides, sides))
+        get = lambda v: local[v] if is_var(v) and v in local else self.val(v)  # noqa: E731
+        derived = self.info.derived
+        for index, op in enumerate(self.ops):
+            if index not in self.per_block:
+                continue
+            if index == until and want is not None:
+                return get(want)
+            if skip_scores and any(is_var(v) and v in derived for v in op.invars):
+                continue
+            if index in finals:
+                local[op.outvars[0]] = finals[index]
+                continue
+            # Shardings traced outside the shard_map name the mesh before its axis went manual: left to the body.
+            params = {name: None if name in ("sharding", "out_sharding") else value for name, value in op.params.items()}
+            if op.primitive.name in SHAPED:
+                key = SHAPED[op.primitive.name]
+                params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape)
+            local.update(zip(op.outvars, bind(op.primitive, params, [get(v) for v in op.invars])))
+            if index == until:
+                return local[op.outvars[0]]
+        return get(want) if want is not None else local[self.weights]
+
+    def blocked(self, full: Sequence[int], roles: tuple, shape: tuple[int, int]) -> tuple:
+        """A shape traced for the whole sequence, at a tile's (queries, keys)."""
+        q, k = roles
+        return tuple(shape[0] if d == q and n == self.queries else shape[1] if d == k and n == self.keys else n
+                     for d, n in enumerate(full))
