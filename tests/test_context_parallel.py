@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.models.context_attention import model_has_attention
+from parallax.models.balanced_attention import tiles_computed
+from parallax.models.context_attention import context_parallel, model_has_attention
 from parallax.sharding.auto import from_mesh
 from parallax.state.search import resolve
 from tests import tiers
@@ -109,13 +110,17 @@ def padded_batches(steps: int, vocab: int = 64) -> list[dict]:
     return out
 
 
+def cp(size: int, method: str) -> px.ContextParallel:
+    """The context part by method: "all_gather", "ring", or "balanced" (all_gather, load_balance=True)."""
+    return px.ContextParallel(size, method="all_gather" if method == "balanced" else method,
+                              load_balance=method == "balanced")
+
+
 STRATEGIES = {  # each with the method its context axis runs attention by
-    "cp4": lambda m="all_gather": px.ContextParallel(4, method=m),  # on 4 of the 8 devices
-    "cp2-fsdp4": lambda m="all_gather": px.combine(px.ContextParallel(2, method=m), px.FSDP(4, min_weight_size=64)),
-    "cp2-tp2-dp2": lambda m="all_gather": px.combine(px.ContextParallel(2, method=m), px.TensorParallel(2),
-                                                     px.DataParallel(2)),
-    "pp2-cp2-dp2": lambda m="all_gather": px.combine(px.PipelineParallel(2), px.ContextParallel(2, method=m),
-                                                     px.DataParallel(2)),
+    "cp4": lambda m="all_gather": cp(4, m),  # on 4 of the 8 devices
+    "cp2-fsdp4": lambda m="all_gather": px.combine(cp(2, m), px.FSDP(4, min_weight_size=64)),
+    "cp2-tp2-dp2": lambda m="all_gather": px.combine(cp(2, m), px.TensorParallel(2), px.DataParallel(2)),
+    "pp2-cp2-dp2": lambda m="all_gather": px.combine(px.PipelineParallel(2), cp(2, m), px.DataParallel(2)),
 }
 MODELS = {
     "linen": (lambda: TinyLM(), lm_loss, lambda: batches("lm", 2)),
@@ -139,11 +144,17 @@ GRID = [
     ("dot_product_attention", "cp2-fsdp4", "sgd", "all_gather"), ("dot_product_attention", "cp4", "adamw", "ring"),
     ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"), ("gpt2", "cp2-fsdp4", "adamw", "ring"),
     ("llama", "cp4", "adamw", "all_gather"),
+    # load_balance=True: a causal and padding mask with dropout (NNX), Hugging Face's additive bias, linen's
+    # where(mask, ...), jax.nn.dot_product_attention's is_causal, grouped-query heads with rotary positions.
+    ("nnx", "cp4", "adamw", "balanced"), ("gpt2", "cp2-fsdp4", "adamw", "balanced"),
+    ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("dot_product_attention", "cp4", "adamw", "balanced"),
+    ("llama", "cp2-fsdp4", "adamw", "balanced"),
 ]
 # The core tier: the AdamW cases (each hybrid, each family, both methods), and the two cells only SGD covers
 # (context x tensor x data on a linen model and on GPT-2).
-CORE = [case for case in GRID if case[2] == "adamw"] + [("linen", "cp2-tp2-dp2", "sgd", "ring"),
-                                                         ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather")]
+CORE = [case for case in GRID if case[2] == "adamw" and case[0] != "llama"] + [
+    ("linen", "cp2-tp2-dp2", "sgd", "ring"), ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"),
+    ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("llama", "cp4", "adamw", "all_gather")]
 
 
 @pytest.mark.parametrize("model, strategy, optimizer, method",
@@ -205,6 +216,43 @@ def test_the_ring_computes_a_tile_of_queries_by_a_block_of_keys_and_passes_the_b
     assert "collective-permute" in text
 
 
+def hf_style(q, k, v, keep):
+    """Hugging Face Flax's way: a causal and a padding mask turned into an additive finfo.min bias."""
+    s = q.shape[1]
+    mask = jnp.tril(jnp.ones((s, s), bool))[None, None] & (keep[:, None, None, :] > 0)
+    bias = jax.lax.select(mask, jnp.zeros(mask.shape), jnp.full(mask.shape, jnp.finfo(jnp.float32).min))
+    weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def test_balanced_attention_skips_what_the_mask_hides_and_every_device_as_much():
+    """Per device, the tiles of scores computed (of 4 × CP) under load_balance=True: a causal mask
+    leaves each device 2 × CP + 1 (one diagonal chunk and its mirror), however the mask is written
+    (linen's where(mask, scores, finfo.min), jax.nn's is_causal, Hugging Face's additive bias); a
+    mask that hides nothing leaves all of them; a row the mask hides whole (a padded query, whose
+    softmax is uniform over every key) keeps every tile of its chunk, so it computes what one device does."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context",))
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 32, 2, 4)) for i in range(3))
+    count = lambda fn, *args: tiles_computed(fn, *args, mesh=mesh, axis="context").tolist()  # noqa: E731
+    attention = nn.MultiHeadDotProductAttention(2)
+    x = q.reshape(2, 32, 8)
+    params = attention.init(jax.random.key(0), x, x)
+    causal = nn.make_causal_mask(x[..., 0])
+    assert count(lambda x: attention.apply(params, x, x, mask=causal), x) == [9] * 4
+    assert count(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, k, v) == [9] * 4
+    assert count(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), q, k, v) == [16] * 4
+    keep = np.ones((2, 32), np.int32)
+    assert count(hf_style, q, k, v, keep) == [9] * 4
+    keep[1, 28:] = 0  # the keys of 28..31 hidden from every query (padding): each row keeps others
+    assert count(hf_style, q, k, v, keep) == [9] * 4
+    masked_rows = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, mask=jnp.tril(jnp.ones((32, 32), bool)) & (jnp.arange(32) != 1)[:, None])  # row 1 hidden whole
+    assert count(masked_rows, q, k, v) == [9 + 7, 9, 9, 9]  # device 0's chunk 0 (rows 0..3) computes all 8 tiles
+    for fn, args in ((hf_style, (q, k, v, keep)), (masked_rows, (q, k, v))):
+        split = context_parallel(lambda *a: fn(*a), mesh=mesh, axis="context", load_balance=True)
+        np.testing.assert_allclose(jax.jit(split)(*args), fn(*args), rtol=1e-5, atol=1e-6)
+
+
 class ReturnsWeights(nn.Module):
     """Attention whose weights the loss also reads (an attention-entropy term): no ring can hold them."""
 
@@ -227,7 +275,8 @@ def mlp_loss(model, batch):
     (lambda: nn.Dense(4), mlp_loss, {"x": np.zeros((16, 8), np.int32)}, px.ContextParallel(),
      r"found no attention in the model .* jax.nn.dot_product_attention"),
     (ReturnsWeights, lambda m, b: sum(jnp.mean(x) for x in m(b["x"])), {"x": np.zeros((16, 8), np.int32)},
-     px.ContextParallel(method="ring"), r"method='ring'\) cannot run this attention in blocks of keys: the model also "
+     px.ContextParallel(method="ring"),
+     r"method='ring'\) cannot run this attention in blocks of keys \(nor load_balance=True in tiles\): the model also "
      r"reads its scores or weights elsewhere .* Use method='all_gather'"),
     (StackedLM, lm_loss, {"x": np.zeros((16, 9), np.int32)}, STRATEGIES["pp2-cp2-dp2"]("ring"),
      r"the ring method does not run inside a pipeline's stages .* use ContextParallel\(method='all_gather'\)"),

@@ -209,8 +209,8 @@ def _merged(found: dict, operands: list) -> tuple:
 
 def unreachable(what: str) -> ValueError:
     return ValueError(
-        f"ContextParallel(method='ring') cannot run this attention in blocks of keys: {what}. Use "
-        "method='all_gather' (which runs any attention context parallelism finds).")
+        f"ContextParallel(method='ring') cannot run this attention in blocks of keys (nor load_balance=True in tiles): "
+        f"{what}. Use method='all_gather' without load_balance (which runs any attention context parallelism finds).")
 
 
 def region(jaxpr: Any, attention: Any) -> list[int]:

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import scan_counts
 from parallax.models.attention_weights import region as ring_region
+from parallax.models.balanced_attention import Balanced
 from parallax.models.rebind import bind_eqn, reshaped_dim
 from parallax.models.ring_attention import Ring
 from parallax.models.traced import traced_loss
@@ -197,6 +198,7 @@ class _Pin:
     mesh: Mesh
     axis: str
     method: str = "all_gather"
+    load_balance: bool = False
 
     def __call__(self, x: Any, split: int | None = None, whole: int | None = None) -> Any:
         """``x`` with its dim ``split`` over the axis and its dim ``whole`` on no axis, the rest free."""
@@ -208,7 +210,8 @@ class _Pin:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*dims)))
 
 
-def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_gather") -> Callable:
+def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_gather",
+                     load_balance: bool = False) -> Callable:
     """``fn`` with every attention it computes split along its queries' sequence over ``mesh``'s ``axis``.
 
     Args:
@@ -217,6 +220,9 @@ def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_
         axis: the context axis.
         method: ``"all_gather"`` (each device gathers the keys and values whole) or ``"ring"``
             (:mod:`parallax.models.ring_attention`: passed round the axis a block at a time).
+        load_balance: skip the tiles of the scores the model's mask hides, the sequence reordered
+            inside each attention so that every device skips as many
+            (:mod:`parallax.models.balanced_attention`).
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
@@ -226,11 +232,11 @@ def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_
             it), or a sequence length the axis does not divide (and what to pad it to).
     """
     size = int(mesh.shape[axis])
-    pin = _Pin(mesh, axis, method)
+    pin = _Pin(mesh, axis, method, load_balance)
 
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        reached = _check(closed.jaxpr, size, axis)
+        reached = _check(closed.jaxpr, size, axis, load_balance)
         if not reached:
             raise ValueError(
                 f"ContextParallel({axis}) found no attention in the model to split over the sequence: no q·kᵀ "
@@ -244,21 +250,25 @@ def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_
     return run
 
 
-def _check(jaxpr: Any, size: int, axis: str) -> int:
-    """How many attentions :func:`_evaluate` reaches in ``jaxpr``; raises for a length ``size`` does not divide."""
-    count = 0
+def _check(jaxpr: Any, size: int, axis: str, load_balance: bool = False) -> int:
+    """How many attentions :func:`_evaluate` reaches in ``jaxpr``; raises for a length the axis's
+    chunks (``size``, or ``2 × size`` balanced) do not divide."""
+    count, parts = 0, 2 * size if load_balance else size
     for attention in find_attention(jaxpr):
         for what, length in (("queries", attention.queries), ("keys", attention.keys)):
-            if length % size:
-                padded = -(-length // size) * size
+            if length % parts:
+                padded = -(-length // parts) * parts
+                cut = (f"cuts the sequence into {parts} chunks, two per device," if load_balance else
+                       "splits the sequence,")
                 raise ValueError(
-                    f"ContextParallel({axis}={size}) splits the sequence, and an attention's {what} have length "
-                    f"{length}, which {size} does not divide: pad the sequence to {padded} (masking the padding, "
-                    f"e.g. with the attention mask), or use a context size that divides {length}.")
+                    f"ContextParallel({axis}={size}{', load_balance=True' if load_balance else ''}) {cut} and an "
+                    f"attention's {what} have length {length}, which {parts} does not divide: pad the sequence to "
+                    f"{padded} (masking the padding, e.g. with the attention mask), or use a context size that "
+                    f"divides {length // (2 if load_balance else 1)}.")
         count += 1
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _OPENED:
-            count += _check(call_body(eqn)[0], size, axis)
+            count += _check(call_body(eqn)[0], size, axis, load_balance)
     return count
 
 
@@ -271,15 +281,16 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
     attentions = find_attention(jaxpr)
     pinned = {i: a.dims for a in attentions for i in (a.scores, a.values)}
     rings, skipped = {}, set()
-    if pin.method == "ring":
+    if pin.method == "ring" or pin.load_balance:
         for a in attentions:
             rings[a.values] = (a, ring_region(jaxpr, a))
             skipped.update((a.scores, *rings[a.values][1]))
+    tiled = Balanced(pin.mesh, pin.axis) if pin.load_balance else Ring(pin.mesh, pin.axis)
     for index, eqn in enumerate(jaxpr.eqns):
         if index in skipped:
             continue
         if index in rings:
-            values[eqn.outvars[0]] = Ring(pin.mesh, pin.axis)(jaxpr.eqns, *rings[index], read)
+            values[eqn.outvars[0]] = tiled(jaxpr.eqns, *rings[index], read)
             continue
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name

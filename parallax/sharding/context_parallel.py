@@ -25,6 +25,7 @@ class ContextRun:
 
     axis: str
     method: str = "all_gather"
+    load_balance: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +51,26 @@ class ContextParallel(Strategy):
             bytes; for an attention whose weights the model also reads elsewhere it raises, naming
             ``all_gather``. ``strategy="auto"`` and ``px.plan``'s advice price both.
         axis: the mesh axis name.
+        load_balance: skip the tiles of the scores the model's mask hides (under a causal mask,
+            about half), the sequence cut into ``2 × size`` chunks and each device holding an early
+            and a late one inside each attention, so every device skips as many
+            (:mod:`parallax.models.balanced_attention`; the model's positions are unchanged). The
+            keys and values are gathered whole, as by ``"all_gather"``. The sequence length must
+            be a multiple of ``2 × size``. Not with ``method="ring"`` nor inside a pipeline's stages.
 
     Example:
         >>> px.ContextParallel(4).describe(), px.ContextParallel(4).model_axes
         ('ContextParallel(context=4)', ('context',))
         >>> px.ContextParallel(4, method="ring").describe()
         "ContextParallel(context=4, method='ring')"
+        >>> px.ContextParallel(4, load_balance=True).describe()
+        'ContextParallel(context=4, load_balance=True)'
     """
 
     size: int = -1
     method: str = "all_gather"
     axis: str = "context"
+    load_balance: bool = False
 
     splits_batch = False
     gathers_params = False
@@ -74,14 +84,22 @@ class ContextParallel(Strategy):
             raise ValueError(f"ContextParallel(method={self.method!r}): use 'all_gather' (each device gathers the "
                              "keys and values of the sequence whole, per attention) or 'ring' (they are passed round "
                              "the axis a block at a time).")
+        if not isinstance(self.load_balance, bool):
+            raise TypeError(f"ContextParallel(load_balance={self.load_balance!r}): use True (skip the tiles a causal "
+                            "mask hides, evenly over the devices) or False.")
+        if self.load_balance and self.method == "ring":
+            raise ValueError("ContextParallel(method='ring', load_balance=True): the balanced split gathers the keys "
+                             "and values whole; use ContextParallel(load_balance=True) (method='all_gather'), or the "
+                             "ring without load_balance when the gathered keys do not fit.")
 
     @property
     def described_options(self) -> str:
-        return "" if self.method == "all_gather" else f", method={self.method!r}"
+        return (("" if self.method == "all_gather" else f", method={self.method!r}")
+                + (", load_balance=True" if self.load_balance else ""))
 
     @property
     def run_change(self) -> ContextRun:
-        return ContextRun(self.axis, self.method)
+        return ContextRun(self.axis, self.method, self.load_balance)
 
     def place(self, path, shape, dims, axis_sizes):
         return dims

@@ -59,15 +59,17 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         # otherwise gather to keep the weights where they are (parallax.models.batch_pins).
         loss = batch_pinned(loss, mesh=mesh, batch_axes=(batch,) if isinstance(batch, str) else tuple(batch),
                             batch_argnum=2)
-    rings = [c for c in strategy.run_changes if isinstance(c, ContextRun) and c.method == "ring"]
-    if rings and any(isinstance(c, PipelineRun) for c in strategy.run_changes):
-        raise ValueError(f"{strategy.describe()}: the ring method does not run inside a pipeline's stages (its "
-                         "shard_map would nest in the pipeline's): use ContextParallel(method='all_gather') with "
-                         "PipelineParallel, or the ring without it.")
+    tiled = [c for c in strategy.run_changes if isinstance(c, ContextRun) and (c.method == "ring" or c.load_balance)]
+    if tiled and any(isinstance(c, PipelineRun) for c in strategy.run_changes):
+        what = "the ring method" if tiled[0].method == "ring" else "load_balance=True"
+        raise ValueError(f"{strategy.describe()}: {what} does not run inside a pipeline's stages (its "
+                         "shard_map would nest in the pipeline's): use ContextParallel(method='all_gather') without "
+                         "load_balance with PipelineParallel, or this context split without a pipeline.")
     # The attention split and the experts' pins first: a pipeline then runs the layers with them.
     for change in sorted(strategy.run_changes, key=lambda c: isinstance(c, PipelineRun)):
         if isinstance(change, ContextRun):
-            loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method)
+            loss = context_parallel(loss, mesh=mesh, axis=change.axis, method=change.method,
+                                    load_balance=change.load_balance)
         elif isinstance(change, ExpertRun):
             batch = strategy.batch_spec()[0]
             loss = expert_parallel(loss, mesh=mesh, axis=change.axis, rules=change.rules, batch_argnum=2,
