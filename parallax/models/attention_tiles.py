@@ -36,6 +36,9 @@ class Tiles:
         info: the weights' ops (:class:`~parallax.models.attention_weights.Weights`).
         sides, side_dims: the values those ops read besides the scores, and each one's (queries'
             dim, keys' dim).
+        fixed: for each side value, whether it is computed from no input of the function (a
+            causal mask made from positions the model counts itself): each device can compute any
+            rows of it where it stands, without moving them.
     """
 
     scores_eqn: Any
@@ -55,6 +58,8 @@ class Tiles:
     weights: Any
     per_block: set
     val: Callable
+    fixed: list
+
 
     @classmethod
     def of(cls, eqns: Sequence[Any], attention: Any, region: list[int], read: Callable) -> "Tiles":
@@ -87,7 +92,7 @@ class Tiles:
                    v_dim=dims[(attention.values, 1 - weights_side)][1], out_dim=dims[(attention.values, "out")][0],
                    queries=attention.queries, keys=attention.keys, info=info, sides=list(info.sides),
                    side_dims=[info.roles.get(v, (None, None)) for v in info.sides], scores=scores, weights=weights,
-                   per_block=per_block, val=val)
+                   per_block=per_block, val=val, fixed=[_fixed(v, eqns, ops) for v in info.sides])
 
     @property
     def ops(self) -> list:
@@ -165,3 +170,20 @@ class Tiles:
         q, k = roles
         return tuple(shape[0] if d == q and n == self.queries else shape[1] if d == k and n == self.keys else n
                      for d, n in enumerate(full))
+
+
+def _fixed(v: Any, eqns: Sequence[Any], ops: Sequence[Any]) -> bool:
+    """Whether ``v`` is computed from literals and constants alone, by ``eqns`` (a jaxpr's) and ``ops``."""
+    made = {out: e for e in (*eqns, *ops) for out in e.outvars}
+    seen: dict = {}
+
+    def walk(x: Any) -> bool:
+        if not is_var(x):
+            return True
+        if x not in seen:
+            seen[x] = False  # an input of the function, or a cycle's guard
+            if x in made:
+                seen[x] = all(walk(u) for u in made[x].invars)
+        return seen[x]
+
+    return walk(v)

@@ -76,7 +76,14 @@ class Balanced:
         size, axis = self.size, self.axis
         chunk = tiles.keys // (2 * size)
         in_specs, out_specs = tiles.specs(axis, q_in, k_in, v_in)
+        # The keys and values enter whole: the compiler gathers them, keeping the batch's split (gathered inside
+        # the shard_map, the batch was gathered over the data axis too).
+        whole = jax.sharding.PartitionSpec()
         split_sides = [spec != jax.sharding.PartitionSpec(*[None] * len(spec)) for spec in in_specs[3:]]
+        # A side value computed from no input (a causal mask) enters whole and each device takes its rows where it
+        # stands; one computed from the batch (a padding mask, dropout's bits) enters split and is exchanged.
+        moved = [split and not fixed for split, fixed in zip(split_sides, tiles.fixed)]
+        in_specs = (in_specs[0], whole, whole, *[spec if move else whole for spec, move in zip(in_specs[3:], moved)])
         if tiles.queries != tiles.keys or tiles.keys % (2 * size):
             raise ValueError(
                 f"ContextParallel({axis}={size}, load_balance=True) cuts the sequence into {2 * size} chunks, two per "
@@ -86,10 +93,8 @@ class Balanced:
 
         def body(q, k, v, *sides):
             q = zigzag(q, tiles.q_dim, axis, size)
-            sides = [zigzag(x, dims[0], axis, size) if split else x
-                     for x, dims, split in zip(sides, tiles.side_dims, split_sides)]
-            k = jax.lax.all_gather(k, axis, axis=tiles.k_dim, tiled=True)
-            v = jax.lax.all_gather(v, axis, axis=tiles.v_dim, tiled=True)
+            sides = [zigzag(x, dims[0], axis, size) if move else zigzag_rows(x, dims[0], axis, size) if split else x
+                     for x, dims, split, move in zip(sides, tiles.side_dims, split_sides, moved)]
             rows = 2 * chunk
             skip = hidden(sides, rows) if hidden else np.zeros((2, 2 * size), bool)
             q_chunks = [jax.lax.slice_in_dim(q, x * chunk, (x + 1) * chunk, axis=tiles.q_dim) for x in (0, 1)]
@@ -134,6 +139,13 @@ def _tile(x: Any, rows: tuple[int, int], cols: tuple[int, int], chunk: int) -> A
     return jax.lax.slice_in_dim(x, cols[1], cols[1] + chunk, axis=cols[0])
 
 
+def _rows(x: Any, dim: int | None, start: int, length: int, rows: int) -> Any:
+    """``x``'s rows ``start`` to ``start + length`` along ``dim`` (if it has all ``rows`` there)."""
+    if dim is None or x.shape[dim] != rows:
+        return x
+    return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
+
+
 def _hidden_rule(tiles: Tiles) -> Callable | None:
     """A function of a device's side values (zig-zag rows) and its rows' count, giving each tile's
     skip flag (``[2][2 × size]`` traced bools), or ``None`` where the mask cannot be read (the first
@@ -149,23 +161,25 @@ def _hidden_rule(tiles: Tiles) -> Callable | None:
         return None
 
     def skip(sides: Sequence[Any], rows: int) -> list[list[Any]]:
+        chunk, count = rows // 2, tiles.keys // (rows // 2)
         shape = list(tiles.scores.aval.shape)
         q_out, k_out = info.roles[tiles.scores]
-        shape[q_out], shape[k_out] = rows, tiles.keys
-        hidden = None
-        for sign in (1, -1):
-            value = tiles.run(jnp.full(shape, sign * PROBE, dtype), sides, {}, (rows, tiles.keys),
-                              until=first, want=reduced)
-            hidden = value <= -PROBE if hidden is None else hidden & (value <= -PROBE)
-        others = tuple(d for d in range(hidden.ndim) if d not in (q_dim, k_dim))
-        live_rows = jnp.all(jnp.any(~hidden, axis=k_dim, keepdims=True), axis=others, keepdims=True)  # (.., rows, 1)
-        grid = jnp.all(hidden, axis=others, keepdims=True)
-        chunk, count = rows // 2, tiles.keys // (rows // 2)
+        shape[q_out], shape[k_out] = chunk, chunk
         flags = []
-        for x in (0, 1):
-            live = jnp.all(jax.lax.slice_in_dim(live_rows, x * chunk, (x + 1) * chunk, axis=q_dim))
-            flags.append([live & jnp.all(_tile(grid, (q_dim, x * chunk), (k_dim, g * chunk), chunk))
-                          for g in range(count)])
+        for x in (0, 1):  # tile by tile, each reduced where it is made: no (rows x keys) probe is held
+            hidden, live = [], None
+            for g in range(count):
+                tile_sides = [_rows(tiles.side_tile(side, dims, g * chunk, chunk), dims[0], x * chunk, chunk, rows)
+                              for side, dims in zip(sides, tiles.side_dims)]
+                both = None
+                for sign in (1, -1):
+                    value = tiles.run(jnp.full(shape, sign * PROBE, dtype), tile_sides, {}, (chunk, chunk),
+                                      until=first, want=reduced)
+                    both = value <= -PROBE if both is None else both & (value <= -PROBE)
+                hidden.append(jnp.all(both))
+                kept = jnp.any(~both, axis=k_dim)  # each row: some key in this tile it keeps
+                live = kept if live is None else live | kept
+            flags.append([jnp.all(live) & h for h in hidden])
         return flags
 
     return skip
@@ -183,6 +197,13 @@ def zigzag(x: Any, dim: int, axis: str, size: int) -> Any:
     from_odd = jax.lax.ppermute(second, axis, [(d, dest(2 * d + 1)) for d in range(size)])
     even = jax.lax.axis_index(axis) % 2 == 0  # its chunk i is even: it came as some device's first half
     return jnp.concatenate([jnp.where(even, from_even, from_odd), jnp.where(even, from_odd, from_even)], axis=dim)
+
+
+def zigzag_rows(x: Any, dim: int, axis: str, size: int) -> Any:
+    """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole."""
+    chunk, index = x.shape[dim] // (2 * size), jax.lax.axis_index(axis)
+    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=dim)
+                            for c in (index, 2 * size - 1 - index)], axis=dim)
 
 
 def unzigzag(x: Any, dim: int, axis: str, size: int) -> Any:
