@@ -4,9 +4,8 @@ step time, peak (``python -m benchmarks.context_balance``).
 The causal LM of ``benchmarks/context_speed.py`` (``TransformerLM``: 2 blocks of linen's
 ``nn.MultiHeadDotProductAttention`` with ``nn.make_causal_mask``, width 64, 4 heads) trains on a batch
 of 8 sequences on 8 devices under ``ContextParallel(c) × DataParallel(8 / c)``, the context axis
-gathered (``method="all_gather"``) with ``load_balance`` off (every tile of the scores computed: the
-causal mask's hidden half too) and on (the hidden tiles skipped, the sequence in zig-zag order
-inside each attention). Per device, the tiles of scores each attention computes are counted by
+with ``load_balance`` off (every tile of the scores computed: the causal mask's hidden half too) and
+on (the hidden tiles skipped, the sequence in zig-zag order inside each attention). Per device, the tiles of scores each attention computes are counted by
 running the balanced attention itself (``parallax.models.balanced_attention.tiles_computed``, of
 ``4 × c``); the unbalanced one computes all of them. Step times in interleaved rounds (each the mean
 of 3 steps); ``balanced ÷ unbalanced`` is the ratio of the two step times within each round (min /
@@ -17,8 +16,8 @@ device's; the per-device tile counts say how a GPU's devices would share it.
 
 from benchmarks import side_runner_args
 
-LENGTHS = (1024, 2048)
-CONTEXT = (2, 8)
+CONFIGS = ((1024, 2), (1024, 8), (2048, 8))  # (tokens, context size)
+METHODS = ("all_gather", "ring")
 
 
 def main() -> None:
@@ -38,11 +37,11 @@ def main() -> None:
         return TransformerLM(vocab=256, features=64, layers=2, heads=4)
 
     class Runner(TimedSteps):
-        def __init__(self, length: int, context: int, balanced: bool):
-            self.length, self.context, self.balanced, self.times = length, context, balanced, []
+        def __init__(self, length: int, context: int, method: str, balanced: bool):
+            self.length, self.context, self.method, self.balanced, self.times = length, context, method, balanced, []
             rows = 8
             batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
-            strategy = px.ContextParallel(context, load_balance=balanced)
+            strategy = px.ContextParallel(context, method=method, load_balance=balanced)
             if context < 8:
                 strategy = px.combine(strategy, px.DataParallel(8 // context))
             self.label = strategy.describe()
@@ -57,7 +56,7 @@ def main() -> None:
             self.state, metrics = self.step(self.state, self.batch)
             jax.block_until_ready(metrics)
 
-    def tiles(length: int, context: int) -> list[int]:
+    def tiles(length: int, context: int, method: str) -> list[int]:
         """Per device, the tiles of scores one of the LM's attentions computes, balanced."""
         attention = nn.MultiHeadDotProductAttention(4)
         x = np.zeros((1, length, 64), np.float32)
@@ -65,10 +64,10 @@ def main() -> None:
         params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), params)
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:context]), ("context",))
         return tiles_computed(lambda x: attention.apply(params, x, x, mask=nn.make_causal_mask(x[..., 0])), x,
-                              mesh=mesh, axis="context").tolist()
+                              mesh=mesh, axis="context", method=method).tolist()
 
-    lengths = LENGTHS[:1] if args.smoke else LENGTHS
-    runners = [Runner(length, context, balanced) for length in lengths for context in CONTEXT
+    configs = CONFIGS[:1] if args.smoke else CONFIGS
+    runners = [Runner(length, context, method, balanced) for length, context in configs for method in METHODS
                for balanced in (False, True)]
     time_interleaved(runners, args.rounds)
     results = []
@@ -77,10 +76,11 @@ def main() -> None:
         for runner in (off, on):
             rates = sorted(runner.tokens / t for t in runner.times)
             results.append({
-                "length": runner.length, "context": runner.context, "load_balance": runner.balanced,
+                "length": runner.length, "context": runner.context, "method": runner.method,
+                "load_balance": runner.balanced,
                 "strategy": runner.label, "tokens_per_s": [rates[0], float(np.median(rates)), rates[-1]],
                 "peak": runner.peak, "moved": runner.moved,
-                "tiles_per_device": tiles(runner.length, runner.context) if runner.balanced
+                "tiles_per_device": tiles(runner.length, runner.context, runner.method) if runner.balanced
                 else [4 * runner.context] * runner.context,
                 "time_ratio": [ratios[0], float(np.median(ratios)), ratios[-1]] if runner.balanced else None})
 

@@ -111,9 +111,10 @@ def padded_batches(steps: int, vocab: int = 64) -> list[dict]:
 
 
 def cp(size: int, method: str) -> px.ContextParallel:
-    """The context part by method: "all_gather", "ring", or "balanced" (all_gather, load_balance=True)."""
-    return px.ContextParallel(size, method="all_gather" if method == "balanced" else method,
-                              load_balance=method == "balanced")
+    """The context part by method: "all_gather", "ring", or either balanced ("balanced": all_gather,
+    "balanced-ring": ring, with load_balance=True)."""
+    balanced = method.startswith("balanced")
+    return px.ContextParallel(size, method="ring" if method.endswith("ring") else "all_gather", load_balance=balanced)
 
 
 STRATEGIES = {  # each with the method its context axis runs attention by
@@ -148,14 +149,15 @@ GRID = [
     # where(mask, ...), jax.nn.dot_product_attention's is_causal, grouped-query heads with rotary positions.
     ("nnx", "cp4", "sgd", "balanced"), ("gpt2", "cp2-fsdp4", "adamw", "balanced"),
     ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("dot_product_attention", "cp4", "adamw", "balanced"),
-    ("llama", "cp2-fsdp4", "adamw", "balanced"),
+    ("llama", "cp2-fsdp4", "adamw", "balanced"), ("nnx", "cp4", "sgd", "balanced-ring"),
+    ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring"), ("gpt2", "cp2-tp2-dp2", "sgd", "balanced-ring"),
 ]
 # The core tier: the AdamW cases (each hybrid, each family, both methods), and the two cells only SGD covers
 # (context x tensor x data on a linen model and on GPT-2).
 CORE = [case for case in GRID if case[2] == "adamw" and case[0] != "llama"] + [
     ("linen", "cp2-tp2-dp2", "sgd", "ring"), ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"),
     ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("nnx", "cp4", "sgd", "balanced"),
-    ("llama", "cp4", "adamw", "all_gather")]
+    ("nnx", "cp4", "sgd", "balanced-ring"), ("llama", "cp4", "adamw", "all_gather")]
 
 
 @pytest.mark.parametrize("model, strategy, optimizer, method",
@@ -234,7 +236,12 @@ def test_balanced_attention_skips_what_the_mask_hides_and_every_device_as_much()
     softmax is uniform over every key) keeps every tile of its chunk, so it computes what one device does."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context",))
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 32, 2, 4)) for i in range(3))
-    count = lambda fn, *args: tiles_computed(fn, *args, mesh=mesh, axis="context").tolist()  # noqa: E731
+    def count(fn, *args):  # the same by both methods
+        counts = {method: tiles_computed(fn, *args, mesh=mesh, axis="context", method=method).tolist()
+                  for method in ("all_gather", "ring")}
+        assert counts["all_gather"] == counts["ring"], counts
+        return counts["ring"]
+
     attention = nn.MultiHeadDotProductAttention(2)
     x = q.reshape(2, 32, 8)
     params = attention.init(jax.random.key(0), x, x)
@@ -250,8 +257,9 @@ def test_balanced_attention_skips_what_the_mask_hides_and_every_device_as_much()
         q, k, v, mask=jnp.tril(jnp.ones((32, 32), bool)) & (jnp.arange(32) != 1)[:, None])  # row 1 hidden whole
     assert count(masked_rows, q, k, v) == [9 + 7, 9, 9, 9]  # device 0's chunk 0 (rows 0..3) computes all 8 tiles
     for fn, args in ((hf_style, (q, k, v, keep)), (masked_rows, (q, k, v))):
-        split = context_parallel(lambda *a: fn(*a), mesh=mesh, axis="context", load_balance=True)
-        np.testing.assert_allclose(jax.jit(split)(*args), fn(*args), rtol=1e-5, atol=1e-6)
+        for method in ("all_gather", "ring"):
+            split = context_parallel(lambda *a: fn(*a), mesh=mesh, axis="context", method=method, load_balance=True)
+            np.testing.assert_allclose(jax.jit(split)(*args), fn(*args), rtol=1e-5, atol=1e-6)
 
 
 class ReturnsWeights(nn.Module):
@@ -281,7 +289,7 @@ def mlp_loss(model, batch):
      r"reads its scores or weights elsewhere .* Use method='all_gather'"),
     (StackedLM, lm_loss, {"x": np.zeros((16, 9), np.int32)}, STRATEGIES["pp2-cp2-dp2"]("ring"),
      r"the ring method does not run inside a pipeline's stages .* use ContextParallel\(method='all_gather'\)"),
-    (TinyLM, lm_loss, {"x": np.zeros((16, 7), np.int32)}, px.combine(px.DataParallel(2), cp(2, "balanced")),
+    (TinyLM, lm_loss, {"x": np.zeros((16, 7), np.int32)}, px.combine(px.DataParallel(4), cp(2, "balanced")),
      r"load_balance=True\) cuts the sequence into 4 chunks, two per device, and an attention's queries have length 6, "
      r"which 4 does not divide: pad the sequence to 8 .* or use a context size that divides 3"),
     (StackedLM, lm_loss, {"x": np.zeros((16, 9), np.int32)}, STRATEGIES["pp2-cp2-dp2"]("balanced"),
@@ -297,8 +305,6 @@ def test_context_parallel_arguments_and_paths_are_checked():
         px.ContextParallel(2, method="rings")
     with pytest.raises(ValueError, match=r"ContextParallel\(size=0\)"):
         px.ContextParallel(0)
-    with pytest.raises(ValueError, match=r"load_balance=True\): the balanced split gathers the keys and values whole"):
-        px.ContextParallel(2, method="ring", load_balance=True)
     with pytest.raises(TypeError, match=r"ContextParallel\(load_balance='yes'\): use True"):
         px.ContextParallel(2, load_balance="yes")
     assert px.Trainer(TinyLM(), optax.sgd(0.1), lm_loss, strategy="cp2+fsdp").strategy == px.combine(

@@ -36,9 +36,9 @@ class Tiles:
         info: the weights' ops (:class:`~parallax.models.attention_weights.Weights`).
         sides, side_dims: the values those ops read besides the scores, and each one's (queries'
             dim, keys' dim).
-        fixed: for each side value, whether it is computed from no input of the function (a
-            causal mask made from positions the model counts itself): each device can compute any
-            rows of it where it stands, without moving them.
+        fixed: for each side value computed from no input of the function (a causal mask made from
+            positions the model counts itself), the equations that compute it (:func:`compute`), so
+            each device can compute it where it stands; ``None`` for the others.
     """
 
     scores_eqn: Any
@@ -92,7 +92,7 @@ class Tiles:
                    v_dim=dims[(attention.values, 1 - weights_side)][1], out_dim=dims[(attention.values, "out")][0],
                    queries=attention.queries, keys=attention.keys, info=info, sides=list(info.sides),
                    side_dims=[info.roles.get(v, (None, None)) for v in info.sides], scores=scores, weights=weights,
-                   per_block=per_block, val=val, fixed=[_fixed(v, eqns, ops) for v in info.sides])
+                   per_block=per_block, val=val, fixed=[_recipe(v, eqns, ops) for v in info.sides])
 
     @property
     def ops(self) -> list:
@@ -172,9 +172,11 @@ class Tiles:
                      for d, n in enumerate(full))
 
 
-def _fixed(v: Any, eqns: Sequence[Any], ops: Sequence[Any]) -> bool:
-    """Whether ``v`` is computed from literals and constants alone, by ``eqns`` (a jaxpr's) and ``ops``."""
+def _recipe(v: Any, eqns: Sequence[Any], ops: Sequence[Any]) -> list | None:
+    """The equations, in order, that compute ``v`` from literals and constants alone (among ``eqns``,
+    a jaxpr's, and ``ops``); ``None`` if it reads an input of the function."""
     made = {out: e for e in (*eqns, *ops) for out in e.outvars}
+    order: list = []
     seen: dict = {}
 
     def walk(x: Any) -> bool:
@@ -182,8 +184,21 @@ def _fixed(v: Any, eqns: Sequence[Any], ops: Sequence[Any]) -> bool:
             return True
         if x not in seen:
             seen[x] = False  # an input of the function, or a cycle's guard
-            if x in made:
-                seen[x] = all(walk(u) for u in made[x].invars)
+            if x in made and all(walk(u) for u in made[x].invars):
+                seen[x] = True
+                if made[x] not in order:
+                    order.append(made[x])
         return seen[x]
 
-    return walk(v)
+    return order if walk(v) else None
+
+
+def compute(recipe: Sequence[Any], v: Any) -> Any:
+    """``v`` computed again by its :func:`_recipe`, where this runs (inside a ``shard_map``: its
+    equations' shardings, traced outside it, left out)."""
+    env: dict = {}
+    get = lambda x: x.val if isinstance(x, core.Literal) else x.value if isinstance(x, Const) else env[x]  # noqa: E731
+    for e in recipe:
+        params = {name: None if name in ("sharding", "out_sharding") else value for name, value in e.params.items()}
+        env.update(zip(e.outvars, bind(e.primitive, params, [get(x) for x in e.invars])))
+    return env[v]

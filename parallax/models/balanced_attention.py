@@ -37,17 +37,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from parallax._compat import shard_map
-from parallax.models.attention_tiles import Tiles
+from parallax.models.attention_tiles import Tiles, compute
 from parallax.models.attention_weights import is_var
 from parallax.models.rebind import bind_eqn
+from parallax.models.ring_attention import _COMBINE, _IDENTITY
 
 PROBE = 1e30  # the scores the mask is evaluated at, either sign; an entry at most -PROBE both times is hidden
 
@@ -56,12 +58,17 @@ PROBE = 1e30  # the scores the mask is evaluated at, either sign; an entry at mo
 class Balanced:
     """How one attention runs with its hidden tiles skipped, over ``axis`` in zig-zag order.
 
-    ``count``: also return, per device, how many tiles of scores it computed (an ``int32`` array of
-    the axis's size), which the docs' and benchmarks' per-device work is read from.
+    Attributes:
+        mesh, axis: the mesh and the context axis.
+        gather: the keys and values gathered whole (``method="all_gather"``); otherwise passed round
+            the axis a block (two chunks) at a time (``"ring"``).
+        count: also return, per device, how many tiles of scores it computes (an ``int32`` array
+            of the axis's size): what the docs' and benchmarks' per-device work is read from.
     """
 
     mesh: Mesh
     axis: str
+    gather: bool = True
     count: bool = False
 
     @property
@@ -73,70 +80,117 @@ class Balanced:
         :class:`~parallax.models.ring_attention.Ring`'s."""
         tiles = Tiles.of(eqns, attention, region, read)
         q_in, k_in, v_in, side_values = tiles.inputs(read)
-        size, axis = self.size, self.axis
-        chunk = tiles.keys // (2 * size)
-        in_specs, out_specs = tiles.specs(axis, q_in, k_in, v_in)
-        # The keys and values enter whole: the compiler gathers them, keeping the batch's split (gathered inside
-        # the shard_map, the batch was gathered over the data axis too).
-        whole = jax.sharding.PartitionSpec()
-        split_sides = [spec != jax.sharding.PartitionSpec(*[None] * len(spec)) for spec in in_specs[3:]]
-        # A side value computed from no input (a causal mask) enters whole and each device takes its rows where it
-        # stands; one computed from the batch (a padding mask, dropout's bits) enters split and is exchanged.
-        moved = [split and not fixed for split, fixed in zip(split_sides, tiles.fixed)]
-        in_specs = (in_specs[0], whole, whole, *[spec if move else whole for spec, move in zip(in_specs[3:], moved)])
-        if tiles.queries != tiles.keys or tiles.keys % (2 * size):
+        size, axis, n = self.size, self.axis, 2 * self.size
+        if tiles.queries != tiles.keys or tiles.keys % n:
             raise ValueError(
-                f"ContextParallel({axis}={size}, load_balance=True) cuts the sequence into {2 * size} chunks, two per "
+                f"ContextParallel({axis}={size}, load_balance=True) cuts the sequence into {n} chunks, two per "
                 f"device, and an attention has {tiles.queries} queries and {tiles.keys} keys: use a sequence length "
-                f"that {2 * size} divides (pad it, masking the padding), or load_balance=False.")
-        hidden = _hidden_rule(tiles)
+                f"that {n} divides (pad it, masking the padding), or load_balance=False.")
+        chunk = tiles.keys // n
+        in_specs, out_specs = tiles.specs(axis, q_in, k_in, v_in)
+        whole = PartitionSpec()
+        if self.gather:  # the compiler gathers them, keeping the batch's split (inside, it gathered the batch too)
+            in_specs = (in_specs[0], whole, whole, *in_specs[3:])
+        split_sides = [spec != PartitionSpec(*[None] * len(spec)) for spec in in_specs[3:]]
+        # A side value computed from no input (a causal mask) is computed again inside, each device keeping its
+        # rows; one computed from the batch (a padding mask, dropout's bits) enters split and is exchanged.
+        entering = [i for i, recipe in enumerate(tiles.fixed) if recipe is None]
+        in_specs = (*in_specs[:3], *[in_specs[3 + i] for i in entering])
+        probe = _probe(tiles)
+        ops, info = tiles.ops, tiles.info
+        shape = (chunk, chunk)
 
-        def body(q, k, v, *sides):
+        def body(q, k, v, *entered):
+            index = jax.lax.axis_index(axis)
+            given = dict(zip(entering, entered))
+            sides = []
+            for i, (side, dims, split) in enumerate(zip(tiles.sides, tiles.side_dims, split_sides)):
+                if i in given:
+                    sides.append(zigzag(given[i], dims[0], axis, size) if split else given[i])
+                else:
+                    made = compute(tiles.fixed[i], side)
+                    sides.append(zigzag_rows(made, dims[0], axis, size) if split else made)
             q = zigzag(q, tiles.q_dim, axis, size)
-            sides = [zigzag(x, dims[0], axis, size) if move else zigzag_rows(x, dims[0], axis, size) if split else x
-                     for x, dims, split, move in zip(sides, tiles.side_dims, split_sides, moved)]
-            rows = 2 * chunk
-            skip = hidden(sides, rows) if hidden else np.zeros((2, 2 * size), bool)
-            q_chunks = [jax.lax.slice_in_dim(q, x * chunk, (x + 1) * chunk, axis=tiles.q_dim) for x in (0, 1)]
-            k_chunks = [jax.lax.slice_in_dim(k, g * chunk, (g + 1) * chunk, axis=tiles.k_dim) for g in range(2 * size)]
-            v_chunks = [jax.lax.slice_in_dim(v, g * chunk, (g + 1) * chunk, axis=tiles.v_dim) for g in range(2 * size)]
-            q_out, k_out = tiles.info.roles[tiles.scores]
-            scores = jnp.concatenate([
-                jnp.concatenate([_unless(skip[x][g], tiles.scores_of, q_chunks[x], k_chunks[g])
-                                 for g in range(2 * size)], axis=k_out) for x in (0, 1)], axis=q_out)
-            weights = tiles.run(scores, sides, {}, (rows, tiles.keys))
-            q_w, k_w = tiles.info.roles[tiles.weights]
-            out = jnp.concatenate([
-                sum(_unless(skip[x][g], tiles.values_of,
-                            _tile(weights, (q_w, x * chunk), (k_w, g * chunk), chunk), v_chunks[g])
-                    for g in range(2 * size)) for x in (0, 1)], axis=tiles.out_dim)
+            if not self.gather:
+                k, v = zigzag(k, tiles.k_dim, axis, size), zigzag(v, tiles.v_dim, axis, size)
+            q_rows = [jax.lax.slice_in_dim(q, x * chunk, (x + 1) * chunk, axis=tiles.q_dim) for x in (0, 1)]
+            side_rows = [[_rows(side, dims[0], x * chunk, chunk, 2 * chunk) for side, dims in zip(sides, tiles.side_dims)]
+                         for x in (0, 1)]
+
+            def tile_sides(x, g):
+                return [tiles.side_tile(side, dims, g * chunk, chunk) for side, dims in zip(side_rows[x], tiles.side_dims)]
+
+            skip = jnp.zeros((2, n), bool)
+            if probe is not None:  # each tile of a row of chunks: hidden whole, and does every row keep a key?
+                hidden = [[probe(tile_sides(x, g), shape) for g in range(n)] for x in (0, 1)]
+                live = [jnp.all(functools.reduce(jnp.logical_or, [jnp.any(~h, axis=probe.k_dim) for h in row]))
+                        for row in hidden]
+                skip = jnp.stack([jnp.stack([live[x] & jnp.all(h) for h in hidden[x]]) for x in (0, 1)])
+            finals: list[dict] = [{}, {}]
+            for reduction in [*info.reductions, None]:  # a pass over the tiles for each, then the values'
+                combine = jax.lax.add if reduction is None else _COMBINE[ops[reduction].primitive.name]
+
+                def part(kc, vc, g, x, reduction=reduction, finals=finals):
+                    weights = tiles.run(tiles.scores_of(q_rows[x], kc), tile_sides(x, g), finals[x], shape, reduction)
+                    return weights if reduction is not None else tiles.values_of(weights, vc)
+
+                def guarded(kc, vc, g, x, part=part, combine=combine):
+                    # The branch inside the checkpoint: what the backward keeps is the tile's inputs, not, per
+                    # turn of the loop, every value the branches read (a mask's rows).
+                    run = lambda kc, vc, g: part(kc, vc, g, x)  # noqa: E731
+                    out = jax.eval_shape(run, kc, vc, g)
+                    fill = lambda kc, vc, g: jnp.full(out.shape, _IDENTITY[combine], out.dtype)  # noqa: E731
+                    return jax.checkpoint(lambda kc, vc, g: jax.lax.cond(skip[x, g], fill, run, kc, vc, g))(kc, vc, g)
+
+                totals = _over_tiles(guarded, combine, k, v, index, chunk, size, self.gather, axis,
+                                     moves_values=reduction is None, tiles=tiles)
+                if reduction is None:
+                    out = jnp.concatenate(totals, axis=tiles.out_dim)
+                    break
+                finals = [{**finals[x], reduction: totals[x]} for x in (0, 1)]
             out = unzigzag(out, tiles.out_dim, axis, size)
             if not self.count:
                 return out
-            computed = sum(jnp.where(skip[x][g], 0, 1) for x in (0, 1) for g in range(2 * size))
-            return out, jnp.reshape(computed, (1,)).astype(jnp.int32)
+            return out, jnp.reshape(jnp.sum(~skip), (1,)).astype(jnp.int32)
 
-        specs = (out_specs, jax.sharding.PartitionSpec(axis)) if self.count else out_specs
+        specs = (out_specs, PartitionSpec(axis)) if self.count else out_specs
         run = shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=specs, manual_axes={axis})
-        return run(q_in, k_in, v_in, *side_values)
+        return run(q_in, k_in, v_in, *[side_values[i] for i in entering])
 
 
-def _unless(skip: Any, fn: Callable, a: Any, b: Any) -> Any:
-    """``fn(a, b)``, or its zeros where ``skip`` (a traced bool) holds: the work not done."""
-    if isinstance(skip, (bool, np.bool_)):
-        return jnp.zeros(**_like(jax.eval_shape(fn, a, b))) if skip else fn(a, b)
-    zeros = lambda a, b: jnp.zeros(**_like(jax.eval_shape(fn, a, b)))  # noqa: E731
-    return jax.lax.cond(skip, zeros, fn, a, b)
+def _over_tiles(guarded: Callable, combine: Callable, k: Any, v: Any, index: Any, chunk: int, size: int,
+                gather: bool, axis: str, moves_values: bool, tiles: Tiles) -> list:
+    """Each row of chunks' tiles combined over every chunk of keys: taken from the gathered keys (a
+    scan over the chunks) or round the ring (a scan over the turns, two chunks a turn: the source
+    device's ``j`` and ``2 × size - 1 - j``)."""
+    n = 2 * size
 
+    def cut(x, dim, at):
+        return jax.lax.dynamic_slice_in_dim(x, at * chunk, chunk, axis=dim)
 
-def _like(shaped: Any) -> dict:
-    return {"shape": shaped.shape, "dtype": shaped.dtype}
+    def add(totals, kc, vc, g):
+        return [combine(totals[x], guarded(kc, vc, g, x)) for x in (0, 1)]
 
+    kc, vc = cut(k, tiles.k_dim, 0), cut(v, tiles.v_dim, 0)
+    first = [jnp.full(s.shape, _IDENTITY[combine], s.dtype)
+             for s in (jax.eval_shape(lambda kc, vc, x=x: guarded(kc, vc, 0, x), kc, vc) for x in (0, 1))]
+    if gather:
+        def step(totals, g):
+            return add(totals, cut(k, tiles.k_dim, g), cut(v, tiles.v_dim, g), g), None
 
-def _tile(x: Any, rows: tuple[int, int], cols: tuple[int, int], chunk: int) -> Any:
-    """``x``'s ``chunk`` rows from ``rows = (dim, start)`` and ``chunk`` columns from ``cols``."""
-    x = jax.lax.slice_in_dim(x, rows[1], rows[1] + chunk, axis=rows[0])
-    return jax.lax.slice_in_dim(x, cols[1], cols[1] + chunk, axis=cols[0])
+        return jax.lax.scan(step, first, jnp.arange(n))[0]
+    perm = [(i, (i + 1) % size) for i in range(size)]
+
+    def turn(carry, t):
+        kb, vb, totals = carry
+        source = (index - t) % size
+        for y, g in ((0, source), (1, n - 1 - source)):  # the block's chunks, in zig-zag order
+            totals = add(totals, cut(kb, tiles.k_dim, y), cut(vb, tiles.v_dim, y), g)
+        kb = jax.lax.ppermute(kb, axis, perm)  # the block of the device before, in turn
+        vb = jax.lax.ppermute(vb, axis, perm) if moves_values else vb
+        return (kb, vb, totals), None
+
+    return jax.lax.scan(turn, (k, v, first), jnp.arange(size))[0][2]
 
 
 def _rows(x: Any, dim: int | None, start: int, length: int, rows: int) -> Any:
@@ -146,9 +200,31 @@ def _rows(x: Any, dim: int | None, start: int, length: int, rows: int) -> Any:
     return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
 
 
-def _hidden_rule(tiles: Tiles) -> Callable | None:
-    """A function of a device's side values (zig-zag rows) and its rows' count, giving each tile's
-    skip flag (``[2][2 × size]`` traced bools), or ``None`` where the mask cannot be read (the first
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """Which entries of a tile the mask hides: the value the softmax's maximum reduces over, for
+    scores of ``PROBE`` and ``-PROBE``, at most ``-PROBE`` both times (no matmul: the mask's ops)."""
+
+    tiles: Tiles
+    first: int
+    reduced: Any
+    k_dim: int
+
+    def __call__(self, sides: Sequence[Any], shape: tuple[int, int]) -> Any:
+        tiles = self.tiles
+        full = list(tiles.scores.aval.shape)
+        q_out, k_out = tiles.info.roles[tiles.scores]
+        full[q_out], full[k_out] = shape
+        hidden = None
+        for sign in (1, -1):
+            value = tiles.run(jnp.full(full, sign * PROBE, tiles.scores.aval.dtype), sides, {}, shape,
+                              until=self.first, want=self.reduced)
+            hidden = value <= -PROBE if hidden is None else hidden & (value <= -PROBE)
+        return hidden
+
+
+def _probe(tiles: Tiles) -> _Probe | None:
+    """The :class:`_Probe` of an attention, or ``None`` where the mask cannot be read (the first
     reduction over the keys is not a maximum, or the scores' dtype cannot hold ``PROBE``)."""
     info = tiles.info
     if not info.reductions or info.ops[info.reductions[0]].primitive.name != "reduce_max":
@@ -159,30 +235,7 @@ def _hidden_rule(tiles: Tiles) -> Callable | None:
     dtype = tiles.scores.aval.dtype
     if q_dim is None or k_dim is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).max < 1e37:
         return None
-
-    def skip(sides: Sequence[Any], rows: int) -> list[list[Any]]:
-        chunk, count = rows // 2, tiles.keys // (rows // 2)
-        shape = list(tiles.scores.aval.shape)
-        q_out, k_out = info.roles[tiles.scores]
-        shape[q_out], shape[k_out] = chunk, chunk
-        flags = []
-        for x in (0, 1):  # tile by tile, each reduced where it is made: no (rows x keys) probe is held
-            hidden, live = [], None
-            for g in range(count):
-                tile_sides = [_rows(tiles.side_tile(side, dims, g * chunk, chunk), dims[0], x * chunk, chunk, rows)
-                              for side, dims in zip(sides, tiles.side_dims)]
-                both = None
-                for sign in (1, -1):
-                    value = tiles.run(jnp.full(shape, sign * PROBE, dtype), tile_sides, {}, (chunk, chunk),
-                                      until=first, want=reduced)
-                    both = value <= -PROBE if both is None else both & (value <= -PROBE)
-                hidden.append(jnp.all(both))
-                kept = jnp.any(~both, axis=k_dim)  # each row: some key in this tile it keeps
-                live = kept if live is None else live | kept
-            flags.append([jnp.all(live) & h for h in hidden])
-        return flags
-
-    return skip
+    return _Probe(tiles, first, reduced, k_dim)
 
 
 def zigzag(x: Any, dim: int, axis: str, size: int) -> Any:
@@ -200,10 +253,11 @@ def zigzag(x: Any, dim: int, axis: str, size: int) -> Any:
 
 
 def zigzag_rows(x: Any, dim: int, axis: str, size: int) -> Any:
-    """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole."""
+    """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole
+    (one gather: the compiler computes only those rows of a value made where it stands, a causal mask)."""
     chunk, index = x.shape[dim] // (2 * size), jax.lax.axis_index(axis)
-    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=dim)
-                            for c in (index, 2 * size - 1 - index)], axis=dim)
+    rows = jnp.concatenate([jnp.arange(chunk) + index * chunk, jnp.arange(chunk) + (2 * size - 1 - index) * chunk])
+    return jnp.take(x, rows, axis=dim, mode="clip")
 
 
 def unzigzag(x: Any, dim: int, axis: str, size: int) -> Any:
@@ -220,7 +274,7 @@ def unzigzag(x: Any, dim: int, axis: str, size: int) -> Any:
                            axis=dim)
 
 
-def tiles_computed(fn: Callable, *args: Any, mesh: Mesh, axis: str) -> np.ndarray:
+def tiles_computed(fn: Callable, *args: Any, mesh: Mesh, axis: str, method: str = "all_gather") -> np.ndarray:
     """How many tiles of scores each device of ``axis`` computes for the first attention ``fn``
     computes (the others are run alike), of ``4 × size``: what load balancing evens out.
 
@@ -242,5 +296,5 @@ def tiles_computed(fn: Callable, *args: Any, mesh: Mesh, axis: str) -> np.ndarra
     for eqn in jaxpr.eqns[:attention.values]:
         values.update(zip(eqn.outvars, bind_eqn(eqn, [v.val if not is_var(v) else values[v] for v in eqn.invars])))
     read = lambda v: v.val if not is_var(v) else values[v]  # noqa: E731
-    run = Balanced(mesh, axis, count=True)
+    run = Balanced(mesh, axis, gather=method == "all_gather", count=True)
     return np.asarray(jax.jit(lambda: run(jaxpr.eqns, attention, region(jaxpr, attention), read)[1])())

@@ -285,7 +285,8 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
         for a in attentions:
             rings[a.values] = (a, ring_region(jaxpr, a))
             skipped.update((a.scores, *rings[a.values][1]))
-    tiled = Balanced(pin.mesh, pin.axis) if pin.load_balance else Ring(pin.mesh, pin.axis)
+    tiled = (Balanced(pin.mesh, pin.axis, gather=pin.method == "all_gather") if pin.load_balance
+             else Ring(pin.mesh, pin.axis))
     for index, eqn in enumerate(jaxpr.eqns):
         if index in skipped:
             continue

@@ -52,11 +52,12 @@ class ContextParallel(Strategy):
             ``all_gather``. ``strategy="auto"`` and ``px.plan``'s advice price both.
         axis: the mesh axis name.
         load_balance: skip the tiles of the scores the model's mask hides (under a causal mask,
-            about half), the sequence cut into ``2 × size`` chunks and each device holding an early
-            and a late one inside each attention, so every device skips as many
-            (:mod:`parallax.models.balanced_attention`; the model's positions are unchanged). The
-            keys and values are gathered whole, as by ``"all_gather"``. The sequence length must
-            be a multiple of ``2 × size``. Not with ``method="ring"`` nor inside a pipeline's stages.
+            nearly half), the sequence cut into ``2 × size`` chunks and each device holding an early
+            and a late one inside each attention, so every device skips as many; the tiles run one
+            at a time, so a device holds one tile of scores, as the ring does
+            (:mod:`parallax.models.balanced_attention`; the model's positions are unchanged). With
+            either method. The sequence length must be a multiple of ``2 × size``; not inside a
+            pipeline's stages.
 
     Example:
         >>> px.ContextParallel(4).describe(), px.ContextParallel(4).model_axes
@@ -87,10 +88,6 @@ class ContextParallel(Strategy):
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"ContextParallel(load_balance={self.load_balance!r}): use True (skip the tiles a causal "
                             "mask hides, evenly over the devices) or False.")
-        if self.load_balance and self.method == "ring":
-            raise ValueError("ContextParallel(method='ring', load_balance=True): the balanced split gathers the keys "
-                             "and values whole; use ContextParallel(load_balance=True) (method='all_gather'), or the "
-                             "ring without load_balance when the gathered keys do not fit.")
 
     @property
     def described_options(self) -> str:
