@@ -152,12 +152,16 @@ GRID = [
     ("llama", "cp2-fsdp4", "adamw", "balanced"), ("nnx", "cp4", "sgd", "balanced-ring"),
     ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring"), ("gpt2", "cp2-tp2-dp2", "sgd", "balanced-ring"),
 ]
-# The core tier: the AdamW cases (each hybrid, each family, both methods), and the two cells only SGD covers
-# (context x tensor x data on a linen model and on GPT-2).
-CORE = [case for case in GRID if case[2] == "adamw" and case[0] != "llama"] + [
+# The core tier: the AdamW cases (each hybrid, each family, both methods), the two cells only SGD covers
+# (context x tensor x data on a linen model and on GPT-2), and the load-balanced cases below.
+CORE = [case for case in GRID if case[2] == "adamw" and case[0] != "llama" and not case[3].startswith("balanced")] + [
     ("linen", "cp2-tp2-dp2", "sgd", "ring"), ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"),
-    ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("nnx", "cp4", "sgd", "balanced"),
-    ("nnx", "cp4", "sgd", "balanced-ring"), ("llama", "cp4", "adamw", "all_gather")]
+    ("llama", "cp4", "adamw", "all_gather"),
+    # load_balance: a mask by where (linen), is_causal (jax.nn), causal and padding with dropout (NNX) by both methods,
+    # a scanned stack round the ring; Hugging Face's additive bias and Llama in the wide tier.
+    ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("dot_product_attention", "cp4", "adamw", "balanced"),
+    ("nnx", "cp4", "sgd", "balanced"), ("nnx", "cp4", "sgd", "balanced-ring"),
+    ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring")]
 
 
 @pytest.mark.parametrize("model, strategy, optimizer, method",

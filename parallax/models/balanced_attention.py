@@ -7,11 +7,15 @@ would leave the last device with most of the work. Here, inside a ``shard_map`` 
 sequence is cut into ``2 × size`` chunks and device ``i`` holds chunks ``i`` and ``2 × size - 1 - i``
 (an early and a late one: the "zig-zag" order), its queries' rows exchanged into that order and the
 result exchanged back (``ppermute``), so positions, masks and losses keep the model's own order
-outside the attention. Each device computes the scores of its two chunks of queries against each
-chunk of keys, one tile at a time, and skips (``lax.cond``) a tile whose every score the model's mask
-hides; the model's own ops (mask, softmax, dropout) then run on its rows of the scores, and the
-weights times the values skip the same tiles. Under a causal mask every device computes
-``2 × size + 1`` of its ``4 × size`` tiles, the same number.
+outside the attention. Each device runs its two chunks of queries against each chunk of keys, one
+tile at a time, as :mod:`parallax.models.ring_attention` runs a block: the keys and values taken
+from a gathered copy (``method="all_gather"``) or passed round the axis two chunks a turn
+(``"ring"``), the model's own ops between the contractions (mask, softmax, dropout) re-run on the
+tile (:mod:`parallax.models.attention_tiles`), a pass over the tiles for each reduction over the keys
+(a softmax's max and sum), then the weights times the values summed over them. A tile whose every
+score the mask hides is skipped (``lax.cond`` inside the tile's checkpoint) in every pass, the
+backward included. Under a causal mask every device computes ``2 × size + 1`` of its ``4 × size``
+tiles, the same number, and holds one tile of scores at a time.
 
 What counts as hidden is read from the model's ops, not assumed: the value the softmax's maximum
 reduces over (the scores masked, scaled, biased) is evaluated for scores of ``+1e30`` and of ``-1e30``
@@ -20,8 +24,9 @@ reduces over (the scores masked, scaled, biased) is evaluated for scores of ``+1
 weight is then exactly 0 (its ``exp`` underflows), provided its row has some entry the mask leaves
 (the row's maximum is then that entry's, far above); a tile is skipped only where every row of its
 queries has one, so a fully masked row (padding) keeps every tile and computes what one device does.
-The weights of skipped tiles come out of the model's ops as exact zeros. So the result is what one
-device computes, up to the order of the sums.
+So the result is what one device computes, up to the order of the sums. A mask computed from no
+input (a causal mask from positions the model counts) is computed again inside the ``shard_map``;
+one computed from the batch (padding, dropout's bits) has its rows exchanged with the queries'.
 
 Example:
     >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("context",))
@@ -49,7 +54,7 @@ from parallax._compat import shard_map
 from parallax.models.attention_tiles import Tiles, compute
 from parallax.models.attention_weights import is_var
 from parallax.models.rebind import bind_eqn
-from parallax.models.ring_attention import _COMBINE, _IDENTITY
+from parallax.models.ring_attention import COMBINE, IDENTITY
 
 PROBE = 1e30  # the scores the mask is evaluated at, either sign; an entry at most -PROBE both times is hidden
 
@@ -128,7 +133,7 @@ class Balanced:
                 skip = jnp.stack([jnp.stack([live[x] & jnp.all(h) for h in hidden[x]]) for x in (0, 1)])
             finals: list[dict] = [{}, {}]
             for reduction in [*info.reductions, None]:  # a pass over the tiles for each, then the values'
-                combine = jax.lax.add if reduction is None else _COMBINE[ops[reduction].primitive.name]
+                combine = jax.lax.add if reduction is None else COMBINE[ops[reduction].primitive.name]
 
                 def part(kc, vc, g, x, reduction=reduction, finals=finals):
                     weights = tiles.run(tiles.scores_of(q_rows[x], kc), tile_sides(x, g), finals[x], shape, reduction)
@@ -139,7 +144,7 @@ class Balanced:
                     # turn of the loop, every value the branches read (a mask's rows).
                     run = lambda kc, vc, g: part(kc, vc, g, x)  # noqa: E731
                     out = jax.eval_shape(run, kc, vc, g)
-                    fill = lambda kc, vc, g: jnp.full(out.shape, _IDENTITY[combine], out.dtype)  # noqa: E731
+                    fill = lambda kc, vc, g: jnp.full(out.shape, IDENTITY[combine], out.dtype)  # noqa: E731
                     return jax.checkpoint(lambda kc, vc, g: jax.lax.cond(skip[x, g], fill, run, kc, vc, g))(kc, vc, g)
 
                 totals = _over_tiles(guarded, combine, k, v, index, chunk, size, self.gather, axis,
@@ -172,7 +177,7 @@ def _over_tiles(guarded: Callable, combine: Callable, k: Any, v: Any, index: Any
         return [combine(totals[x], guarded(kc, vc, g, x)) for x in (0, 1)]
 
     kc, vc = cut(k, tiles.k_dim, 0), cut(v, tiles.v_dim, 0)
-    first = [jnp.full(s.shape, _IDENTITY[combine], s.dtype)
+    first = [jnp.full(s.shape, IDENTITY[combine], s.dtype)
              for s in (jax.eval_shape(lambda kc, vc, x=x: guarded(kc, vc, 0, x), kc, vc) for x in (0, 1))]
     if gather:
         def step(totals, g):

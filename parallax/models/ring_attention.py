@@ -34,8 +34,8 @@ from jax.sharding import Mesh
 from parallax._compat import shard_map
 from parallax.models.attention_tiles import Tiles
 
-_COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
-_IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
+COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
+IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Ring:
                     combine = jax.lax.add
                 else:
                     part = jax.checkpoint(lambda kb, vb, source, r=reduction: one_block(q, kb, source, finals, sides, r))
-                    combine = _COMBINE[ops[reduction].primitive.name]
+                    combine = COMBINE[ops[reduction].primitive.name]
 
                 def step(carry, turn, part=part, combine=combine, moves_values=reduction is None):
                     kb, vb, total = carry
@@ -89,7 +89,7 @@ class Ring:
                     return (kb, vb, total), None
 
                 shape_out = jax.eval_shape(part, k, v, index)
-                start = jnp.full(shape_out.shape, _IDENTITY[combine], shape_out.dtype)
+                start = jnp.full(shape_out.shape, IDENTITY[combine], shape_out.dtype)
                 total = jax.lax.scan(step, (k, v, start), jnp.arange(size))[0][2]
                 if reduction is None:
                     return total
