@@ -5,9 +5,9 @@ The causal LM of ``benchmarks/context_speed.py`` (``TransformerLM``: 2 blocks of
 ``nn.MultiHeadDotProductAttention`` with ``nn.make_causal_mask``, width 64, 4 heads) trains on a batch
 of 8 sequences on 8 devices under ``ContextParallel(c) × DataParallel(8 / c)``, the context axis
 with ``load_balance`` off (every tile of the scores computed: the causal mask's hidden half too) and
-on (the hidden tiles skipped, the sequence in zig-zag order inside each attention). Per device, the tiles of scores each attention computes are counted by
-running the balanced attention itself (``parallax.models.balanced_attention.tiles_computed``, of
-``4 × c``); the unbalanced one computes all of them. Step times in interleaved rounds (each the mean
+on (the hidden tiles skipped, the sequence in zig-zag order inside each attention). Per device, the
+tiles of scores each attention computes are counted by running the balanced attention itself
+(``parallax.models.balanced_attention.tiles_computed``, of ``4 × c``); the unbalanced one computes all of them. Step times in interleaved rounds (each the mean
 of 3 steps); ``balanced ÷ unbalanced`` is the ratio of the two step times within each round (min /
 median / max over rounds). On 8 simulated devices sharing 2 CPU cores every device's work runs on
 the same cores, so the time saved is the work skipped summed over the devices, not the busiest
@@ -25,36 +25,19 @@ def main() -> None:
     import flax.linen as nn
     import jax
     import numpy as np
-    import optax
 
     import parallax as px
-    from benchmarks import TimedSteps, report, time_interleaved
-    from benchmarks.models import TransformerLM, lm_loss
-    from parallax import inspect
+    from benchmarks import report, time_interleaved
+    from benchmarks.context_speed import LMSteps
     from parallax.models.balanced_attention import tiles_computed
 
-    def lm():
-        return TransformerLM(vocab=256, features=64, layers=2, heads=4)
-
-    class Runner(TimedSteps):
+    class Runner(LMSteps):
         def __init__(self, length: int, context: int, method: str, balanced: bool):
-            self.length, self.context, self.method, self.balanced, self.times = length, context, method, balanced, []
-            rows = 8
-            batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
+            self.context, self.method, self.balanced = context, method, balanced
             strategy = px.ContextParallel(context, method=method, load_balance=balanced)
             if context < 8:
                 strategy = px.combine(strategy, px.DataParallel(8 // context))
-            self.label = strategy.describe()
-            self.state = px.init_state(lm(), optax.adamw(1e-3), batch, strategy=strategy, loss_fn=lm_loss)
-            self.step = px.make_train_step(lm_loss, strategy, compile="jit")
-            compiled = self.step.lower(self.state, batch).compile()
-            self.peak = inspect.peak_bytes(inspect.memory_bytes(compiled))
-            self.moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
-            mesh = strategy.make_mesh()
-            self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
-            self.tokens = rows * length
-            self.state, metrics = self.step(self.state, self.batch)
-            jax.block_until_ready(metrics)
+            super().__init__(length, strategy)
 
     def tiles(length: int, context: int, method: str) -> list[int]:
         """Per device, the tiles of scores one of the LM's attentions computes, balanced."""

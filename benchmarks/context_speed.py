@@ -15,50 +15,62 @@ added: the step is one program that every device runs, so every device of the ax
 movement of context parallelism cost, not what a GPU would gain.
 """
 
-from benchmarks import side_runner_args
+from benchmarks import TimedSteps, side_runner_args
 
 LENGTHS = (256, 512, 1024)
 CONTEXT = (1, 2, 4, 8)
 METHODS = ("all_gather", "ring")
 
 
-def main() -> None:
-    args = side_runner_args(__doc__, models="lm", rounds=5)
-    import jax
-    import numpy as np
-    import optax
+class LMSteps(TimedSteps):
+    """The causal LM of ``benchmarks/context_memory.py`` (``TransformerLM``, width 64, 2 blocks, 4 heads)
+    on 8 sequences of ``length`` tokens under ``strategy``, compiled, placed and stepped once: its
+    label, per-device peak, collective bytes (and ``flops``: the compiled FLOPs per device, each
+    loop's turns counted), for :func:`~benchmarks.time_interleaved`."""
 
-    import parallax as px
-    from benchmarks import TimedSteps, report, time_interleaved
-    from benchmarks.models import TransformerLM, lm_loss
-    from parallax import inspect
+    def __init__(self, length: int, strategy, flops: bool = False):
+        import jax
+        import numpy as np
+        import optax
 
-    def lm():  # the causal LM of benchmarks/context_memory.py
-        return TransformerLM(vocab=256, features=64, layers=2, heads=4)
+        import parallax as px
+        from benchmarks.models import TransformerLM, lm_loss
+        from parallax import inspect
 
-    class Runner(TimedSteps):
-        def __init__(self, length: int, context: int, method: str):
-            self.length, self.context, self.method, self.times = length, context, method, []
-            rows = 8
-            batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
-            parts = [px.ContextParallel(context, method=method)] if context > 1 else []
-            if context < 8:
-                parts.append(px.DataParallel(8 // context))
-            strategy = parts[0] if len(parts) == 1 else px.combine(*parts)
-            self.label = strategy.describe()
-            self.state = px.init_state(lm(), optax.adamw(1e-3), batch, strategy=strategy, loss_fn=lm_loss)
-            self.step = px.make_train_step(lm_loss, strategy, compile="jit")
-            compiled = self.step.lower(self.state, batch).compile()
-            self.peak = inspect.peak_bytes(inspect.memory_bytes(compiled))
-            self.moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
+        self.length, self.times, rows = length, [], 8
+        batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
+        self.label = strategy.describe()
+        model = TransformerLM(vocab=256, features=64, layers=2, heads=4)
+        self.state = px.init_state(model, optax.adamw(1e-3), batch, strategy=strategy, loss_fn=lm_loss)
+        self.step = px.make_train_step(lm_loss, strategy, compile="jit")
+        compiled = self.step.lower(self.state, batch).compile()
+        self.peak = inspect.peak_bytes(inspect.memory_bytes(compiled))
+        self.moved = sum(stat.bytes for stat in inspect.collective_bytes(compiled.as_text()).values())
+        if flops:
             cost = compiled.cost_analysis()  # per device, each loop's body counted once: its other turns added
             cost = cost[0] if isinstance(cost, list) else cost
             self.flops = float(cost["flops"]) + inspect.loop_dot_flops(compiled.as_text())
-            mesh = strategy.make_mesh()  # the batch on the devices once, not copied from the host at every step
-            self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
-            self.tokens = rows * length
-            self.state, metrics = self.step(self.state, self.batch)
-            jax.block_until_ready(metrics)
+        mesh = strategy.make_mesh()  # the batch on the devices once, not copied from the host at every step
+        self.batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
+        self.tokens = rows * length
+        self.state, metrics = self.step(self.state, self.batch)
+        jax.block_until_ready(metrics)
+
+
+def main() -> None:
+    args = side_runner_args(__doc__, models="lm", rounds=5)
+    import numpy as np
+
+    import parallax as px
+    from benchmarks import report, time_interleaved
+
+    class Runner(LMSteps):
+        def __init__(self, length: int, context: int, method: str):
+            self.context, self.method = context, method
+            parts = [px.ContextParallel(context, method=method)] if context > 1 else []
+            if context < 8:
+                parts.append(px.DataParallel(8 // context))
+            super().__init__(length, parts[0] if len(parts) == 1 else px.combine(*parts), flops=True)
 
     lengths = LENGTHS[:1] if args.smoke else LENGTHS
     runners = [Runner(length, context, method) for length in lengths for context in CONTEXT

@@ -19,7 +19,16 @@ import jax
 from jax.extend import core
 from jax.sharding import PartitionSpec
 
-from parallax.models.attention_weights import SHAPED, Const, Weights, derived_ops, flatten, is_var, shape_of, weights_ops
+from parallax.models.attention_weights import (
+    SHAPED,
+    Const,
+    Weights,
+    derived_ops,
+    flatten,
+    is_var,
+    shape_of,
+    weights_ops,
+)
 from parallax.models.rebind import bind, bind_eqn
 
 
@@ -156,7 +165,8 @@ class Tiles:
                 local[op.outvars[0]] = finals[index]
                 continue
             # Shardings traced outside the shard_map name the mesh before its axis went manual: left to the body.
-            params = {name: None if name in ("sharding", "out_sharding") else value for name, value in op.params.items()}
+            params = {name: None if name in ("sharding", "out_sharding") else value
+                      for name, value in op.params.items()}
             if op.primitive.name in SHAPED:
                 key = SHAPED[op.primitive.name]
                 params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape)

@@ -119,11 +119,12 @@ class Balanced:
             if not self.gather:
                 k, v = zigzag(k, tiles.k_dim, axis, size), zigzag(v, tiles.v_dim, axis, size)
             q_rows = [jax.lax.slice_in_dim(q, x * chunk, (x + 1) * chunk, axis=tiles.q_dim) for x in (0, 1)]
-            side_rows = [[_rows(side, dims[0], x * chunk, chunk, 2 * chunk) for side, dims in zip(sides, tiles.side_dims)]
-                         for x in (0, 1)]
+            side_rows = [[_rows(side, dims[0], x * chunk, chunk, 2 * chunk)
+                          for side, dims in zip(sides, tiles.side_dims)] for x in (0, 1)]
 
             def tile_sides(x, g):
-                return [tiles.side_tile(side, dims, g * chunk, chunk) for side, dims in zip(side_rows[x], tiles.side_dims)]
+                return [tiles.side_tile(side, dims, g * chunk, chunk)
+                        for side, dims in zip(side_rows[x], tiles.side_dims)]
 
             skip = jnp.zeros((2, n), bool)
             if probe is not None:  # each tile of a row of chunks: hidden whole, and does every row keep a key?
