@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -127,11 +126,15 @@ class Balanced:
                         for side, dims in zip(side_rows[x], tiles.side_dims)]
 
             skip = jnp.zeros((2, n), bool)
-            if probe is not None:  # each tile of a row of chunks: hidden whole, and does every row keep a key?
-                hidden = [[probe(tile_sides(x, g), shape) for g in range(n)] for x in (0, 1)]
-                live = [jnp.all(functools.reduce(jnp.logical_or, [jnp.any(~h, axis=probe.k_dim) for h in row]))
-                        for row in hidden]
-                skip = jnp.stack([jnp.stack([live[x] & jnp.all(h) for h in hidden[x]]) for x in (0, 1)])
+            if probe is not None:  # each tile: hidden whole? and does every row of its queries keep some key?
+                def look(kept, g):
+                    hidden = [probe(tile_sides(x, g), shape) for x in (0, 1)]
+                    kept = [k | jnp.any(~h, axis=probe.k_dim) for k, h in zip(kept, hidden)]
+                    return kept, jnp.stack([jnp.all(h) for h in hidden])
+
+                rows = jax.eval_shape(lambda: jnp.any(probe(tile_sides(0, 0), shape), axis=probe.k_dim))
+                kept, hidden = jax.lax.scan(look, [jnp.zeros(rows.shape, bool)] * 2, jnp.arange(n))
+                skip = hidden.T & jnp.stack([jnp.all(k) for k in kept])[:, None]
             finals: list[dict] = [{}, {}]
             for reduction in [*info.reductions, None]:  # a pass over the tiles for each, then the values'
                 combine = jax.lax.add if reduction is None else COMBINE[ops[reduction].primitive.name]
