@@ -145,12 +145,13 @@ GRID = [
     ("dot_product_attention", "cp2-fsdp4", "sgd", "all_gather"), ("dot_product_attention", "cp4", "adamw", "ring"),
     ("gpt2", "cp2-tp2-dp2", "sgd", "all_gather"), ("gpt2", "cp2-fsdp4", "adamw", "ring"),
     ("llama", "cp4", "adamw", "all_gather"),
-    # load_balance=True: a causal and padding mask with dropout (NNX), Hugging Face's additive bias, linen's
-    # where(mask, ...), jax.nn.dot_product_attention's is_causal, grouped-query heads with rotary positions.
-    ("nnx", "cp4", "sgd", "balanced"), ("gpt2", "cp2-fsdp4", "adamw", "balanced"),
-    ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("dot_product_attention", "cp4", "adamw", "balanced"),
-    ("llama", "cp2-fsdp4", "adamw", "balanced"), ("nnx", "cp4", "sgd", "balanced-ring"),
-    ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring"), ("gpt2", "cp2-tp2-dp2", "sgd", "balanced-ring"),
+    # load_balance=True: a causal and padding mask with dropout (NNX), linen's where(mask, ...),
+    # jax.nn.dot_product_attention's is_causal, grouped-query heads with rotary positions (Llama), and round the
+    # ring: NNX, a scanned stack, Hugging Face's additive bias (GPT-2).
+    ("nnx", "cp4", "sgd", "balanced"), ("linen", "cp2-tp2-dp2", "sgd", "balanced"),
+    ("dot_product_attention", "cp4", "adamw", "balanced"), ("llama", "cp2-fsdp4", "adamw", "balanced"),
+    ("nnx", "cp4", "sgd", "balanced-ring"), ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring"),
+    ("gpt2", "cp2-tp2-dp2", "sgd", "balanced-ring"),
 ]
 # The core tier: the AdamW cases (each hybrid, each family, both methods), the two cells only SGD covers
 # (context x tensor x data on a linen model and on GPT-2), and the load-balanced cases below.
