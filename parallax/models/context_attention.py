@@ -263,8 +263,9 @@ def _check(jaxpr: Any, size: int, axis: str, load_balance: bool = False) -> int:
                 raise ValueError(
                     f"ContextParallel({axis}={size}{', load_balance=True' if load_balance else ''}) {cut} and an "
                     f"attention's {what} have length {length}, which {parts} does not divide: pad the sequence to "
-                    f"{padded} (masking the padding, e.g. with the attention mask), or use a context size that "
-                    f"divides {length // (2 if load_balance else 1)}.")
+                    f"{padded} (masking the padding, e.g. with the attention mask), or "
+                    + ("load_balance=False." if load_balance and length % 2 else
+                       f"use a context size that divides {length // (2 if load_balance else 1)}."))
         count += 1
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _OPENED:
