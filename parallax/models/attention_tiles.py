@@ -132,41 +132,32 @@ class Tiles:
 
     def side_tile(self, x: Any, dims: tuple, key_start: Any, key_len: int) -> Any:
         """A side value's columns ``key_start`` to ``key_start + key_len`` (if it has the keys' dim whole)."""
-        kd = dims[1]
-        if kd is None or x.shape[kd] != self.keys or key_len == self.keys:
-            return x
-        return jax.lax.dynamic_slice_in_dim(x, key_start, key_len, axis=kd)
+        return part_of(x, dims[1], self.keys, key_start, key_len)
 
     def run(self, scores: Any, sides: Sequence[Any], finals: dict, shape: tuple[int, int],
-            until: int | None = None, want: Any = None, skip_scores: bool = False) -> Any:
+            until: int | None = None, want: Any = None) -> Any:
         """The weights of one tile of ``shape`` (queries, keys), from its scores and its side values.
 
         Args:
-            scores: the tile's scores (``None`` with ``skip_scores``: the ops computed from them are not run).
+            scores: the tile's scores.
             sides: the side values, each at the tile's queries' rows and keys' columns.
             finals: ``{op index: value}``: reductions over the keys already combined over the tiles.
             shape: the tile's number of queries and of keys.
             until: stop after this op and return its result.
             want: return this variable (once the ops before ``until`` ran) instead.
-            skip_scores: run only the ops not computed from the scores (a mask's broadcast).
         """
-        local: dict = {self.scores: scores} if scores is not None else {}
+        local: dict = {self.scores: scores}
         local.update(zip(self.sides, sides))
         get = lambda v: local[v] if is_var(v) and v in local else self.val(v)  # noqa: E731
-        derived = self.info.derived
         for index, op in enumerate(self.ops):
             if index not in self.per_block:
                 continue
             if index == until and want is not None:
                 return get(want)
-            if skip_scores and any(is_var(v) and v in derived for v in op.invars):
-                continue
             if index in finals:
                 local[op.outvars[0]] = finals[index]
                 continue
-            # Shardings traced outside the shard_map name the mesh before its axis went manual: left to the body.
-            params = {name: None if name in ("sharding", "out_sharding") else value
-                      for name, value in op.params.items()}
+            params = _unsharded(op.params)
             if op.primitive.name in SHAPED:
                 key = SHAPED[op.primitive.name]
                 params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape)
@@ -209,6 +200,19 @@ def compute(recipe: Sequence[Any], v: Any) -> Any:
     env: dict = {}
     get = lambda x: x.val if isinstance(x, core.Literal) else x.value if isinstance(x, Const) else env[x]  # noqa: E731
     for e in recipe:
-        params = {name: None if name in ("sharding", "out_sharding") else value for name, value in e.params.items()}
-        env.update(zip(e.outvars, bind(e.primitive, params, [get(x) for x in e.invars])))
+        env.update(zip(e.outvars, bind(e.primitive, _unsharded(e.params), [get(x) for x in e.invars])))
     return env[v]
+
+
+def _unsharded(params: dict) -> dict:
+    """An equation's params without its shardings: traced outside the ``shard_map``, they name the mesh
+    before its axis went manual (left to the body)."""
+    return {name: None if name in ("sharding", "out_sharding") else value for name, value in params.items()}
+
+
+def part_of(x: Any, dim: int | None, full: int, start: Any, length: int) -> Any:
+    """``x``'s ``length`` entries from ``start`` along ``dim``, if it has all ``full`` there (else ``x``:
+    a dim it broadcasts, or none)."""
+    if dim is None or x.shape[dim] != full or length == full:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, length, axis=dim)

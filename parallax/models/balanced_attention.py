@@ -50,7 +50,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from parallax._compat import shard_map
-from parallax.models.attention_tiles import Tiles, compute
+from parallax.models.attention_tiles import Tiles, compute, part_of
 from parallax.models.attention_weights import is_var
 from parallax.models.rebind import bind_eqn
 from parallax.models.ring_attention import COMBINE, IDENTITY
@@ -118,7 +118,7 @@ class Balanced:
             if not self.gather:
                 k, v = zigzag(k, tiles.k_dim, axis, size), zigzag(v, tiles.v_dim, axis, size)
             q_rows = [jax.lax.slice_in_dim(q, x * chunk, (x + 1) * chunk, axis=tiles.q_dim) for x in (0, 1)]
-            side_rows = [[_rows(side, dims[0], x * chunk, chunk, 2 * chunk)
+            side_rows = [[part_of(side, dims[0], 2 * chunk, x * chunk, chunk)
                           for side, dims in zip(sides, tiles.side_dims)] for x in (0, 1)]
 
             def tile_sides(x, g):
@@ -202,13 +202,6 @@ def _over_tiles(guarded: Callable, combine: Callable, k: Any, v: Any, index: Any
     return jax.lax.scan(turn, (k, v, first), jnp.arange(size))[0][2]
 
 
-def _rows(x: Any, dim: int | None, start: int, length: int, rows: int) -> Any:
-    """``x``'s rows ``start`` to ``start + length`` along ``dim`` (if it has all ``rows`` there)."""
-    if dim is None or x.shape[dim] != rows:
-        return x
-    return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Probe:
     """Which entries of a tile the mask hides: the value the softmax's maximum reduces over, for
@@ -262,8 +255,7 @@ def zigzag(x: Any, dim: int, axis: str, size: int) -> Any:
 
 
 def zigzag_rows(x: Any, dim: int, axis: str, size: int) -> Any:
-    """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole
-    (one gather: the compiler computes only those rows of a value made where it stands, a causal mask)."""
+    """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole."""
     chunk, index = x.shape[dim] // (2 * size), jax.lax.axis_index(axis)
     rows = jnp.concatenate([jnp.arange(chunk) + index * chunk, jnp.arange(chunk) + (2 * size - 1 - index) * chunk])
     return jnp.take(x, rows, axis=dim, mode="clip")
