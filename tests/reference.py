@@ -3,7 +3,7 @@
 Also what every equivalence test shares: the strategy and optimizer grid, the largest
 difference between two trees, and the bound: 1e-5; past it, twice what plain ``jit`` already
 drifts when the same values are merely placed on the strategy's mesh (the compiler's own
-floor), and for each param element also twice what the optimizer amplifies of the gradients'
+floor), and for each param element also twice what the optimizer amplifies of twice the gradients'
 rounding (``px.testing.rounding``: Adam turns a rounding change of a near-zero gradient into a
 param change of up to its learning rate, which a loss or optimizer state never shows).
 """
@@ -110,7 +110,7 @@ class PlainRun(NamedTuple):
 
 class Drift(NamedTuple):
     """How far one run is from another: losses (max over steps), final params beyond ``allowance``
-    (per element, twice the optimizer's amplification of gradient rounding) and optimizer state."""
+    (per element, twice the optimizer's amplification of twice the gradients' rounding) and optimizer state."""
 
     losses: float
     params: float

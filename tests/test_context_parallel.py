@@ -148,9 +148,9 @@ GRID = [
     # load_balance=True: a causal and padding mask with dropout (NNX), linen's where(mask, ...),
     # jax.nn.dot_product_attention's is_causal, grouped-query heads with rotary positions (Llama), and round the
     # ring: NNX, a scanned stack, Hugging Face's additive bias (GPT-2).
-    ("nnx", "cp4", "sgd", "balanced"), ("linen", "cp2-tp2-dp2", "sgd", "balanced"),
+    ("nnx", "cp4", "adamw", "balanced"), ("linen", "cp2-tp2-dp2", "sgd", "balanced"),
     ("dot_product_attention", "cp4", "adamw", "balanced"), ("llama", "cp2-fsdp4", "adamw", "balanced"),
-    ("nnx", "cp4", "sgd", "balanced-ring"), ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring"),
+    ("nnx", "cp4", "adamw", "balanced-ring"), ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring"),
     ("gpt2", "cp2-tp2-dp2", "sgd", "balanced-ring"),
 ]
 # The core tier: the AdamW cases (each hybrid, each family, both methods), the two cells only SGD covers
@@ -161,7 +161,7 @@ CORE = [case for case in GRID if case[2] == "adamw" and case[0] != "llama" and n
     # load_balance: a mask by where (linen), is_causal (jax.nn), causal and padding with dropout (NNX) by both methods,
     # a scanned stack round the ring; Hugging Face's additive bias and Llama in the wide tier.
     ("linen", "cp2-tp2-dp2", "sgd", "balanced"), ("dot_product_attention", "cp4", "adamw", "balanced"),
-    ("nnx", "cp4", "sgd", "balanced"), ("nnx", "cp4", "sgd", "balanced-ring"),
+    ("nnx", "cp4", "adamw", "balanced"), ("nnx", "cp4", "adamw", "balanced-ring"),
     ("linen-stack", "cp2-fsdp4", "adamw", "balanced-ring")]
 
 

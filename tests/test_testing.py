@@ -196,6 +196,57 @@ def test_rounding_allowance_is_adams_first_step_worked_out_by_hand():
     assert sensitivity[0] < 1e-9 and sensitivity[3] > 1e-4
 
 
+def key_bias_attention(params, x, reverse):
+    """A one-head attention whose key bias has zero gradient in exact arithmetic (a query's scores
+    all move together; the softmax does not change); ``reverse``: the same attention with its keys
+    in the other order, as a context-parallel strategy sums them: other roundings, the same math."""
+    q, k, v = x @ params["q"], x @ params["k"] + params["key_bias"], x @ params["v"]
+    if reverse:
+        k, v = k[:, ::-1], v[:, ::-1]
+    weights = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
+    return jnp.mean((jnp.einsum("bqk,bkd->bqd", weights, v) - x[..., :4]) ** 2)
+
+
+def test_the_allowance_sees_a_gradient_that_is_rounding_alone_and_still_catches_a_bfloat16_ulp_a_step():
+    """Adam moves a zero-gradient key bias by its rounding alone, each order of the keys another way:
+    0.02 apart after 3 steps here. A level read off the same sums in the same order (what placing
+    the inputs on a mesh leaves of an attention) is one ulp of the bias's rounding and allows
+    nothing; the level read off params dithered by a ulp (every rounding moved) allows it. The
+    other params keep allowances of about 2e-6, so updates rounded to bfloat16 a step still fail."""
+    rng = np.random.default_rng(0)
+    params = {name: rng.normal(size=(8, 4)).astype(np.float32) for name in "qkv"} | {
+        "key_bias": np.zeros(4, np.float32)}
+    xs = [rng.normal(size=(4, 16, 8)).astype(np.float32) for _ in range(3)]
+    tx, grad = optax.adam(1e-2), jax.jit(jax.grad(key_bias_attention), static_argnums=2)
+
+    def train(reverse, apply=optax.apply_updates):
+        current, state, grads, seen = params, tx.init(params), [], []
+        for x in xs:
+            seen.append(current)
+            g = grad(current, x, reverse)
+            grads.append(jax.device_get(g))
+            updates, state = tx.update(g, state, current)
+            current = apply(current, updates)
+        return jax.device_get(current), grads, seen
+
+    ref, grads, seen = train(False)
+    other = train(True)[0]
+    same = [grad(p, x, False) for p, x in zip(seen, xs)]  # the same order again: bit for bit
+    dithered = [grad(px.testing.dither(p, seed=t), x, False) for t, (p, x) in enumerate(zip(seen, xs))]
+    assert max(float(np.abs(g["key_bias"]).max()) for g in grads) < 1e-5  # rounding alone (the others: 0.6 to 2)
+    assert px.testing.excess(other, ref)["key_bias"] > 1e-2  # another order moved it that far
+
+    def held(allowance, run=other):
+        return px.testing.excess(run, ref, allowance)
+
+    assert held(px.testing.rounding_allowance(tx, params, tx.init(params), grads, same))["key_bias"] > 1e-2
+    allowance = px.testing.rounding_allowance(tx, params, tx.init(params), grads, same, dithered)
+    assert max(held(allowance).values()) <= 1e-5, held(allowance)
+    assert max(float(np.max(allowance[name])) for name in "qkv") < 1e-5, allowance
+    buggy = train(True, apply=bf16_updates)[0]
+    assert max(held(allowance, buggy)[name] for name in "qkv") > 1e-5, held(allowance, buggy)
+
+
 def test_fake_devices_gives_the_devices_it_can_and_says_how_to_get_more(parallax_devices):
     assert len(parallax_devices) == 8 and px.testing.fake_devices(8) == parallax_devices  # the pytest fixture
     with pytest.raises(RuntimeError, match="XLA_FLAGS=--xla_force_host_platform_device_count=64"):

@@ -16,15 +16,15 @@ shard's dropout key and BatchNorm over all shards, averaged (run on one device w
 
 The tolerance (``tolerance="auto"``) is 1e-5 until a difference passes it; then twice the
 drift of plain ``jit`` with the same values placed on the mesh, and for each param element
-also twice what the optimizer amplifies of the gradients' rounding (:mod:`.rounding`).
+also twice what the optimizer amplifies of twice the gradients' rounding (:mod:`.rounding`).
 
 :func:`fake_devices` gives a CPU process simulated devices for your own test suite.
 """
 
 from parallax.testing.devices import fake_devices
 from parallax.testing.equivalence import EquivalenceReport, NotEquivalentError, assert_equivalent
-from parallax.testing.rounding import (ROUNDING_MARGIN, excess, gradient_rounding, optimizer_rounding,
-                                      rounding_allowance)
+from parallax.testing.rounding import (LEVEL_MARGIN, ROUNDING_MARGIN, dither, excess, gradient_rounding,
+                                      optimizer_rounding, rounding_allowance)
 
-__all__ = ["EquivalenceReport", "NotEquivalentError", "ROUNDING_MARGIN", "assert_equivalent", "excess", "fake_devices",
-           "gradient_rounding", "optimizer_rounding", "rounding_allowance"]
+__all__ = ["EquivalenceReport", "LEVEL_MARGIN", "NotEquivalentError", "ROUNDING_MARGIN", "assert_equivalent", "dither",
+           "excess", "fake_devices", "gradient_rounding", "optimizer_rounding", "rounding_allowance"]

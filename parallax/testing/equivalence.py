@@ -155,7 +155,7 @@ def assert_equivalent(
         tolerance: the largest absolute difference allowed, or ``"auto"``: 1e-5; once a
             difference exceeds that, twice what plain ``jit`` already drifts when the same
             values are merely placed on the strategy's mesh (the compiler's own floor), and
-            for each param element also twice what its optimizer amplifies of the gradients'
+            for each param element also twice what its optimizer amplifies of twice the gradients'
             rounding (:mod:`parallax.testing.rounding`: near-zero gradients under Adam).
         rng: the seed of both runs.
         mesh: the device mesh: the mesh set with ``jax.set_mesh`` around the call, else
@@ -237,9 +237,10 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     """``report`` held to ``tolerance="auto"``'s bound (:mod:`parallax.testing.rounding`).
 
     The reference is run once more with its inputs placed as the strategy places them: another
-    reduction order. Its gradients at the reference's own inputs give each step's rounding
-    level, the optimizer rerun on the reference's gradients turns that into each param's
-    allowance, and its drift beyond those allowances (losses, state) is the floor.
+    reduction order. Its gradients at the reference's own inputs, and the one-device gradients
+    at those params dithered by a ulp (every rounding changed), give each step's rounding
+    level; the optimizer rerun on the reference's gradients turns that into each param's
+    allowance, and the placed run's drift beyond those allowances (losses, state) is the floor.
     """
     # the sharded run's layout, in device memory (its offloaded parts are placed on the devices here)
     shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"),
@@ -253,8 +254,9 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     with mesh_context(mesh):  # the strategy's mesh (its axis types), not a context mesh of the caller's
         placed = reference.run(initial, batches, place)
         other = reference.gradients_at(ref.inputs, batches, initial, place)  # the same program: no second compile
+    dithered = reference.dithered_gradients(ref.inputs, batches, initial)  # the one-device program, compiled already
     allowance = rounding_allowance(reference.tx, initial.params, initial.opt_state, jax.device_get(ref.grads),
-                                   jax.device_get(other))
+                                   jax.device_get(other), jax.device_get(dithered))
     compared = report.state_diffs["params"]  # the floating leaves
     allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if path in compared}
     drift = dataclasses.replace(_report(strategy, mesh, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
@@ -264,7 +266,7 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     widest = max(allowed.items(), key=lambda item: item[1], default=("", 0.0))
     basis = (f"twice the drift of plain jit with the same values placed on the mesh ({floor:.2g})"
              + (f", {options.precision} compute" if options.policy.compute_dtype is not None else "")
-             + f"; params also twice their optimizer's amplification of gradient rounding (largest: "
+             + f"; params also twice their optimizer's amplification of twice the gradients' rounding (largest: "
                f"{widest[0]} {widest[1]:.2g})")
     return dataclasses.replace(report, tolerance=max(FLOAT32_TOLERANCE, 2 * floor), tolerance_basis=basis,
                                param_allowance=allowed, param_excess=excess(final.params, ref.final.params, allowance))

@@ -17,6 +17,7 @@ import optax
 
 from parallax.models import ModelRun
 from parallax.step.train_state import TrainState, model_rngs
+from parallax.testing.rounding import dither
 
 _SHARDS = "shards"  # the vmapped axis standing for the data shards
 
@@ -107,6 +108,13 @@ class Reference:
         opt_state = place((initial.params, initial.model_state, initial.opt_state), "state")[2]  # placed once
         return [self.step(*place((params, model_state, opt_state), "state"), place(batch, "batch"), place(key, "key"))[4]
                 for (params, model_state, key), batch in zip(inputs, batches, strict=True)]
+
+    def dithered_gradients(self, inputs: list, batches, initial: TrainState) -> list:
+        """The gradient at each of another run's ``inputs`` with the params moved a float32 ulp up or
+        down at random (:func:`parallax.testing.rounding.dither`; step ``t`` by seed ``t``), on one
+        device: every rounding of the model's computation changed, inside each example too."""
+        return [self.step(dither(params, seed=t), model_state, initial.opt_state, batch, key)[4]
+                for t, ((params, model_state, key), batch) in enumerate(zip(inputs, batches, strict=True))]
 
 
 @dataclasses.dataclass(frozen=True)

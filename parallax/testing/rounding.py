@@ -11,10 +11,17 @@ loss and the optimizer state show none of it. No single bound tells that apart f
 and still catches bugs in the other params, so each param gets its own allowance:
 
 1. :func:`gradient_rounding` measures the rounding level of each step's gradient: per leaf,
-   the largest difference between the one-device gradient and the same gradient computed in
-   another reduction order (the same function, its inputs placed on a mesh), at least one
-   float32 ulp of the leaf's largest gradient; none where the gradient is exactly zero in
-   both (a unit no example reached).
+   the largest difference between the one-device gradient and the same gradient computed
+   again in other roundings, at least one float32 ulp of the leaf's largest gradient; none
+   where the gradient is exactly zero in all of them (a unit no example reached). Two
+   recomputations are used: the same function with its inputs placed on a mesh (another
+   reduction order of the sums the mesh splits), and on one device at params moved one
+   float32 ulp up or down at random (:func:`dither`), which changes every rounding of the
+   computation, inside each example too. The second is what sees a gradient that is zero in
+   exact arithmetic by cancellation inside the model (an attention's key bias: the softmax
+   does not change when a query's scores all move together), whose computed value is
+   rounding alone and whose sign the mesh's order can leave untouched while a strategy's does
+   not.
 2. :func:`optimizer_rounding` reruns the optimizer alone on the one-device run's recorded
    gradients, each step's gradients pushed up and then down by that step's rounding level,
    and sums over the steps how far each final param moves: the param's sensitivity.
@@ -38,38 +45,83 @@ import optax
 
 from parallax._tree import path_str
 
-__all__ = ["ROUNDING_MARGIN", "excess", "gradient_rounding", "optimizer_rounding", "rounding_allowance"]
+__all__ = ["LEVEL_MARGIN", "ROUNDING_MARGIN", "dither", "excess", "gradient_rounding", "optimizer_rounding", "rounding_allowance"]
 
 ROUNDING_MARGIN = 2.0  # the sensitivity alone was 1.9–4.1× the drift seen across stacks and ISAs (docs/guides/testing-your-model.md)
+LEVEL_MARGIN = 2.0  # a strategy's own roundings of a gradient were up to 1.8× the level read on one device (a ring's)
 
 
-def gradient_rounding(grads: Any, other: Any) -> Any:
-    """The rounding level of a gradient: how far another reduction order moved it, per leaf.
+def dither(tree: Any, seed: int = 0) -> Any:
+    """``tree`` with every floating element moved one float32 ulp up or down, at random.
+
+    The gradient at dithered params is a recomputation in other roundings: every product and
+    sum of the model changes its last bits, so its difference from the gradient at the params
+    themselves samples how far rounding moves each gradient element (the params move by an
+    amount a single rounding could have made). Integer leaves (rng keys, counters) are kept.
+
+    Args:
+        tree: a tree of arrays (host or device).
+        seed: the seed of the up-or-down choice.
+
+    Returns:
+        A tree like ``tree`` of host arrays.
+
+    Example:
+        >>> w = np.array([1.5, -3.0], np.float32)
+        >>> moved = px.testing.dither({"w": w, "n": np.array([3])})
+        >>> np.abs(moved["w"] - w) == np.abs(np.spacing(w))  # each a float32 ulp up or down
+        array([ True,  True])
+        >>> moved["n"]
+        array([3])
+    """
+    rng = np.random.default_rng(seed)
+
+    def move(x):
+        x = np.asarray(jax.device_get(x))
+        if not np.issubdtype(x.dtype, np.floating):
+            return x
+        ends = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(x.dtype)
+        return np.nextafter(x, ends)
+
+    return jax.tree.map(move, tree)
+
+
+def gradient_rounding(grads: Any, *others: Any) -> Any:
+    """The rounding level of a gradient: how far other roundings moved it, per leaf.
 
     Args:
         grads: the one-device gradient (a tree of arrays).
-        other: the same gradient computed in another reduction order (e.g. with its inputs
-            placed on a mesh), at the same params and batch.
+        *others: the same gradient computed again in other roundings at the same batch: with its
+            inputs placed on a mesh (another reduction order), or at :func:`dither`'s params.
 
     Returns:
         A tree like ``grads`` of float32 arrays: in each leaf, the largest
-        ``|grads - other|`` of the leaf (at least one float32 ulp of its largest ``|grads|``),
-        except 0 where both gradients are exactly 0 (a unit no example reached: no sum to round).
+        ``|grads - other|`` of the leaf over ``others`` (at least one float32 ulp of its largest
+        ``|grads|``), except 0 where every gradient is exactly 0 (a unit no example reached: no
+        sum to round).
 
     Example:
         >>> g = {"w": np.array([1.0, -2.0, 0.0], np.float32)}
         >>> other = {"w": np.array([1.0 + 2**-20, -2.0, 0.0], np.float32)}  # 1.0 one ulp up, in float32
         >>> px.testing.gradient_rounding(g, other)["w"] * 2**20
         array([1., 1., 0.], dtype=float32)
+        >>> cancelled = {"w": np.array([3e-9, -1e-9, 2e-9], np.float32)}  # zero in exact arithmetic
+        >>> px.testing.gradient_rounding(cancelled, cancelled, {"w": np.array([-1e-9, 2e-9, 0.0], np.float32)})["w"]
+        array([4.e-09, 4.e-09, 4.e-09], dtype=float32)
     """
-    def level(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not others:
+        raise ValueError("gradient_rounding needs the gradient computed again at least once (others).")
+
+    def level(a, *bs):
+        a = np.asarray(a, np.float64)
         if not a.size:
             return np.zeros(a.shape, np.float32)
-        widest = max(np.abs(a - b).max(), np.finfo(np.float32).eps * np.abs(a).max())
-        return np.where((a == 0) & (b == 0), 0.0, widest).astype(np.float32)
+        bs = [np.asarray(b, np.float64) for b in bs]
+        widest = max(max(np.abs(a - b).max() for b in bs), np.finfo(np.float32).eps * np.abs(a).max())
+        untouched = np.logical_and.reduce([a == 0, *(b == 0 for b in bs)])
+        return np.where(untouched, 0.0, widest).astype(np.float32)
 
-    return jax.tree.map(level, grads, other)
+    return jax.tree.map(level, grads, *others)
 
 
 def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
@@ -141,16 +193,17 @@ def optimizer_rounding(optimizer: optax.GradientTransformation, params: Any, opt
 
 
 def rounding_allowance(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
-                       grads: Sequence[Any], other_grads: Sequence[Any]) -> Any:
+                       grads: Sequence[Any], *other_grads: Sequence[Any]) -> Any:
     """Each param element's allowance: :data:`ROUNDING_MARGIN` times its :func:`optimizer_rounding`
-    at the rounding level :func:`gradient_rounding` reads off ``grads`` and ``other_grads``.
+    at :data:`LEVEL_MARGIN` times the rounding level :func:`gradient_rounding` reads off ``grads``
+    and ``other_grads``.
 
     Args:
         optimizer: the optax transformation the runs use.
         params: the initial params; ``opt_state`` the optimizer's initial state for them.
         grads: the gradient of each step of the one-device run (host arrays).
-        other_grads: each step's gradient computed again at the same inputs in another
-            reduction order (e.g. placed on a mesh).
+        *other_grads: one or more recomputations: each step's gradient computed again at the same
+            inputs in other roundings (placed on a mesh; at :func:`dither`'s params).
 
     Example:
         >>> p = {"w": np.zeros(2, np.float32)}
@@ -161,7 +214,8 @@ def rounding_allowance(optimizer: optax.GradientTransformation, params: Any, opt
         >>> bool(a[0] < 1e-9 and a[1] > 1e-4)
         True
     """
-    rounding = [gradient_rounding(g, o) for g, o in zip(grads, other_grads, strict=True)]
+    rounding = [jax.tree.map(lambda level: LEVEL_MARGIN * level, gradient_rounding(g, *o))
+                for g, *o in zip(grads, *other_grads, strict=True)]
     sensitivity = optimizer_rounding(optimizer, params, opt_state, grads, rounding)
     return jax.tree.map(lambda s: ROUNDING_MARGIN * s, sensitivity)
 
