@@ -166,13 +166,15 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], follow: Fo
             outs = _scan(eqn, ins, follow, pin)
         else:
             outs = bind_eqn(eqn, ins)
-            for out in eqn.outvars:
+            follow_rows(eqn, row_dims, rows)
+            for index, out in enumerate(eqn.outvars):
                 at = moved(eqn, dims, out)
                 if at is not None:
                     tracked[out] = at
-                    if any(laid) and tuple(out.aval.shape) in [tuple(v.aval.shape) for v in eqn.invars]:
-                        follow.laid.add(out)  # elementwise of a value laid out by expert
-            follow_rows(eqn, row_dims, rows)
+                    same = tuple(out.aval.shape) in [tuple(v.aval.shape) for v in eqn.invars]
+                    if any(laid) and (same or name in ("transpose", "reshape")):
+                        follow.laid.add(out)  # elementwise of, or a view of, a value laid out by expert: kept so
+                        outs[index] = pin(outs[index], at, rows.get(out))
         values.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
