@@ -110,7 +110,7 @@ class Reference:
                 for (params, model_state, key), batch in zip(inputs, batches, strict=True)]
 
     def dithered_gradients(self, inputs: list, batches, initial: TrainState) -> list:
-        """The gradient at each of another run's ``inputs`` with the params moved a float32 ulp up or
+        """The gradient at each of another run's ``inputs`` with the params moved an ulp up or
         down at random (:func:`parallax.testing.rounding.dither`; step ``t`` by seed ``t``), on one
         device: every rounding of the model's computation changed, inside each example too."""
         return [self.step(dither(params, seed=t), model_state, initial.opt_state, batch, key)[4]

@@ -26,7 +26,9 @@ and still catches bugs in the other params, so each param gets its own allowance
    gradients, each step's gradients pushed up and then down by that step's rounding level,
    and sums over the steps how far each final param moves: the param's sensitivity.
 
-:func:`rounding_allowance` does both and scales by :data:`ROUNDING_MARGIN`.
+:func:`rounding_allowance` does both, pushing by :data:`LEVEL_MARGIN` times the level (a
+strategy's own computation may round more than the one device's: a ring's online softmax
+did, 1.8 times), and scales the sensitivity by :data:`ROUNDING_MARGIN`.
 
 A param is then held to the float32 bound plus :data:`ROUNDING_MARGIN` times its
 sensitivity. For SGD the sensitivity is ``lr`` times the rounding level (nothing); for Adam
@@ -53,7 +55,7 @@ LEVEL_MARGIN = 2.0  # a strategy's own roundings of a gradient were up to 1.8× 
 
 
 def dither(tree: Any, seed: int = 0) -> Any:
-    """``tree`` with every floating element moved one float32 ulp up or down, at random.
+    """``tree`` with every floating element moved one ulp of its dtype up or down, at random.
 
     The gradient at dithered params is a recomputation in other roundings: every product and
     sum of the model changes its last bits, so its difference from the gradient at the params
@@ -79,7 +81,7 @@ def dither(tree: Any, seed: int = 0) -> Any:
 
     def move(x):
         x = np.asarray(jax.device_get(x))
-        if not np.issubdtype(x.dtype, np.floating):
+        if not jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16 too
             return x
         ends = np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(x.dtype)
         return np.nextafter(x, ends)
