@@ -305,7 +305,7 @@ def test_each_device_holds_its_experts_and_the_tokens_move_to_them():
             assert "16,16,32" in gathered, gathered  # every token, to every device's expert
 
 
-def test_each_dispatch_style_moves_its_tokens_to_their_experts_and_gathers_no_more_than_data_parallelism():
+def test_per_sequence_dispatch_moves_tokens_by_all_to_all_by_mask_or_index_and_flat_routing_gathers_them():
     """px.plan's collective bytes under ExpertParallel(8) beside DataParallel(8), read from the compiled
     steps: top-2 routing per sequence dispatched by a one-hot einsum and by index (a scatter of
     token indices, ``take_along_axis`` in and out) moves the dispatched tokens by all-to-all, the
