@@ -317,6 +317,9 @@ def test_context_parallel_arguments_and_paths_are_checked():
     # A state the search built on a ring: its mesh says so, and the step it reads from the mesh runs the ring.
     ring_mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context_ring",))
     assert from_mesh(ring_mesh) == px.ContextParallel(4, method="ring", axis="context_ring")
+    for axis, method in (("context_balanced", "all_gather"), ("context_ring_balanced", "ring")):  # load-balanced
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (axis,))
+        assert from_mesh(mesh) == px.ContextParallel(4, method=method, axis=axis, load_balance=True)
     strategy, batch = px.combine(px.DataParallel(2), px.ContextParallel(4)), batches("lm", 1)[0]
     state = px.init_state(TinyLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
     with pytest.raises(ValueError, match="splits the model's attention over the sequence, which the jit path compiles"):

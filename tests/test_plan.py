@@ -187,6 +187,29 @@ def test_plan_auto_picks_what_the_trainers_search_picks_and_on_named_hardware_th
                for row in none.rows), none.rows
 
 
+def test_plan_auto_prices_the_candidates_that_compile_one_way_and_picks_as_the_search_does():
+    """One long sequence on 2 devices: the batch splits over nothing, so ``"auto"`` prices the tensor
+    and context meshes (load-balanced too), each compiled on one path (``jit``) without a choice of
+    paths. Every row carries the cost model's estimate and the pick is the search's, where before
+    no row had one and the plan said that none fitted a budget it was not given."""
+    from parallax.state.search import resolve
+
+    batch = {"x": np.random.default_rng(0).integers(0, 64, (1, 65)).astype(np.int32)}
+    plan = px.plan(TinyLM(), optax.adamw(1e-3), batch, loss_fn=lm_loss, strategies=["auto"], devices=2,
+                   isolate=False)
+    priced = {row["strategy"]: row["estimate"] for row in plan.rows if not row.get("error")}
+    assert set(priced) == {"TensorParallel(tensor=2)", "ContextParallel(context=2)",
+                           "ContextParallel(context_ring=2, method='ring')",
+                           "ContextParallel(context_balanced=2, load_balance=True)",
+                           "ContextParallel(context_ring_balanced=2, method='ring', load_balance=True)"}, priced
+    assert all(seconds > 0 for seconds in priced.values()), priced
+    found = resolve(TinyLM(), optax.adamw(1e-3), batch, "auto", loss_fn=lm_loss, devices=jax.devices()[:2],
+                    options=px.StepOptions(timed_candidates=0))
+    picked, = plan.picks
+    assert picked.strategy == min(priced, key=priced.get) and found.choice.picked.startswith(picked.strategy), \
+        (found.describe(), picked)
+
+
 @pytest.mark.wide("the CLI in processes of its own (22 s cold)")
 def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
     env = child_env()

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from parallax import inspect
 from parallax._errors import first_line
 from parallax._units import format_bytes
+from parallax.pricing.choice import choose
 from parallax.pricing.timing import closest
 from parallax.pricing.hardware import Hardware
 from parallax.pricing.host_layout import cheapest_layout, link_seconds
@@ -33,6 +34,17 @@ from parallax.step.options import StepOptions
 from parallax.step.offload import offloaded_parts
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
+
+
+def _estimate(step: Any, compiled: Any, mesh: Any, topology: Topology | None) -> float:
+    """The cost model's step seconds for ``compiled``: the path choice's where the step chose one, else
+    priced here (a step with one path, e.g. context parallelism's ``jit``, compiles without choosing)."""
+    if step.choice is not None:
+        return step.choice.estimates.get(step.mode(), step.choice.estimates[step.choice.picked]).seconds
+    return choose({step.mode(): compiled}, list(mesh.devices.flat), topology=topology,
+                  speeds=step.speeds).estimates[step.mode()].seconds
+
+
 def with_options(strategy: Strategy, **options: Any) -> Strategy:
     """``strategy`` with ``options`` set on every part that has them (``min_weight_size`` and
     ``split`` reach the FSDP part of a hybrid); an option no part has is an error.
@@ -118,8 +130,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         collective_bytes=sum(stat.bytes for stat in traffic.values()),
         params=totals["params"]["count"],
         timed=closest(step.choice, options.timed_candidates) if step.choice is not None else [],
-        estimate=step.choice.estimates.get(step.mode(), step.choice.estimates[step.choice.picked]).seconds
-        if step.choice is not None else None,
+        estimate=_estimate(step, compiled, mesh, topology),
     )
     close = (f"{' and '.join(row['timed'])} are priced within the cost model's error: the first call times them and "
              f"keeps the faster (these figures are {step.mode()}'s)") if row["timed"] else None
