@@ -24,11 +24,11 @@ METHODS = ("all_gather", "ring")
 
 class LMSteps(TimedSteps):
     """The causal LM of ``benchmarks/context_memory.py`` (``TransformerLM``, width 64, 2 blocks, 4 heads)
-    on 8 sequences of ``length`` tokens under ``strategy``, compiled, placed and stepped once: its
+    on ``rows`` (8) sequences of ``length`` tokens under ``strategy``, compiled, placed and stepped once: its
     label, per-device peak, collective bytes (and ``flops``: the compiled FLOPs per device, each
     loop's turns counted), for :func:`~benchmarks.time_interleaved`."""
 
-    def __init__(self, length: int, strategy, flops: bool = False):
+    def __init__(self, length: int, strategy, flops: bool = False, rows: int = 8):
         import jax
         import numpy as np
         import optax
@@ -37,7 +37,7 @@ class LMSteps(TimedSteps):
         from benchmarks.models import TransformerLM, lm_loss
         from parallax import inspect
 
-        self.length, self.times, rows = length, [], 8
+        self.length, self.times = length, []
         batch = {"x": np.random.default_rng(0).integers(0, 256, (rows, length + 1)).astype(np.int32)}
         self.label = strategy.describe()
         model = TransformerLM(vocab=256, features=64, layers=2, heads=4)
