@@ -16,6 +16,7 @@ from flax import nnx
 
 import parallax as px
 from parallax.models.balanced_attention import tiles_computed
+from parallax.pricing.fused_bytes import dot_flops
 from parallax.models.context_attention import context_parallel, model_has_attention
 from parallax.sharding.auto import from_mesh
 from parallax.state.search import resolve
@@ -265,6 +266,18 @@ def test_balanced_attention_skips_what_the_mask_hides_and_every_device_as_much()
         for method in ("all_gather", "ring"):
             split = context_parallel(lambda *a: fn(*a), mesh=mesh, axis="context", method=method, load_balance=True)
             np.testing.assert_allclose(jax.jit(split)(*args), fn(*args), rtol=1e-5, atol=1e-6)
+    # A mask the model computes from no input (positions) that leaves every device as many tiles: the gathered
+    # loop runs those alone, without a branch, so the step's matmul FLOPs (what px.plan prices) are 9 tiles' of 16.
+    def priced(mask):
+        split = context_parallel(lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask()), mesh=mesh,
+                                 axis="context", load_balance=True)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda q: split(q).sum()))(q)
+        return sum(dot_flops(jaxpr.jaxpr)), "cond[" in str(jaxpr)
+    (causal, causal_branch), (every, every_branch) = priced(lambda: jnp.tril(jnp.ones((32, 32), bool))), priced(
+        lambda: None)
+    assert not causal_branch and not every_branch and causal / every == pytest.approx(9 / 16), (causal, every)
+    assert priced(lambda: jnp.tril(jnp.ones((32, 32), bool)) & (jnp.arange(32) != 1)[:, None])[1]  # 16, 9, 9, 9
+    assert priced(lambda: jnp.asarray(np.tril(np.ones((32, 32), bool))))[1]  # a constant: read as the step runs
 
 
 class ReturnsWeights(nn.Module):

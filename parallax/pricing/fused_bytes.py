@@ -5,8 +5,9 @@ a GPU, the CPU compiler's count is the CPU's (it converts bf16 around each op an
 count does not depend on the backend that compiled the plan: in the step's jaxpr, elementwise
 ops (and the reductions that consume them) are grouped as XLA's GPU and TPU compilers fuse them,
 each group reads the values it takes from outside once and writes what leaves it once; a matmul,
-a gather, a collective or a loop reads materialised inputs and writes its outputs; a scan's body
-counts once per iteration. Measured against an H200 (``benchmarks/results/gpu.md``): the step
+a gather, a collective or a loop reads materialised inputs and writes its outputs (a
+``dynamic_update_slice`` writes its update alone, in place, as a loop's accumulator is written); a
+scan's body counts once per iteration. Measured against an H200 (``benchmarks/results/gpu.md``): the step
 times this predicts are within 7 % (float32) and 21 % (bf16) of the measured ones. The jaxpr's
 matmuls too: their FLOPs, every loop iteration's (:func:`dot_flops`), and the dtype most of them
 run in (:func:`matmul_dtype`).
@@ -135,6 +136,12 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
                 mine = body.total / _sharing(eqn)
                 body = Moved(mine, 0.0, mine)
             total = total + body
+            continue
+        if eqn.primitive.name == "dynamic_update_slice":  # in place (a loop's accumulator): the update alone
+            update = eqn.invars[1]
+            total = total + moved(update)
+            if isinstance(update, jcore.Var) and materialised(update):
+                reads.setdefault(root(id(eqn)), set()).add(update)
             continue
         for var in eqn.outvars:
             if not isinstance(var, jcore.DropVar) and materialised(var):
