@@ -7,7 +7,7 @@ stack's blocks rematerialise themselves, each also with ``remat="layer"``: fewer
 memory, the budget and the prices decide); the sequence split over a context axis, for a model
 with attention whose batch the devices do not divide (a few long sequences) or where no mesh
 priced so far fits the memory budget (:func:`~parallax.sharding.auto.context_candidates`, the ring
-method among them); and an expert axis for a model that stacks a mixture of experts' weights, or
+method and load balancing among them); and an expert axis for a model that stacks a mixture of experts' weights, or
 keeps its experts in a list (:func:`~parallax.sharding.auto.expert_candidates`).
 """
 
