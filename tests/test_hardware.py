@@ -23,7 +23,7 @@ import parallax as px
 from parallax.inspect import collective_bytes
 from parallax.plan import isolated, target
 from parallax.pricing.hardware import PROFILES, known
-from parallax.pricing.fused_bytes import matmul_dtype
+from parallax.pricing.fused_bytes import fused_bytes, matmul_dtype
 from parallax.pricing.step_time import collective_seconds, step_time
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
@@ -311,6 +311,21 @@ def test_gpu_plans_hold_the_other_recorded_h200_runs_and_a_llama_and_span_hosts(
     row = report.rows[0]
     assert row["backend"] == "gpu" and row["devices"] == 16 and row["links"]["hosts"] == 2, row
     assert row["collective_bytes"] > 0 and "compiled by XLA's GPU compiler for h100" in str(report)
+
+
+def test_a_loop_over_slices_of_a_sequence_is_priced_at_the_slices_bytes():
+    """A loop reading a 1 MiB sequence 64 rows at a time (as balanced context parallelism reads its keys)
+    and its gradient: each step reads its slice, and the slice's gradient is added in place, as XLA
+    rewrites ``add(acc, dynamic_update_slice(zeros, g, i))`` (checked in its program below). Priced a
+    slice a step, not the whole sequence read, padded and added 16 times over (93 MB before)."""
+    def f(k):
+        return jax.lax.scan(lambda c, g: (c + jnp.sin(jax.lax.dynamic_slice_in_dim(k, g * 64, 64, 0)).sum(), None),
+                            0.0, jnp.arange(16))[0]
+
+    k = jnp.ones((1024, 256))
+    moved = fused_bytes(jax.make_jaxpr(jax.grad(f))(k).jaxpr).total
+    assert 2 * k.nbytes <= moved <= 12 * k.nbytes, moved / k.nbytes
+    assert "add_dynamic-update-slice_fusion" in jax.jit(jax.grad(f)).lower(k).compile().as_text()
 
 
 def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter():
