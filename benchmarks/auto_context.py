@@ -59,8 +59,8 @@ def main() -> None:
         for r in rows:
             low, mid, high = r["tokens_per_s"]
             over = "**picked**" if r["picked"] else " / ".join(f"{x:.2f}" for x in r["pick_over"])
-            lines.append(f"| {r['length']} | {r['strategy']} | {1e3 * r['estimate']:.0f} ms | {low:,.0f} / {mid:,.0f} / "
-                         f"{high:,.0f} | {over} | {r['peak'] / 2**20:.1f} MiB |")
+            lines.append(f"| {r['length']} | {r['strategy']} | {1e3 * r['estimate']:.0f} ms | "
+                         f"{low:,.0f} / {mid:,.0f} / {high:,.0f} | {over} | {r['peak'] / 2**20:.1f} MiB |")
         return "\n".join(lines)
 
     report(args, "auto_context", results, markdown, batch=2)

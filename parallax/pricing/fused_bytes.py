@@ -167,11 +167,13 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
 
 def _zero_padded(eqn: Any, producer: dict) -> bool:
     """Whether ``eqn`` writes an update into a scalar broadcast (a slice's gradient, into zeros): added
-    to an accumulator, XLA adds the update in place (``add(acc, dynamic_update_slice(0, u, i))`` becomes an update of ``acc``)."""
+    to an accumulator, XLA adds the update in place (``add(acc, dynamic_update_slice(0, u, i))`` becomes
+    an update of ``acc``)."""
     if eqn is None or eqn.primitive.name != "dynamic_update_slice" or not isinstance(eqn.invars[0], jcore.Var):
         return False
     base = producer.get(eqn.invars[0])  # zeros: a scalar broadcast (a transpose's zeros, a literal or a traced 0)
-    return base is not None and base.primitive.name == "broadcast_in_dim" and not getattr(base.invars[0].aval, "shape", 1)
+    return (base is not None and base.primitive.name == "broadcast_in_dim"
+            and not getattr(base.invars[0].aval, "shape", 1))
 
 
 def _sharing(eqn: Any) -> int:
