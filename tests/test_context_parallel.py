@@ -19,7 +19,6 @@ from parallax.models.balanced_attention import tiles_computed
 from parallax.pricing.fused_bytes import dot_flops
 from parallax.models.context_attention import context_parallel, model_has_attention
 from parallax.sharding.auto import from_mesh
-from parallax.state.search import resolve
 from tests import tiers
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
@@ -372,15 +371,3 @@ def test_a_pipeline_runs_its_stages_attention_split_over_the_context_axis():
         state = px.init_state(StackedLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
         tiles[name] = score_tiles(px.make_train_step(lm_loss, strategy).lower(state, batch).compile().as_text())
     assert (8, 16) in tiles["cp"] and (16, 16) not in tiles["cp"] and (16, 16) in tiles["dp"], tiles
-
-
-@pytest.mark.wide("strategy='auto' over the context axis (32 s cold)")
-def test_auto_splits_the_sequence_where_the_devices_cannot_split_the_batch():
-    """Two sequences on 4 devices: DP and FSDP over all four do not apply, so "auto" prices the context
-    axis too (alone, and with DP or FSDP over the rest) and picks among them and the TP meshes."""
-    batch = {"x": np.random.default_rng(0).integers(0, 64, (2, 33)).astype(np.int32)}
-    found = resolve(TinyLM(), optax.adamw(1e-3), batch, "auto", loss_fn=lm_loss, devices=jax.devices()[:4])
-    priced = {label.split(",")[0] for label in found.choice.estimates}
-    assert {"ContextParallel(context=2) × DataParallel(data=2)", "ContextParallel(context=4)"} <= priced, priced
-    assert "DataParallel(data=4)" in found.skipped and "TensorParallel(tensor=4)" in priced
-    assert found.strategy.describe() in priced
