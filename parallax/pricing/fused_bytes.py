@@ -8,10 +8,10 @@ each group reads the values it takes from outside once and writes what leaves it
 a gather, a collective or a loop reads materialised inputs and writes its outputs (a
 ``dynamic_slice`` reads its slice alone, a ``dynamic_update_slice`` writes its update alone, in
 place, as a loop's accumulator is written, and a slice's gradient added to an accumulator is that
-update read and written, as XLA rewrites it); a scan's body counts once per iteration. Measured against an H200 (``benchmarks/results/gpu.md``): the step
-times this predicts are within 7 % (float32) and 21 % (bf16) of the measured ones. The jaxpr's
-matmuls too: their FLOPs, every loop iteration's (:func:`dot_flops`), and the dtype most of them
-run in (:func:`matmul_dtype`).
+update read and written, as XLA rewrites it); a scan's body counts once per iteration. Measured
+against an H200 (``benchmarks/results/gpu.md``): the step times this predicts are within 7 %
+(float32) and 21 % (bf16) of the measured ones. The jaxpr's matmuls too: their FLOPs, every loop
+iteration's (:func:`dot_flops`), and the dtype most of them run in (:func:`matmul_dtype`).
 
 Example:
     >>> jaxpr = jax.make_jaxpr(lambda x: jnp.exp(x * 2).sum())(jnp.ones((1024,), jnp.float32))
@@ -153,7 +153,9 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
             total = total + moved(padded.invars[1]).times(2)  # a slice's gradient added in place: read, written
             continue
         for var in eqn.outvars:
-            padding = consumers.get(var, []) and all(_zero_padded(c, producer) for c in consumers.get(var, []))
+            padding = consumers.get(var, []) and all(_zero_padded(c, producer) and all(
+                later.primitive.name in ("add", "add_any") for later in consumers.get(c.outvars[0], []))
+                for c in consumers.get(var, []))
             if not isinstance(var, jcore.DropVar) and materialised(var) and not padding:  # zeros an update is
                 total = total + moved(var)  # added in place of: never written
         for var in eqn.invars:
