@@ -57,7 +57,7 @@ from jax.sharding import Mesh, PartitionSpec
 from parallax._compat import shard_map
 from parallax.models.attention_tiles import Tiles, compute, part_of
 from parallax.models.attention_weights import is_var
-from parallax.models.balanced_schedule import scheduled, schedule, skips, static_skips
+from parallax.models.balanced_schedule import device_rows, scheduled, schedule, skips, static_skips
 from parallax.models.rebind import bind_eqn
 from parallax.models.ring_attention import COMBINE, IDENTITY
 
@@ -266,9 +266,7 @@ def zigzag(x: Any, dim: int, axis: str, size: int) -> Any:
 
 def zigzag_rows(x: Any, dim: int, axis: str, size: int) -> Any:
     """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole."""
-    chunk, index = x.shape[dim] // (2 * size), jax.lax.axis_index(axis)
-    rows = jnp.concatenate([jnp.arange(chunk) + index * chunk, jnp.arange(chunk) + (2 * size - 1 - index) * chunk])
-    return jnp.take(x, rows, axis=dim, mode="clip")
+    return device_rows(x, dim, jax.lax.axis_index(axis), size)
 
 
 def unzigzag(x: Any, dim: int, axis: str, size: int) -> Any:

@@ -48,10 +48,18 @@ def skips(tiles: Tiles, probe: Any, sides: Sequence[Any], chunk: int, n: int) ->
     return hidden.T & jnp.stack([jnp.all(k) for k in kept])[:, None]
 
 
+def device_rows(x: Any, dim: int, index: Any, size: int) -> Any:
+    """Device ``index``'s chunks ``index`` and ``2 × size - 1 - index`` of ``2 × size`` along ``dim`` of
+    ``x`` (``index``: an int, or the context axis's index inside its ``shard_map``)."""
+    chunk = x.shape[dim] // (2 * size)
+    rows = jnp.concatenate([jnp.arange(chunk) + index * chunk, jnp.arange(chunk) + (2 * size - 1 - index) * chunk])
+    return jnp.take(x, rows, axis=dim, mode="clip")
+
+
 def static_skips(tiles: Tiles, probe: Any, split_sides: Sequence[bool], chunk: int, size: int) -> np.ndarray | None:
     """:func:`skips` for every device of the axis (``[size, 2, n]``), computed before tracing where
     every side value is computed from no input (a causal mask from positions): each device's rows of
-    them as :func:`~parallax.models.balanced_attention.zigzag_rows` takes them. Computed on this machine's
+    them (:func:`device_rows`). Computed on this machine's
     CPU in a thread of its own, outside the step's trace and mesh (which may be of devices not in hand:
     a deviceless GPU target). ``None`` where one cannot be computed here."""
     n = 2 * size
@@ -62,8 +70,7 @@ def static_skips(tiles: Tiles, probe: Any, split_sides: Sequence[bool], chunk: i
             run = jax.jit(lambda *sides: skips(tiles, probe, sides, chunk, n))
             found = []
             for d in range(size):
-                rows = np.concatenate([np.arange(chunk) + d * chunk, np.arange(chunk) + (n - 1 - d) * chunk])
-                found.append(np.asarray(run(*[jnp.take(m, rows, axis=dims[0]) if split else m
+                found.append(np.asarray(run(*[device_rows(m, dims[0], d, size) if split else m
                                               for m, dims, split in zip(made, tiles.side_dims, split_sides)])))
         return np.stack(found)
 

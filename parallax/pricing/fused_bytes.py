@@ -111,6 +111,9 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
             return True
         return any(not (fusible(c) or c.primitive.name in _REDUCTIONS) for c in consumers.get(var, []))
 
+    def only_added(eqn: Any) -> bool:  # its result read by additions alone (an accumulator's)
+        return all(c.primitive.name in ("add", "add_any") for c in consumers.get(eqn.outvars[0], []))
+
     group = {id(eqn): id(eqn) for eqn in jaxpr.eqns}
 
     def root(key: int) -> int:
@@ -153,9 +156,8 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
             total = total + moved(padded.invars[1]).times(2)  # a slice's gradient added in place: read, written
             continue
         for var in eqn.outvars:
-            padding = consumers.get(var, []) and all(_zero_padded(c, producer) and all(
-                later.primitive.name in ("add", "add_any") for later in consumers.get(c.outvars[0], []))
-                for c in consumers.get(var, []))
+            padding = consumers.get(var, []) and all(_zero_padded(c, producer) and only_added(c)
+                                                     for c in consumers.get(var, []))
             if not isinstance(var, jcore.DropVar) and materialised(var) and not padding:  # zeros an update is
                 total = total + moved(var)  # added in place of: never written
         for var in eqn.invars:
