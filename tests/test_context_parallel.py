@@ -342,18 +342,21 @@ def test_context_parallel_arguments_and_paths_are_checked():
                   " one device")
 def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence_that_fits_nowhere():
     """Two 512-token sequences on 2 devices under FSDP need 16.8 MiB each; 4 devices cannot split a
-    batch of 2 rows, but the sequence over them can: gathered, it needs 8.6 MiB; round a ring, 6.4 MiB,
-    which fits 8 MB: the plan's fix is ContextParallel(2, method='ring') on 4 devices."""
+    batch of 2 rows, but the sequence over them can: load-balanced and gathered (the causal mask's kept
+    tiles alone), it needs 2.8 MiB, which fits 8 MB: the plan's fix. Unbalanced, the same split needs
+    8.6 MiB (the whole rows of scores), which would not, and the ring 6.4 MiB."""
     batch = {"x": jax.ShapeDtypeStruct((2, 513), jnp.int32)}
     report = px.plan(TinyLM(), optax.adamw(1e-3), batch, loss_fn=lm_loss, strategies=["fsdp"], devices=[2],
                      memory_budget="8MB")
     tried = report.as_dict()["fixes"]["8MB"]
     assert [fix["change"] for fix in tried if fix["error"]] == ["devices=4"]  # the batch does not split
     split = [fix for fix in tried if "ContextParallel" in fix["change"]]
-    assert [fix["strategy"] for fix in split] == ["ContextParallel(context=2) × FSDP(fsdp=2)",
-                                                  "ContextParallel(context=2, method='ring') × FSDP(fsdp=2)"]
-    assert split[-1]["fits"] and split[1]["peak"] < split[0]["peak"] < tried[0]["peak"], tried
-    assert "use devices=4, strategy=ContextParallel(context=2, method='ring') × FSDP(fsdp=-1)" in str(report)
+    assert [fix["strategy"] for fix in split] == ["ContextParallel(context=2, load_balance=True) × FSDP(fsdp=2)"]
+    assert split[0]["fits"] and split[0]["peak"] < tried[0]["peak"] / 4, tried
+    assert "use devices=4, strategy=ContextParallel(context=2, load_balance=True) × FSDP(fsdp=-1)" in str(report)
+    plain = px.plan(TinyLM(), optax.adamw(1e-3), batch, loss_fn=lm_loss, devices=[4],
+                    strategies=[px.combine(px.ContextParallel(2), px.FSDP(2))]).rows[0]
+    assert plain["peak"] > 8e6 > split[0]["peak"], (plain["peak"], split[0]["peak"])  # unbalanced, it would not fit
     # Only a model with attention is offered it (read from its trace).
     assert model_has_attention(NnxLM(nnx.Rngs(0, dropout=1)), padded_batches(1)[0], padded_loss)
     assert not model_has_attention(nn.Dense(4), {"x": np.zeros((16, 8), np.int32)}, mlp_loss)

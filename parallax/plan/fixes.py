@@ -7,8 +7,11 @@ blocks (:func:`parallax.models.blocks.repeated_blocks`) rematerialised keeping t
 nothing; the params in host memory too; that with the blocks rematerialised; then 2x and 4x
 the devices, each also with the sequence split over the added devices
 (:class:`parallax.ContextParallel`, for a model with attention, its keys and values gathered, then
-passed round a ring): more devices hold a batch of few long sequences only by splitting them. The first that fits ends the search; every one tried is
-reported with its numbers; one whose planning subprocess died is reported so, and the search goes on.
+passed round a ring; each load-balanced first, ``load_balance=True``, which skips the tiles a causal
+mask hides and holds no more, the unbalanced method tried only where the balanced one cannot be
+planned): more devices hold a batch of few long sequences only by splitting them. The first that fits
+ends the search; every one tried is reported with its numbers; one whose planning subprocess died is
+reported so, and the search goes on.
 """
 
 from __future__ import annotations
@@ -71,11 +74,11 @@ def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
     return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
 
 
-def with_context(strategy: Strategy, size: int, method: str = "all_gather") -> Strategy | None:
+def with_context(strategy: Strategy, size: int, method: str = "all_gather", load_balance: bool = False) -> Strategy | None:
     """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already)."""
     if any(isinstance(part, ContextParallel) for part in strategy.parts):
         return None
-    return combine(ContextParallel(size, method=method), *strategy.parts)
+    return combine(ContextParallel(size, method=method, load_balance=load_balance), *strategy.parts)
 
 
 def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, budget: int,
@@ -99,15 +102,18 @@ def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, 
         Every option tried, in order; the last fits if any does.
     """
     tried = []
-    attempts = [(change, opts, devices, None) for change, opts in options_to_try(options, blocks)]
+    attempts = [(change, opts, devices, None, False) for change, opts in options_to_try(options, blocks)]
     for factor in more_devices:
-        attempts.append((f"devices={devices * factor}", options, devices * factor, None))
+        attempts.append((f"devices={devices * factor}", options, devices * factor, None, False))
         for method in METHODS if strategy is not None and attention else ():  # gathered, then a block at a time
-            split = with_context(strategy, factor, method)
-            if split is not None:
-                attempts.append((f"devices={devices * factor}, strategy={split.describe()}", options, devices * factor,
-                                 split))
-    for change, opts, count, other in attempts:
+            for balanced in (True, False):  # the unbalanced method only where the balanced one was not planned
+                split = with_context(strategy, factor, method, balanced)
+                if split is not None:
+                    attempts.append((f"devices={devices * factor}, strategy={split.describe()}", options,
+                                     devices * factor, split, not balanced))
+    for change, opts, count, other, fallback in attempts:
+        if fallback and tried and tried[-1].row.get("error") is None:
+            continue
         try:
             row = evaluate(opts, count) if other is None else evaluate(opts, count, other)
         except RuntimeError as err:  # its planning subprocess died (e.g. out of this machine's memory): the
