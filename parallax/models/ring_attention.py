@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from parallax._compat import shard_map
 from parallax.models.attention_tiles import Tiles
+from parallax.models.online_softmax import find
 
 COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
 IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
@@ -68,7 +69,31 @@ class Ring:
             sides = [tiles.side_tile(x, dims, source * block, block) for x, dims in zip(sides, tiles.side_dims)]
             return tiles.run(tiles.scores_of(q, kb), sides, finals, shape, until)
 
+        online = find(tiles)
+
+        def one_pass(q, k, v, sides):
+            """A softmax's weights in one pass round the ring (:mod:`parallax.models.online_softmax`)."""
+            index = jax.lax.axis_index(self.axis)
+            perm = [(i, (i + 1) % size) for i in range(size)]
+
+            def runner(kb, source):
+                scores = tiles.scores_of(q, kb)
+                blocks = [tiles.side_tile(x, dims, source * block, block) for x, dims in zip(sides, tiles.side_dims)]
+                return lambda finals, until: tiles.run(scores, blocks, finals, shape, until)
+
+            update = jax.checkpoint(lambda state, kb, vb, source: online.step(state, runner(kb, source), vb))
+
+            def step(carry, turn):
+                kb, vb, state = carry
+                state = update(state, kb, vb, (index - turn) % size)
+                return (jax.lax.ppermute(kb, self.axis, perm), jax.lax.ppermute(vb, self.axis, perm), state), None
+
+            state = online.start(runner(k, index), v)
+            return online.result(jax.lax.scan(step, (k, v, state), jnp.arange(size))[0][2], v)
+
         def body(q, k, v, *sides):
+            if online is not None:
+                return one_pass(q, k, v, sides)
             index = jax.lax.axis_index(self.axis)
             perm = [(i, (i + 1) % size) for i in range(size)]
             finals: dict = {}
