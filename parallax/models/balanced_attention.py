@@ -57,9 +57,18 @@ from jax.sharding import Mesh, PartitionSpec
 from parallax._compat import shard_map
 from parallax.models.attention_tiles import Tiles, compute, part_of
 from parallax.models.attention_weights import is_var
-from parallax.models.balanced_schedule import device_rows, scheduled, schedule, skips, static_skips
+from parallax.models.balanced_schedule import (
+    combining,
+    device_rows,
+    identities,
+    scheduled,
+    schedule,
+    skips,
+    static_skips,
+)
+from parallax.models.online_softmax import find
 from parallax.models.rebind import bind_eqn
-from parallax.models.ring_attention import COMBINE, IDENTITY
+from parallax.models.ring_attention import COMBINE
 
 PROBE = 1e30  # the scores the mask is evaluated at, either sign; an entry at most -PROBE both times is hidden
 
@@ -111,6 +120,7 @@ class Balanced:
         order = None if table is None or not self.gather else schedule(table)
         ops, info = tiles.ops, tiles.info
         shape = (chunk, chunk)
+        online = find(tiles)
 
         def body(q, k, v, *entered):
             index = jax.lax.axis_index(axis)
@@ -133,40 +143,62 @@ class Balanced:
                 skip = jnp.asarray(table)[index]
             else:
                 skip = jnp.zeros((2, n), bool) if probe is None else skips(tiles, probe, sides, chunk, n)
-            finals: list[dict] = [{}, {}]
-            for reduction in [*info.reductions, None]:  # a pass over the tiles for each, then the values'
-                combine = jax.lax.add if reduction is None else COMBINE[ops[reduction].primitive.name]
 
-                # Each row of chunks' values, and stacked for a loop that picks the row it computes (order).
-                rows = [q_rows, *zip(*side_rows), *([f[r] for f in finals] for r in finals[0])]
-                stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
+            def fold(update: Callable, first: list, moves_values: bool) -> list:
+                """Each row's state folded over its tiles: the kept ones alone (``order``), else every tile
+                with the skipped ones passed over (a branch inside the tile's checkpoint: what the backward
+                keeps is the tile's inputs, not every value the branches read, a mask's rows)."""
+                if order is not None:
+                    return scheduled(update, first, k, v, jnp.asarray(order)[index], chunk, tiles)
 
-                def part(kc, vc, g, x, reduction=reduction, rows=rows, stacked=stacked, names=list(finals[0])):
-                    q, *sides_x = [pair[x] if isinstance(x, int) else jax.lax.dynamic_index_in_dim(both, x, 0, False)
-                                   for pair, both in zip(rows, stacked or rows)]
-                    sides_x, final = sides_x[:len(tiles.sides)], dict(zip(names, sides_x[len(tiles.sides):]))
-                    sides_x = [tiles.side_tile(side, dims, g * chunk, chunk) for side, dims in zip(sides_x,
-                                                                                                  tiles.side_dims)]
-                    weights = tiles.run(tiles.scores_of(q, kc), sides_x, final, shape, reduction)
-                    return weights if reduction is not None else tiles.values_of(weights, vc)
+                def guarded(state, kc, vc, g, x):
+                    keep = lambda state, kc, vc, g: state  # noqa: E731
+                    return jax.checkpoint(lambda *a: jax.lax.cond(skip[x, g], keep, lambda s, kc, vc, g: update(
+                        s, kc, vc, g, x), *a))(state, kc, vc, g)
 
-                def guarded(kc, vc, g, x, part=part, combine=combine):
-                    # The branch inside the checkpoint: what the backward keeps is the tile's inputs, not, per
-                    # turn of the loop, every value the branches read (a mask's rows).
-                    run = lambda kc, vc, g: part(kc, vc, g, x)  # noqa: E731
-                    out = jax.eval_shape(run, kc, vc, g)
-                    fill = lambda kc, vc, g: jnp.full(out.shape, IDENTITY[combine], out.dtype)  # noqa: E731
-                    return jax.checkpoint(lambda kc, vc, g: jax.lax.cond(skip[x, g], fill, run, kc, vc, g))(kc, vc, g)
+                return _over_tiles(guarded, first, k, v, index, chunk, size, self.gather, axis, moves_values, tiles)
 
-                if order is not None:  # the kept tiles alone, in the order the loop below would combine them
-                    totals = scheduled(part, combine, k, v, jnp.asarray(order)[index], chunk, tiles)
-                else:
-                    totals = _over_tiles(guarded, combine, k, v, index, chunk, size, self.gather, axis,
-                                         moves_values=reduction is None, tiles=tiles)
-                if reduction is None:
-                    out = jnp.concatenate(totals, axis=tiles.out_dim)
-                    break
-                finals = [{**finals[x], reduction: totals[x]} for x in (0, 1)]
+            rows = [q_rows, *zip(*side_rows)]
+            stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
+
+            def tile(kc, g, x, rows=rows, stacked=stacked):
+                """The tile's scores and side values: ``run(finals, until)`` runs the model's ops on them."""
+                q, *sides_x = [pair[x] if isinstance(x, int) else jax.lax.dynamic_index_in_dim(both, x, 0, False)
+                               for pair, both in zip(rows, stacked or rows)]
+                sides_x, final = sides_x[:len(tiles.sides)], dict(zip(names, sides_x[len(tiles.sides):]))
+                sides_x = [tiles.side_tile(side, dims, g * chunk, chunk) for side, dims in zip(sides_x, tiles.side_dims)]
+                scores = tiles.scores_of(q, kc)
+                return lambda finals, until, want=None: tiles.run(scores, sides_x, {**final, **finals}, shape, until,
+                                                                  want)
+
+            if online is not None:  # a softmax's: one pass over the tiles (parallax.models.online_softmax)
+                names: list = []
+                update = lambda state, kc, vc, g, x: online.step(state, tile(kc, g, x), vc)  # noqa: E731
+                first_chunk = [jax.lax.slice_in_dim(x, 0, chunk, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim))]
+                start = online.start(lambda: tile(first_chunk[0], 0, 0), first_chunk[1])
+                states = fold(jax.checkpoint(update) if order is not None else update, [start, start], True)
+                out = jnp.concatenate([online.result(state) for state in states], axis=tiles.out_dim)
+            else:
+                finals: list[dict] = [{}, {}]
+                for reduction in [*info.reductions, None]:  # a pass over the tiles for each, then the values'
+                    combine = jax.lax.add if reduction is None else COMBINE[ops[reduction].primitive.name]
+                    names = list(finals[0])
+                    rows = [q_rows, *zip(*side_rows), *([f[r] for f in finals] for r in names)]
+                    stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
+
+                    def part(kc, vc, g, x, reduction=reduction, rows=rows, stacked=stacked):
+                        weights = tile(kc, g, x, rows, stacked)({}, reduction)
+                        return weights if reduction is not None else tiles.values_of(weights, vc)
+
+                    first = identities(part, combine, k, v, chunk, tiles)
+                    update = combining(part, combine)
+                    totals = fold(update if order is not None else (
+                        lambda total, kc, vc, g, x, part=part, combine=combine: combine(total, part(kc, vc, g, x))),
+                        first, moves_values=reduction is None)
+                    if reduction is None:
+                        out = jnp.concatenate(totals, axis=tiles.out_dim)
+                        break
+                    finals = [{**finals[x], reduction: totals[x]} for x in (0, 1)]
             out = unzigzag(out, tiles.out_dim, axis, size)
             if not self.count:
                 return out
@@ -177,22 +209,19 @@ class Balanced:
         return run(q_in, k_in, v_in, *[side_values[i] for i in entering])
 
 
-def _over_tiles(guarded: Callable, combine: Callable, k: Any, v: Any, index: Any, chunk: int, size: int,
-                gather: bool, axis: str, moves_values: bool, tiles: Tiles) -> list:
-    """Each row of chunks' tiles combined over every chunk of keys: taken from the gathered keys (a
-    scan over the chunks) or round the ring (a scan over the turns, two chunks a turn: the source
-    device's ``j`` and ``2 × size - 1 - j``)."""
+def _over_tiles(update: Callable, first: list, k: Any, v: Any, index: Any, chunk: int, size: int, gather: bool,
+                axis: str, moves_values: bool, tiles: Tiles) -> list:
+    """Each row of chunks' state (``first``) folded over every chunk of keys, ``update(state, k chunk, v
+    chunk, chunk of keys, row)``: taken from the gathered keys (a scan over the chunks) or round the ring
+    (a scan over the turns, two chunks a turn: the source device's ``j`` and ``2 × size - 1 - j``)."""
     n = 2 * size
 
     def cut(x, dim, at):
         return jax.lax.dynamic_slice_in_dim(x, at * chunk, chunk, axis=dim)
 
     def add(totals, kc, vc, g):
-        return [combine(totals[x], guarded(kc, vc, g, x)) for x in (0, 1)]
+        return [update(totals[x], kc, vc, g, x) for x in (0, 1)]
 
-    kc, vc = cut(k, tiles.k_dim, 0), cut(v, tiles.v_dim, 0)
-    first = [jnp.full(s.shape, IDENTITY[combine], s.dtype)
-             for s in (jax.eval_shape(lambda kc, vc, x=x: guarded(kc, vc, 0, x), kc, vc) for x in (0, 1))]
     if gather:
         def step(totals, g):
             return add(totals, cut(k, tiles.k_dim, g), cut(v, tiles.v_dim, g), g), None

@@ -90,21 +90,33 @@ def schedule(table: np.ndarray) -> np.ndarray | None:
     return np.stack([np.argwhere(mine) for mine in kept]).astype(np.int32)
 
 
-def scheduled(part: Callable, combine: Callable, k: Any, v: Any, order: Any, chunk: int, tiles: Tiles) -> list:
-    """Each row of chunks' tiles combined over the chunks of keys ``order`` (this device's pairs of
-    :func:`schedule`) names, from the gathered keys: the tiles the mask hides are not in the loop, so
-    its FLOPs and bytes are the kept tiles' alone, in the order the loop with a branch per tile combines them."""
+def scheduled(update: Callable, first: Sequence[Any], k: Any, v: Any, order: Any, chunk: int, tiles: Tiles) -> list:
+    """Each row of chunks' state (``first``: the two rows' before any tile) folded over the chunks of keys
+    ``order`` (this device's pairs of :func:`schedule`) names, from the gathered keys:
+    ``update(state, k chunk, v chunk, chunk of keys, row)`` (the row traced). The tiles the mask hides are
+    not in the loop, so its FLOPs and bytes are the kept tiles' alone, in the order the loop with a branch
+    per tile folds them."""
     def cut(x, dim, at):
         return jax.lax.dynamic_slice_in_dim(x, at * chunk, chunk, axis=dim)
 
-    tile = jax.checkpoint(part)
-    out = jax.eval_shape(tile, cut(k, tiles.k_dim, 0), cut(v, tiles.v_dim, 0), 0, 0)
-
     def step(totals, pair):
         x, g = pair[0], pair[1]
-        now = combine(jax.lax.dynamic_index_in_dim(totals, x, 0, keepdims=False),
-                      tile(cut(k, tiles.k_dim, g), cut(v, tiles.v_dim, g), g, x))
-        return jax.lax.dynamic_update_index_in_dim(totals, now, x, 0), None
+        mine = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, x, 0, keepdims=False), totals)
+        now = update(mine, cut(k, tiles.k_dim, g), cut(v, tiles.v_dim, g), g, x)
+        return jax.tree.map(lambda t, n: jax.lax.dynamic_update_index_in_dim(t, n, x, 0), totals, now), None
 
-    totals = jax.lax.scan(step, jnp.full((2, *out.shape), IDENTITY[combine], out.dtype), order)[0]
-    return [totals[0], totals[1]]
+    totals = jax.lax.scan(step, jax.tree.map(lambda *rows: jnp.stack(rows), *first), order)[0]
+    return [jax.tree.map(lambda t, x=x: t[x], totals) for x in (0, 1)]
+
+
+def combining(part: Callable, combine: Callable) -> Callable:
+    """A pass's :func:`scheduled` update: the tile's result (``part``, checkpointed) combined into the total."""
+    tile = jax.checkpoint(part)
+    return lambda total, kc, vc, g, x: combine(total, tile(kc, vc, g, x))
+
+
+def identities(part: Callable, combine: Callable, k: Any, v: Any, chunk: int, tiles: Tiles) -> list:
+    """A pass's totals before any tile: ``combine``'s identity at a tile's result's shape, for each row."""
+    out = jax.eval_shape(lambda kc, vc: part(kc, vc, 0, 0), jax.lax.slice_in_dim(k, 0, chunk, axis=tiles.k_dim),
+                         jax.lax.slice_in_dim(v, 0, chunk, axis=tiles.v_dim))
+    return [jnp.full(out.shape, IDENTITY[combine], out.dtype)] * 2

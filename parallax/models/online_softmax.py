@@ -25,7 +25,7 @@ Example:
     >>> for t in range(3):  # three tiles of two keys, as rescale() combines them
     ...     m, l, o = rescale((m, l, o), s[:, 2 * t:2 * t + 2].max(1), lambda safe: (
     ...         jnp.exp(s[:, 2 * t:2 * t + 2] - safe[:, None]).sum(1),
-    ...         jnp.exp(s[:, 2 * t:2 * t + 2] - safe[:, None]) @ v[2 * t:2 * t + 2]), lambda x: x[:, None])
+    ...         jnp.exp(s[:, 2 * t:2 * t + 2] - safe[:, None]) @ v[2 * t:2 * t + 2]), rows=lambda y: y[:, None])
     >>> bool(jnp.allclose(o / l[:, None], jax.nn.softmax(s) @ v, atol=1e-6))
     True
 """
@@ -54,56 +54,88 @@ class OnlineSoftmax:
 
     Attributes:
         tiles: the attention's tiles.
-        max_op, sum_op: the indices (in ``tiles.ops``) of the softmax's maximum and sum over the keys.
-        k_dim: the keys' dim of the value the maximum reduces (laid out as the weights are).
+        max_op, sum_op, sub_op: the indices (in ``tiles.ops``) of the softmax's maximum and sum over
+            the keys, and of the value less the maximum.
+        shift: the maximum as that subtraction reads it (moved by the model's ops into the weights'
+            layout, with the keys' dim of 1 or whole).
+        k_dim: the keys' dim of the weights (laid out as the subtraction's result and the sum's operand).
+        same_rows: whether the maximum's rows are laid out as the sum's (else they are moved as the
+            model moves them).
     """
 
     tiles: Tiles
     max_op: int
     sum_op: int
+    sub_op: int
+    shift: Any
     k_dim: int
+    same_rows: bool
 
-    def start(self, run: Callable, v: Any) -> tuple:
+    def start(self, tile: Callable, v: Any) -> tuple:
         """The state before any tile: the running maximum (``-inf``), sum and weighted values (0).
-        ``run(finals, until)`` runs the ops on a tile (its shapes are read, nothing computed)."""
-        m = jax.eval_shape(lambda: run({}, self.max_op))
-        o = jax.eval_shape(lambda: self.tiles.values_of(run({}, None), v))
-        return (jnp.full(m.shape, -jnp.inf, m.dtype), jnp.zeros(m.shape, m.dtype), jnp.zeros(o.shape, o.dtype))
+        ``tile()`` gives a tile's ``run(finals, until, want=None)`` (its shapes are read, nothing computed)."""
+        def shapes() -> tuple:
+            run = tile()
+            return run({}, self.max_op), run({}, self.sum_op), self.tiles.values_of(run({}, None), v)
+
+        m, total, o = jax.eval_shape(shapes)
+        return (jnp.full(m.shape, -jnp.inf, m.dtype), jnp.zeros(total.shape, total.dtype),
+                jnp.zeros(o.shape, o.dtype))
 
     def step(self, state: tuple, run: Callable, v: Any) -> tuple:
-        """``state`` with one more tile: ``run(finals, until)`` runs the model's ops on the tile's scores
-        (as :meth:`parallax.models.attention_tiles.Tiles.run`), ``v`` its block of values."""
-        ones = lambda safe: jnp.ones(safe.shape, state[1].dtype)  # noqa: E731 (the sum, as the division reads it)
+        """``state`` with one more tile: ``run(finals, until, want=None)`` runs the model's ops on the
+        tile's scores (as :meth:`parallax.models.attention_tiles.Tiles.run`), ``v`` its block of values."""
+        ones = jnp.ones(state[1].shape, state[1].dtype)  # the sum, as the division reads it
 
         def tile(safe: Any) -> tuple:
-            weights = run({self.max_op: safe, self.sum_op: ones(safe)}, None)
+            weights = run({self.max_op: safe, self.sum_op: ones}, None)
             return run({self.max_op: safe}, self.sum_op), self.tiles.values_of(weights, v)
 
-        return rescale(state, run({}, self.max_op), tile, lambda x: self.rows(x, v))
+        return rescale(state, run({}, self.max_op), tile, lambda x: self.to_sum(x, run),
+                       lambda y: self.rows(y, state[2].shape))
 
-    def result(self, state: tuple, v: Any) -> Any:
+    def result(self, state: tuple) -> Any:
         """The attention's result: the weighted values over the sum."""
         _, total, values = state
-        return values / self.rows(total, v)
+        return values / self.rows(total, values.shape).astype(values.dtype)
 
-    def rows(self, x: Any, v: Any) -> Any:
-        """``x`` (one value per row of the weights: the maximum's shape) laid out as the attention's
-        result: the values contraction of ``x`` (a key dim of 1) with ones."""
+    def rows(self, y: Any, shape: tuple) -> Any:
+        """``y`` (one value per row, laid out as the sum: the weights' dims but the keys') laid out as the
+        attention's result (of ``shape``): each of its dims where the values contraction puts that dim
+        of the weights, broadcast along the values' own dims."""
         tiles = self.tiles
-        weights = jnp.expand_dims(x, self.k_dim).astype(tiles.weights.aval.dtype)
-        ones = jnp.ones(tuple(1 if d == tiles.v_dim else n for d, n in enumerate(v.shape)), v.dtype)
-        return tiles.values_of(weights, ones)
+        (lc, rc), (lb, rb) = tiles.values_eqn.params["dimension_numbers"]
+        side = tiles.weights_side
+        w_con, w_batch = (lc, lb) if side == 0 else (rc, rb)
+        w_free = [d for d in range(y.ndim + 1) if d not in w_con and d not in w_batch]
+        frees = list(w_free) if side == 0 else [None] * (len(shape) - len(w_batch) - len(w_free)) + list(w_free)
+        at = {d: i for i, d in enumerate(w_batch)}  # weights' dim -> the result's
+        at.update((d, len(w_batch) + i) for i, d in enumerate(frees) if d is not None)
+        kept = [d for d in range(y.ndim + 1) if d != self.k_dim]  # y's dims, as the weights'
+        order = sorted(range(len(kept)), key=lambda i: at[kept[i]])
+        return jax.lax.broadcast_in_dim(jnp.transpose(y, order), shape, sorted(at[kept[i]] for i in order))
+
+    def to_sum(self, x: Any, run: Callable) -> Any:
+        """``x`` (one value per row, laid out as the maximum) laid out as the sum: each row moved as the
+        model's ops move the maximum (``run``, a tile's; they may stop gradients, so an index is moved)."""
+        if self.same_rows:
+            return x
+        index = jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape)
+        moved = jax.lax.index_in_dim(run({self.max_op: index}, self.sub_op, self.shift), 0, self.k_dim, keepdims=False)
+        return jnp.reshape(x, -1)[moved.astype(jnp.int32)]
 
 
-def rescale(state: tuple, tile_max: Any, tile: Callable, rows: Callable) -> tuple:
+def rescale(state: tuple, tile_max: Any, tile: Callable, to_sum: Callable = lambda x: x,
+            rows: Callable = lambda y: y) -> tuple:
     """The running ``(maximum, sum, weighted values)`` with one more tile: ``tile(maximum)`` gives its
-    sum of exponentials and weighted values against the new maximum; ``rows(x)`` lays a value per row
-    out as the weighted values. A row that has seen only ``-inf`` takes its exponentials against 0."""
+    sum of exponentials and weighted values against the new maximum; ``to_sum(x)`` lays a value per
+    row of the maximum out as the sum, ``rows(y)`` one of the sum's as the weighted values. A row that
+    has seen only ``-inf`` takes its exponentials against 0."""
     m, total, values = state
     new = jax.lax.stop_gradient(jnp.maximum(m, tile_max))
     safe = jnp.where(jnp.isneginf(new), jnp.zeros_like(new), new)
     unseen = jnp.isneginf(m)
-    scale = jnp.where(unseen, jnp.zeros_like(m), jnp.exp(jnp.where(unseen, jnp.zeros_like(m), m) - safe))
+    scale = to_sum(jnp.where(unseen, jnp.zeros_like(m), jnp.exp(jnp.where(unseen, jnp.zeros_like(m), m) - safe)))
     tile_sum, tile_values = tile(safe)
     return new, total * scale.astype(total.dtype) + tile_sum, values * rows(scale).astype(values.dtype) + tile_values
 
@@ -113,21 +145,16 @@ def find(tiles: Tiles) -> OnlineSoftmax | None:
 
     Each value from the maximum on is classed: ``m`` (the maximum, moved), ``d`` (a value less the
     maximum), ``e`` (its ``exp``, times values that do not depend on the maximum), ``l`` (their sum,
-    moved), ``w`` (``e`` over ``l``, times such values); any other use of them, or weights of another
-    class, and the passes run as before."""
+    moved), ``w`` (``e`` over ``l``, times such values); any other use of them, or a sum or weights
+    laid out otherwise than the subtraction, and the passes run as before."""
     info, ops = tiles.info, tiles.ops
     if len(info.reductions) != 2:
         return None
     max_op, sum_op = info.reductions
     if ops[max_op].primitive.name != "reduce_max" or ops[sum_op].primitive.name != "reduce_sum":
         return None
-    reduced, weights = ops[max_op].invars[0], tiles.weights
-    k_dim = info.roles.get(reduced, (None, None))[1]
-    if (k_dim is None or tuple(ops[max_op].params["axes"]) != (k_dim,) or shape_of(reduced) != shape_of(weights)
-            or info.roles.get(reduced) != info.roles.get(weights)
-            or shape_of(ops[sum_op].outvars[0]) != shape_of(ops[max_op].outvars[0])):
-        return None
     kind: dict = {ops[max_op].outvars[0]: "m"}
+    subs, moves = [], []
     for index in range(max_op + 1, len(ops)):
         op = ops[index]
         classes = [kind.get(v, "x") if is_var(v) else "x" for v in op.invars]
@@ -136,10 +163,24 @@ def find(tiles: Tiles) -> OnlineSoftmax | None:
         out = _class(op, index == sum_op, classes)
         if out is None:
             return None
+        subs += [index] if out == "d" else []
+        moves += [op] if out == "m" else []
         kind.update((v, out) for v in op.outvars)
-    if kind.get(weights) != "w":
+    weights, summed = tiles.weights, ops[sum_op].invars[0]
+    if kind.get(weights) != "w" or len(subs) != 1:
         return None
-    return OnlineSoftmax(tiles, max_op, sum_op, k_dim)
+    sub = ops[subs[0]].outvars[0]
+    roles = info.roles.get(sub, (None, None))
+    k_dim = roles[1]
+    if k_dim is None or any(info.roles.get(v) != roles or shape_of(v) != shape_of(sub) for v in (weights, summed)) or \
+            tuple(int(a) for a in ops[sum_op].params["axes"]) != (k_dim,):
+        return None
+    reduced = ops[max_op].invars[0]
+    same = info.roles.get(reduced) == roles and shape_of(reduced) == shape_of(sub) and all(
+        op.primitive.name != "broadcast_in_dim" or list(op.params["broadcast_dimensions"]) == sorted(
+            op.params["broadcast_dimensions"]) for op in moves) and not any(
+        op.primitive.name in ("transpose", "reshape", "squeeze") for op in moves)
+    return OnlineSoftmax(tiles, max_op, sum_op, subs[0], ops[subs[0]].invars[1], k_dim, same)
 
 
 def _class(op: Any, is_sum: bool, classes: list) -> str | None:

@@ -79,7 +79,7 @@ class Ring:
             def runner(kb, source):
                 scores = tiles.scores_of(q, kb)
                 blocks = [tiles.side_tile(x, dims, source * block, block) for x, dims in zip(sides, tiles.side_dims)]
-                return lambda finals, until: tiles.run(scores, blocks, finals, shape, until)
+                return lambda finals, until, want=None: tiles.run(scores, blocks, finals, shape, until, want)
 
             update = jax.checkpoint(lambda state, kb, vb, source: online.step(state, runner(kb, source), vb))
 
@@ -88,8 +88,8 @@ class Ring:
                 state = update(state, kb, vb, (index - turn) % size)
                 return (jax.lax.ppermute(kb, self.axis, perm), jax.lax.ppermute(vb, self.axis, perm), state), None
 
-            state = online.start(runner(k, index), v)
-            return online.result(jax.lax.scan(step, (k, v, state), jnp.arange(size))[0][2], v)
+            state = online.start(lambda: runner(k, index), v)
+            return online.result(jax.lax.scan(step, (k, v, state), jnp.arange(size))[0][2])
 
         def body(q, k, v, *sides):
             if online is not None:
