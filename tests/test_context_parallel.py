@@ -279,6 +279,37 @@ def test_balanced_attention_skips_what_the_mask_hides_and_every_device_as_much()
     assert priced(lambda: jnp.asarray(np.tril(np.ones((32, 32), bool))))[1]  # a constant: read as the step runs
 
 
+def test_a_softmax_runs_in_one_pass_over_its_tiles_and_other_weights_a_pass_each():
+    """Round the ring and load-balanced, a softmax's weights take one pass over the tiles (the running
+    maximum and sum): the keys pass round once, not once per reduction (2 permutes a turn, not 4 over
+    three loops), and each tile's scores are computed once. Against one device, values and gradients:
+    jax.nn's causal attention; a mask of -inf hiding every key of a row's first tiles (its running
+    maximum starts at -inf); and weights that are not a softmax's (squared), which keep the passes."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context",))
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 2, 8)) for i in range(3))
+    late = jnp.arange(16)[None, :] >= 12  # every query sees only the last 4 keys: the ring's first turns see none
+
+    def hidden_early(q, k, v):
+        s = jnp.where(late[None, None], jnp.einsum("bqhd,bkhd->bhqk", q, k), -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    def squared(q, k, v):
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1) ** 2, v)
+
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for fn, permutes in ((causal, 2), (hidden_early, 2), (squared, 4)):
+        for method, balanced in (("ring", False), ("ring", True), ("all_gather", True)):
+            split = context_parallel(fn, mesh=mesh, axis="context", method=method, load_balance=balanced)
+            np.testing.assert_allclose(jax.jit(split)(q, k, v), fn(q, k, v), rtol=1e-5, atol=1e-6)
+            grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+            for got, want in zip(grads, jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))  # sums' order
+            if (method, balanced) == ("ring", False):
+                assert str(jax.make_jaxpr(split)(q, k, v)).count("ppermute") == permutes, fn
+    one = jax.make_jaxpr(context_parallel(causal, mesh=mesh, axis="context", method="ring"))(q, k, v)
+    assert str(one).count("dot_general") == 2  # a turn's scores and weighted values, once each
+
+
 class ReturnsWeights(nn.Module):
     """Attention whose weights the loss also reads (an attention-entropy term): no ring can hold them."""
 
