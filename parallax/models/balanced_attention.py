@@ -11,8 +11,9 @@ outside the attention. Each device runs its two chunks of queries against each c
 tile at a time, as :mod:`parallax.models.ring_attention` runs a block: the keys and values taken
 from a gathered copy (``method="all_gather"``) or passed round the axis two chunks a turn
 (``"ring"``), the model's own ops between the contractions (mask, softmax, dropout) re-run on the
-tile (:mod:`parallax.models.attention_tiles`), a pass over the tiles for each reduction over the keys
-(a softmax's max and sum), then the weights times the values summed over them. A tile whose every
+tile (:mod:`parallax.models.attention_tiles`): a softmax's in one pass over the tiles, its running
+maximum and sum (:mod:`parallax.models.online_softmax`), other ops a pass over the tiles for each
+reduction over the keys, then the weights times the values summed over them. A tile whose every
 score the mask hides is skipped (``lax.cond`` inside the tile's checkpoint) in every pass, the
 backward included. Under a causal mask every device computes ``2 × size + 1`` of its ``4 × size``
 tiles, the same number, and holds one tile of scores at a time. Where the mask is computed from no

@@ -10,8 +10,11 @@ of queries and passes the key and value blocks round the axis with ``ppermute``,
 
 The ops between the two contractions (a mask, a softmax, dropout: whatever the model wrote) are the
 model's own, traced at the whole sequence's shapes. They are re-run here at a block's shapes, each
-value's queries' and keys' dims followed through them. A reduction over the keys (a softmax's max
-and sum) needs every block: each one gets a pass of the ring of its own, its blocks' partial results
+value's queries' and keys' dims followed through them. Where they are a softmax's (a mask, a scale
+or dropout around it), the ring goes round once, each block's exponentials taken against the
+running maximum and the running sum and weighted values rescaled as it grows
+(:mod:`parallax.models.online_softmax`, as flash attention does). Otherwise a reduction over the
+keys needs every block: each one gets a pass of the ring of its own, its blocks' partial results
 combined (max, sum or min), before the ops after it run on the combined value; the weights times
 ``v``, a sum over the keys, are summed over the blocks in the last pass. Values the ops read
 besides the scores start from what the model computes whole (a mask, dropout's bits), each device
