@@ -162,8 +162,9 @@ class Balanced:
             rows = [q_rows, *zip(*side_rows)]
             stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
 
-            def tile(kc, g, x, rows=rows, stacked=stacked):
-                """The tile's scores and side values: ``run(finals, until)`` runs the model's ops on them."""
+            def tile(kc, g, x, rows=rows, stacked=stacked, names=()):
+                """The tile's scores and side values (and the reductions ``names`` says ``rows`` holds after
+                them): ``run(finals, until, want=None)`` runs the model's ops on them."""
                 q, *sides_x = [pair[x] if isinstance(x, int) else jax.lax.dynamic_index_in_dim(both, x, 0, False)
                                for pair, both in zip(rows, stacked or rows)]
                 sides_x, final = sides_x[:len(tiles.sides)], dict(zip(names, sides_x[len(tiles.sides):]))
@@ -173,10 +174,9 @@ class Balanced:
                                                                   want)
 
             if online is not None:  # a softmax's: one pass over the tiles (parallax.models.online_softmax)
-                names: list = []
                 update = lambda state, kc, vc, g, x: online.step(state, tile(kc, g, x), vc)  # noqa: E731
-                first_chunk = [jax.lax.slice_in_dim(x, 0, chunk, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim))]
-                start = online.start(lambda: tile(first_chunk[0], 0, 0), first_chunk[1])
+                kc, vc = (jax.lax.slice_in_dim(x, 0, chunk, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim)))
+                start = online.start(lambda: tile(kc, 0, 0), vc)
                 states = fold(jax.checkpoint(update) if order is not None else update, [start, start], True)
                 out = jnp.concatenate([online.result(state) for state in states], axis=tiles.out_dim)
             else:
@@ -187,8 +187,8 @@ class Balanced:
                     rows = [q_rows, *zip(*side_rows), *([f[r] for f in finals] for r in names)]
                     stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
 
-                    def part(kc, vc, g, x, reduction=reduction, rows=rows, stacked=stacked):
-                        weights = tile(kc, g, x, rows, stacked)({}, reduction)
+                    def part(kc, vc, g, x, reduction=reduction, rows=rows, stacked=stacked, names=names):
+                        weights = tile(kc, g, x, rows, stacked, names)({}, reduction)
                         return weights if reduction is not None else tiles.values_of(weights, vc)
 
                     first = identities(part, combine, k, v, chunk, tiles)
