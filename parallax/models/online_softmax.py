@@ -192,7 +192,8 @@ def _class(op: Any, is_sum: bool, classes: list) -> str | None:
         return classes[0] if classes[0] in ("m", "e", "l", "w") else None
     if name in _CASTS and len(classes) == 1:
         return classes[0] if classes[0] in ("e", "l", "w") else None
-    if name in ("max", "min") and sorted(classes) == ["m", "x"] and _infinite(op.invars[classes.index("x")]):
+    if name in ("max", "min") and sorted(classes) == ["m", "x"] and _infinite(op.invars[classes.index("x")],
+                                                                             -1 if name == "max" else 1):
         return "m"  # jnp.max's initial=-inf: the maximum itself
     if name == "sub" and classes == ["x", "m"]:
         return "d"
@@ -205,13 +206,13 @@ def _class(op: Any, is_sum: bool, classes: list) -> str | None:
     return None
 
 
-def _infinite(v: Any) -> bool:
-    """Whether ``v`` is a literal (or constant) whose every element is infinite: a max or min with it
-    leaves the maximum as it is."""
+def _infinite(v: Any, sign: int) -> bool:
+    """Whether ``v`` is a literal (or constant) whose every element is infinite of ``sign`` (-1 for a
+    max, 1 for a min): a max with ``-inf`` (a min with ``inf``) leaves the maximum as it is."""
     if is_var(v):
         return False
     value = v.val if isinstance(v, core.Literal) else v.value
     try:
-        return bool(np.all(np.isinf(np.asarray(value))))
+        return bool(np.all(np.asarray(value) == sign * np.inf))
     except TypeError:
         return False
