@@ -74,7 +74,8 @@ def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
     return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
 
 
-def with_context(strategy: Strategy, size: int, method: str = "all_gather", load_balance: bool = False) -> Strategy | None:
+def with_context(strategy: Strategy, size: int, method: str = "all_gather",
+                 load_balance: bool = False) -> Strategy | None:
     """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already)."""
     if any(isinstance(part, ContextParallel) for part in strategy.parts):
         return None
