@@ -59,7 +59,6 @@ from parallax._compat import shard_map
 from parallax.models.attention_tiles import Tiles, compute, part_of
 from parallax.models.attention_weights import is_var
 from parallax.models.balanced_schedule import (
-    combining,
     device_rows,
     identities,
     scheduled,
@@ -146,11 +145,12 @@ class Balanced:
                 skip = jnp.zeros((2, n), bool) if probe is None else skips(tiles, probe, sides, chunk, n)
 
             def fold(update: Callable, first: list, moves_values: bool) -> list:
-                """Each row's state folded over its tiles: the kept ones alone (``order``), else every tile
-                with the skipped ones passed over (a branch inside the tile's checkpoint: what the backward
-                keeps is the tile's inputs, not every value the branches read, a mask's rows)."""
+                """Each row's state folded over its tiles by ``update`` (checkpointed: the backward recomputes
+                a tile): the kept ones alone (``order``), else every tile with the skipped ones passed over (a
+                branch inside the tile's checkpoint: what the backward keeps is the tile's inputs, not every
+                value the branches read, a mask's rows)."""
                 if order is not None:
-                    return scheduled(update, first, k, v, jnp.asarray(order)[index], chunk, tiles)
+                    return scheduled(jax.checkpoint(update), first, k, v, jnp.asarray(order)[index], chunk, tiles)
 
                 def guarded(state, kc, vc, g, x):
                     keep = lambda state, kc, vc, g: state  # noqa: E731
@@ -159,12 +159,10 @@ class Balanced:
 
                 return _over_tiles(guarded, first, k, v, index, chunk, size, self.gather, axis, moves_values, tiles)
 
-            rows = [q_rows, *zip(*side_rows)]
-            stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
-
-            def tile(kc, g, x, rows=rows, stacked=stacked, names=()):
-                """The tile's scores and side values (and the reductions ``names`` says ``rows`` holds after
-                them): ``run(finals, until, want=None)`` runs the model's ops on them."""
+            def tile(kc, g, x, rows, stacked, names=()):
+                """The tile's scores and side values (``rows``: each one's two rows of chunks, ``stacked`` for
+                a traced row, then the reductions ``names`` says): ``run(finals, until, want=None)`` runs the
+                model's ops on them."""
                 q, *sides_x = [pair[x] if isinstance(x, int) else jax.lax.dynamic_index_in_dim(both, x, 0, False)
                                for pair, both in zip(rows, stacked or rows)]
                 sides_x, final = sides_x[:len(tiles.sides)], dict(zip(names, sides_x[len(tiles.sides):]))
@@ -174,10 +172,12 @@ class Balanced:
                                                                   want)
 
             if online is not None:  # a softmax's: one pass over the tiles (parallax.models.online_softmax)
-                update = lambda state, kc, vc, g, x: online.step(state, tile(kc, g, x), vc)  # noqa: E731
+                rows = [q_rows, *zip(*side_rows)]
+                stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
+                update = lambda state, kc, vc, g, x: online.step(state, tile(kc, g, x, rows, stacked), vc)  # noqa: E731
                 kc, vc = (jax.lax.slice_in_dim(x, 0, chunk, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim)))
-                start = online.start(lambda: tile(kc, 0, 0), vc)
-                states = fold(jax.checkpoint(update) if order is not None else update, [start, start], True)
+                start = online.start(lambda: tile(kc, 0, 0, rows, stacked), vc)
+                states = fold(update, [start, start], True)
                 out = jnp.concatenate([online.result(state) for state in states], axis=tiles.out_dim)
             else:
                 finals: list[dict] = [{}, {}]
@@ -191,11 +191,10 @@ class Balanced:
                         weights = tile(kc, g, x, rows, stacked, names)({}, reduction)
                         return weights if reduction is not None else tiles.values_of(weights, vc)
 
-                    first = identities(part, combine, k, v, chunk, tiles)
-                    update = combining(part, combine)
-                    totals = fold(update if order is not None else (
-                        lambda total, kc, vc, g, x, part=part, combine=combine: combine(total, part(kc, vc, g, x))),
-                        first, moves_values=reduction is None)
+                    def update(total, kc, vc, g, x, part=part, combine=combine):
+                        return combine(total, part(kc, vc, g, x))
+
+                    totals = fold(update, identities(part, combine, k, v, chunk, tiles), moves_values=reduction is None)
                     if reduction is None:
                         out = jnp.concatenate(totals, axis=tiles.out_dim)
                         break

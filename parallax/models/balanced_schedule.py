@@ -109,12 +109,6 @@ def scheduled(update: Callable, first: Sequence[Any], k: Any, v: Any, order: Any
     return [jax.tree.map(lambda t, x=x: t[x], totals) for x in (0, 1)]
 
 
-def combining(part: Callable, combine: Callable) -> Callable:
-    """A pass's :func:`scheduled` update: the tile's result (``part``, checkpointed) combined into the total."""
-    tile = jax.checkpoint(part)
-    return lambda total, kc, vc, g, x: combine(total, tile(kc, vc, g, x))
-
-
 def identities(part: Callable, combine: Callable, k: Any, v: Any, chunk: int, tiles: Tiles) -> list:
     """A pass's totals before any tile: ``combine``'s identity at a tile's result's shape, for each row."""
     out = jax.eval_shape(lambda kc, vc: part(kc, vc, 0, 0), jax.lax.slice_in_dim(k, 0, chunk, axis=tiles.k_dim),
