@@ -188,21 +188,29 @@ def test_auto_offers_a_pipeline_over_listed_blocks_and_experts_parallel_over_lis
 def test_auto_splits_the_sequence_where_its_activations_fit_no_other_mesh_and_trains_like_one_device():
     """Two sequences of 256 tokens on 2 devices: with a budget of 3.1 MiB a device, no DP, FSDP or TP
     mesh fits (their compiled peaks: 3.5 MiB and more), nor the gathered context split (3.3); the
-    ring method, a device holding one block of keys at a time, does (2.7 MiB), and so does the
-    load-balanced split (2.0 MiB: one tile of scores at a time, the half the causal mask hides
-    skipped), estimated and measured the fastest: picked."""
+    ring method, a device holding one block of keys at a time, does (2.7 MiB), and so do the
+    load-balanced splits, gathered and round the ring (2.0 and 2.1 MiB: one tile of scores at a time,
+    the half the causal mask hides skipped). Since the softmax runs in one pass over the tiles the two
+    measure within about 15 % of each other here (the ring 20.3 against 23.7 ms on a quiet machine, the
+    other way round under load), so the timing of the closest settles which: the pick is one of them,
+    and no candidate timed beside it ran more than the search's 10 % margin faster."""
     data = [{"x": np.random.default_rng(seed).integers(0, 64, (2, 257)).astype(np.int32)} for seed in range(2)]
     devices, adamw = jax.devices()[:2], optax.adamw(3e-3, weight_decay=0.1)
     found = resolve(TinyLM(), adamw, data[0], "auto", loss_fn=lm_loss, devices=devices,
                     options=px.StepOptions(memory_budget=int(3.1 * 2**20)))
-    assert found.strategy.describe(found.mesh) == "ContextParallel(context_balanced=2, load_balance=True)", \
-        found.describe()
+    balanced = {"ContextParallel(context_balanced=2, load_balance=True)":
+                px.ContextParallel(2, axis="context_balanced", load_balance=True),
+                "ContextParallel(context_ring_balanced=2, method='ring', load_balance=True)":
+                px.ContextParallel(2, axis="context_ring_balanced", method="ring", load_balance=True)}
+    assert found.strategy.describe(found.mesh) in balanced, found.describe()
+    times = found.choice.timed
+    assert found.choice.picked in times and min(times.values()) * (1 + timing.MARGIN) >= times[found.choice.picked], times
     estimates = found.choice.estimates
     over = [label for label, e in estimates.items() if e.peak > 3.1 * 2**20]
     assert any(label.startswith("DataParallel(data=2)") for label in over) and len(over) >= 4, over
     ring = estimates["ContextParallel(context_ring=2, method='ring'), jit"]
     assert ring.peak <= 3.1 * 2**20 and estimates[found.choice.picked].peak < ring.peak
-    assert found.strategy == px.ContextParallel(2, axis="context_balanced", load_balance=True)
+    assert found.strategy == balanced[found.strategy.describe(found.mesh)]
     px.testing.assert_equivalent(TinyLM(), adamw, lm_loss, data, found.strategy, mesh=found.mesh)
 
 
