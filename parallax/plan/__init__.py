@@ -45,6 +45,7 @@ from parallax.models.blocks import repeated_blocks
 from parallax.models.context_attention import model_has_attention
 from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
+from parallax.plan.table import render
 from parallax.plan.target import check_target, deviceless, gpu_target_config
 from parallax.pricing.hardware import Hardware, as_hardware
 from parallax.sharding.auto import AUTO
@@ -55,8 +56,6 @@ from parallax.sharding.topology import Topology
 from parallax.step.options import StepOptions
 
 log = logging.getLogger("parallax")
-_KINDS = (("all-gather", "AG"), ("all-reduce", "AR"), ("reduce-scatter", "RS"), ("all-to-all", "A2A"),
-          ("collective-permute", "CP"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,43 +171,7 @@ class PlanReport:
         return lines
 
     def __str__(self) -> str:
-        host = any(row.get("compiled", {}).get("host") for row in self.rows if not row.get("error"))
-        links = any(row.get("links") for row in self.rows if not row.get("error"))
-        timed = any(row.get("step") for row in self.rows if not row.get("error"))
-        header = ["devices", "strategy", "compile", "params", "opt state", "grads", "model st", "temps", "peak",
-                  *(["host"] if host else []), "moved", *(["in host", "across"] if links else []),
-                  *(short for _, short in _KINDS), *(f"fits {label}" for label in self.labels),
-                  *(["step", "tok/s/dev" if any((r.get("step") or {}).get("tokens_per_second") for r in self.rows)
-                     else "ex/s/dev", "MFU"] if timed else [])]
-        cells, skipped = [], []
-        for row in self.rows:
-            if row.get("error"):
-                skipped.append(f"{row['devices']} devices, {row['strategy']}: does not apply: {row['error']}")
-                continue
-            state, kinds = row["state"], row["collectives"]
-            cells.append([str(row["devices"]), row["strategy"], row["compile"], *(format_bytes(state[k]) for k in (
-                "params", "opt_state", "gradients", "model_state")), format_bytes(row["compiled"]["temporaries"]),
-                format_bytes(row["peak"]), *([format_bytes(row["compiled"]["host"])] if host else []),
-                format_bytes(row["collective_bytes"]),
-                *([format_bytes(row["links"]["inside"]), format_bytes(row["links"]["across"])] if links and
-                  row.get("links") else ["-", "-"] if links else []),
-                *(format_bytes(kinds[kind]["bytes"]) if kinds[kind]["count"] else "-" for kind, _ in _KINDS),
-                *("yes" if self.fits(row, i) else "no" for i in range(len(self.budgets))),
-                *(_step_cells(row["step"]) if timed else [])])
-        widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-                 for r in [header, *cells]]
-        said = [f"{row['devices']} devices: {row['note']}" for row in self.rows if not row.get("error") and row.get("note")]
-        return "\n".join(lines + [f"  {s}" for s in skipped + said + self.fix_lines()]
-                         + [pick.describe() for pick in self.picks]
-                         + [f"note: {n}" for n in self.notes])
-
-
-def _step_cells(step: dict) -> list[str]:
-    rate = step["tokens_per_second"] if step.get("tokens_per_second") is not None else step["examples_per_second"]
-    seconds = step["seconds"]
-    shown = f"{1e3 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
-    return [shown, f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}", f"{100 * step['mfu']:.1f}%"]
+        return render(self)
 
 
 def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
@@ -296,22 +259,30 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     args = {"model": model, "optimizer": optimizer, "batch": example_batch, "loss_fn": loss_fn}
     resolved: dict = {}
 
-    def rows_for(strategies: list[Strategy], count: int, opts: StepOptions, state_budget: int | None = None) -> list[dict]:
-        if isolate or on_target or (isolate is None and count > len(local)):
+    def in_child(count: int) -> bool:
+        return bool(isolate or on_target or (isolate is None and count > len(local)))
+
+    def rows_for(strategies: list[Strategy], count: int, opts: StepOptions, state_budget: int | None = None,
+                 bound_only: bool = False) -> list[dict]:
+        if in_child(count):
             return isolated.run({**args, "strategies": strategies, "options": opts, "rng": rng, "topology":
-                                 topology_for(count), "hardware": hardware, "state_budget": state_budget}, count)
+                                 topology_for(count), "hardware": hardware, "state_budget": state_budget,
+                                 "bound_only": bound_only}, count)
         if "model" not in resolved:
             resolved.update({kind: resolve(kind, value) for kind, value in args.items()})
         return [evaluate(resolved["model"], resolved["optimizer"], resolved["batch"], resolved["loss_fn"], strategy,
-                         local[:count], opts, rng, topology_for(count), hardware, state_budget) for strategy in strategies]
+                         local[:count], opts, rng, topology_for(count), hardware, state_budget, bound_only)
+                for strategy in strategies]
 
     rows = [row for count in counts for row in rows_for(parsed, count, options)]
     searched, picks = [], []
     here = [resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")] if wants_auto else []
     for count in counts if wants_auto else ():
         budget = budgets[0] if budgets else None  # a candidate whose state alone exceeds it is not compiled
+        bounds = None if hardware is None else lambda pool: rows_for(pool, count, options, budget, bound_only=True)
         found, picked = plan_auto(count, lambda pool: rows_for(pool, count, options, budget), *here,
-                                  options.rng_streams, budget, hardware)
+                                  options.rng_streams, budget, hardware, bounds,
+                                  isolated.side_by_side() if in_child(count) else 1)
         searched += found
         picks.append(picked)
     report = PlanReport(tuple(rows + searched), budgets, tuple(str(b) for b in given),

@@ -8,6 +8,14 @@ anything (the devices are not in hand): the fastest that fits the first memory b
 step's predicted time on the named hardware (``hardware=``), else by the cost model's estimate on
 this backend (the row's ``estimate``). The runner-up is shown with its margin.
 
+On a named hardware whose steps are priced from their jaxprs (a GPU or TPU planned without it), the
+candidates are bounded before any compiles (:func:`in_bound_order`): each one's step takes at least
+its compute and memory terms, read from its jaxpr, to which the compiled program only adds (the
+collectives beyond the computation, those on the critical path). They compile in the order of that
+bound, and stop where the next bound is no less than the runner-up's predicted step: the pick and its
+runner-up are those every candidate compiled would give (the tests check it), for a few compiles where
+the layouts' bounds differ (a 70B Llama on 256 H100s: 12 of 70 candidates; see ``pruned``).
+
 Example:
     >>> rows = [{"strategy": "FSDP(fsdp=8)", "error": None, "peak": 5, "collective_bytes": 8, "estimate": 0.2},
     ...         {"strategy": "DataParallel(data=8)", "error": None, "peak": 9, "collective_bytes": 4, "estimate": 0.1}]
@@ -29,27 +37,81 @@ from parallax.sharding.strategy import Strategy
 from parallax.state.more_candidates import more_candidates, read_or_none
 
 
-def plan_auto(device_count: int, rows_for: Callable[[list[Strategy]], list[dict]], model: Any, example_batch: Any,
-              loss_fn: Any, rng_streams: Sequence[str], budget: int | None,
-              hardware: Hardware | None) -> tuple[list[dict], "Pick"]:
+Rows = Callable[[list[Strategy]], list[dict]]
+
+
+def plan_auto(device_count: int, rows_for: Rows, model: Any, example_batch: Any, loss_fn: Any,
+              rng_streams: Sequence[str], budget: int | None, hardware: Hardware | None,
+              bounds_for: Rows | None = None, width: int = 1) -> tuple[list[dict], "Pick"]:
     """The rows of ``"auto"``'s candidates on ``device_count`` devices (``rows_for`` plans a list of
     strategies), each marked ``auto``, and its :class:`Pick`. As the search: every DP × FSDP × TP
     mesh first, then what the model calls for (its stack of blocks read from its trace, nothing
-    allocated), the context meshes among them where none of the first fits ``budget``."""
+    allocated), the context meshes among them where none of the first fits ``budget``. With
+    ``bounds_for`` (it bounds a list of strategies' steps on ``hardware``, nothing compiled), they
+    compile in the order of their bounds, ``width`` at a time (:func:`in_bound_order`)."""
+
+    def planned(pool: list[Strategy], before: list[dict]) -> list[dict]:
+        if bounds_for is None or hardware is None:
+            return _labelled(rows_for(pool), pool)
+        return _labelled(in_bound_order(pool, rows_for, bounds_for, before, budget, width), pool)
+
     base = candidates(device_count)
-    found = _labelled(rows_for(base), base)
+    found = planned(base, [])
     over = budget is not None and not any(not row.get("error") and row["peak"] <= budget for row in found)
     stacked = bool(read_or_none("stack of blocks", lambda: stacked_layers(model, example_batch, loss_fn, rng_streams)))
     more = more_candidates(stacked, model, example_batch, loss_fn, rng_streams, device_count, over)
-    found += _labelled(rows_for(more), more) if more else []
+    found += planned(more, found) if more else []
     found = [{**row, "auto": True} for row in found]
     return found, pick(found, device_count, budget, hardware)
 
 
+def in_bound_order(pool: list[Strategy], rows_for: Rows, bounds_for: Rows, before: list[dict], budget: int | None,
+                   width: int = 1) -> list[dict]:
+    """The rows of ``pool`` on a named hardware, compiling as few as the pick and its runner-up need.
+
+    Each candidate is bounded first (``bounds_for``: the state planned, the step traced, its
+    ``bound`` read from the jaxpr, nothing compiled; one whose state alone exceeds ``budget`` or that
+    does not apply stands as that row). Then they compile (``rows_for``) in the order of their
+    bounds, ``width`` at a time, until the next bound is no less than the runner-up's predicted step
+    among the rows compiled so far and ``before`` (the fastest two that fit ``budget`` and are laid
+    out otherwise): no candidate left could be faster than either. Those left are rows with
+    ``pruned`` and an ``error`` saying so. A candidate without a bound (priced from its compiled
+    program: planned on the hardware itself) always compiles.
+    """
+    rows = bounds_for(pool)
+    bound = {i: row["bound"] for i, row in enumerate(rows) if not row.get("error")}
+    queue = sorted(bound, key=lambda i: (bound[i] is not None, bound[i] or 0.0, i))  # unbounded ones first
+    while queue:
+        limit = _runner_up_seconds([*before, *(row for row in rows if "step" in row)], budget)
+        batch = [i for i in queue[:width] if bound[i] is None or bound[i] < limit]
+        if not batch:
+            break
+        for i, row in zip(batch, rows_for([pool[i] for i in batch])):
+            rows[i] = row
+        queue = [i for i in queue if i not in batch]
+    for i in queue:
+        rows[i] = {**rows[i], "pruned": True, "error": f"not compiled: its step takes at least {_time(bound[i])} on this "
+                   f"hardware (its compute and memory, from its jaxpr), no less than the runner-up's {_time(limit)}"}
+    return rows
+
+
+def _runner_up_seconds(rows: Sequence[dict], budget: int | None) -> float:
+    """The predicted step of the second fastest of ``rows`` that fit ``budget``, laid out otherwise than
+    the fastest (infinite where there is none)."""
+    fitting = sorted((row for row in rows if not row.get("error") and row.get("step")
+                      and (budget is None or row["peak"] <= budget)), key=lambda row: row["step"]["seconds"])
+    if not fitting:
+        return float("inf")
+    alike = lambda row: (row["peak"], row["collective_bytes"], row["step"]["seconds"])  # noqa: E731 (as pick's)
+    others = [row for row in fitting[1:] if alike(row) != alike(fitting[0])]
+    return others[0]["step"]["seconds"] if others else float("inf")
+
+
 def _labelled(rows: list[dict], strategies: Sequence[Strategy]) -> list[dict]:
-    """``rows`` labelled as the search labels its candidates (:func:`parallax.sharding.auto.layout_suffix`)."""
-    return [row if row.get("error") else {**row, "strategy": row["strategy"] + layout_suffix(strategy)}
-            for row, strategy in zip(rows, strategies)]
+    """``rows`` labelled as the search labels its candidates (:func:`parallax.sharding.auto.layout_suffix`): those
+    planned, and those bounded and not compiled."""
+    return [row if row.get("error") and not row.get("pruned") else
+            {**row, "strategy": row["strategy"] + layout_suffix(strategy)} for row, strategy in zip(rows, strategies)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +126,8 @@ class Pick:
             moved and time: e.g. an FSDP that splits no param beside DP), and its step time.
         basis: ``"predicted"`` on the named hardware, or ``"est."`` by the cost model here.
         fitting: how many candidates fit, of ``planned`` that apply.
+        pruned: of ``planned``, how many were not compiled, their steps' bounds no less than the
+            runner-up's (:func:`in_bound_order`).
     """
 
     devices: int
@@ -73,6 +137,7 @@ class Pick:
     basis: str
     fitting: int
     planned: int
+    pruned: int = 0
 
     def describe(self) -> str:
         head = f"auto on {self.devices} devices: "
@@ -82,12 +147,14 @@ class Pick:
         if self.runner_up is None:
             return text + (f" (the only one of {self.planned} that fits)" if self.fitting == 1 < self.planned else "")
         label, seconds = self.runner_up
-        return text + f"; runner-up {label}, {_margin(seconds, self.seconds)}"
+        text += f"; runner-up {label}, {_margin(seconds, self.seconds)}"
+        return text + (f" ({self.pruned} of {self.planned} candidates not compiled: their steps' lower bounds are "
+                       "no less)" if self.pruned else "")
 
 
 def pick(rows: Sequence[dict], devices: int, budget: int | None, hardware: Hardware | None) -> Pick:
     """The fastest of ``rows`` (one device count's ``"auto"`` rows) that fits ``budget`` bytes a device."""
-    planned = [row for row in rows if not row.get("error") or row.get("over_budget")]  # pruned: they apply
+    planned = [row for row in rows if not row.get("error") or row.get("over_budget") or row.get("pruned")]
 
     def seconds(row: dict) -> float | None:
         return (row.get("step") or {}).get("seconds") if hardware is not None else row.get("estimate")
@@ -101,7 +168,8 @@ def pick(rows: Sequence[dict], devices: int, budget: int | None, hardware: Hardw
     alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))  # noqa: E731 (the same program)
     others = [row for row in fitting[1:] if alike(row) != alike(best)]
     runner = (others[0]["strategy"], seconds(others[0])) if others else None
-    return Pick(devices, best["strategy"], seconds(best), runner, basis, len(fitting), len(planned))
+    return Pick(devices, best["strategy"], seconds(best), runner, basis, len(fitting), len(planned),
+                sum(bool(row.get("pruned")) for row in planned))
 
 
 def _time(seconds: float) -> str:

@@ -22,7 +22,7 @@ from parallax.pricing.timing import closest
 from parallax.pricing.hardware import Hardware
 from parallax.pricing.host_layout import cheapest_layout, link_seconds
 from parallax.pricing.fused_bytes import matmul_dtype
-from parallax.pricing.step_time import speeds, step_time
+from parallax.pricing.step_time import lower_bound, speeds, step_time
 from parallax.sharding.context import mesh_in_context, mesh_on
 from parallax.sharding.strategy import Strategy, combine
 from parallax.sharding.topology import Topology, crossing_axes, hosts_of
@@ -69,9 +69,14 @@ def with_options(strategy: Strategy, **options: Any) -> Strategy:
 
 def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strategy: Strategy,
              devices: Sequence[jax.Device], options: StepOptions, rng: Any = 0, topology: Topology | None = None,
-             hardware: Hardware | None = None, state_budget: int | None = None) -> dict:
+             hardware: Hardware | None = None, state_budget: int | None = None, bound_only: bool = False) -> dict:
     """The costs of one candidate on ``devices``, as a JSON-able dict (``error`` when it does not apply;
     ``over_budget`` too where its state alone exceeds ``state_budget`` bytes a device: not compiled).
+
+    With ``bound_only`` (and a ``hardware``), nothing compiles: the row has the state, the mesh and
+    ``bound``, the seconds its step takes at least on the hardware, from its jaxpr
+    (:func:`parallax.pricing.step_time.lower_bound`; ``None`` where the step would be priced from its
+    compiled program instead: planned on the hardware itself).
 
     Over several hosts (the processes, or ``topology`` as simulated) parallax's own mesh is laid out
     as the Trainer lays it out, by the bytes the step moves across hosts
@@ -97,6 +102,9 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         if hardware is not None:  # and at the hardware's speeds, not measured on devices that stand in for it
             step.speeds = speeds(hardware, "bf16" if options.policy.casts else "fp32")
         batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
+        if bound_only:
+            return {**row, "strategy": plan.strategy.describe(mesh), "error": None, "state": state_bytes(totals),
+                    "bound": None if hardware is None else _bound(step, plan, batch, hardware, mesh, totals)}
         compiled = step.program(plan.abstract_arrays(), batch)  # the program the step compiled, not a second one
         jaxpr = step.trace(plan.abstract_arrays(), batch).jaxpr.jaxpr if hardware is not None else None
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
@@ -142,6 +150,19 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         row["step"] = priced_step(compiled, jaxpr, hardware, plan.strategy, laid, hosts, memory["host"],
                                   example_batch, shapes, fraction)
     return row
+
+
+def _bound(step: Any, plan: Any, batch: Any, hardware: Hardware, mesh: Any, totals: dict) -> float | None:
+    """The least seconds ``step`` takes on ``hardware`` over its paths, from their jaxprs, nothing compiled
+    (``None`` where :func:`priced_step` would read the compiled program instead)."""
+    if _runs_on(mesh) == hardware.kind:
+        return None
+    state = plan.abstract_arrays()
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(state)]
+    fraction = totals["total"]["per_device"] / max(totals["total"]["global"], 1)
+    return min(lower_bound(jaxpr, hardware, dtype=matmul_dtype(jaxpr), devices=mesh.devices.size,
+                           state_shapes=shapes, state_fraction=fraction)
+               for jaxpr in step.jaxprs(state, batch).values())
 
 
 def _without_memories(devices: Sequence[jax.Device]) -> bool:

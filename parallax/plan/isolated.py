@@ -43,8 +43,13 @@ def workers(payload: Mapping[str, Any]) -> int:
     this machine, and children side by side would slow each other's timings)."""
     if payload.get("hardware") is None:
         return 1
+    return max(1, min(len(payload["strategies"]), side_by_side()))
+
+
+def side_by_side() -> int:
+    """How many children at most plan side by side: one per core this process may use, at most 4."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(len(payload["strategies"]), cores, 4))
+    return max(1, min(cores, 4))
 
 
 def run(payload: Mapping[str, Any], devices: int, timeout: float = 1800) -> list[dict]:
@@ -194,7 +199,7 @@ def main(argv: list[str]) -> None:
                gpu_devices(hardware, payload["devices"]))
     rows = [evaluate(args["model"], args["optimizer"], args["batch"], args["loss_fn"], parse_strategy(strategy),
                      devices, payload["options"], payload["rng"], payload.get("topology"), hardware,
-                     payload.get("state_budget"))
+                     payload.get("state_budget"), payload.get("bound_only", False))
             for strategy in payload["strategies"]]
     with open(argv[1], "w") as f:
         json.dump(rows, f)

@@ -40,7 +40,7 @@ from parallax.pricing.cost import KINDS, DeviceSpeeds, program_costs
 from parallax.pricing.fused_bytes import dot_flops, fused_bytes
 from parallax.pricing.hardware import Hardware
 
-__all__ = ["StepTime", "speeds", "step_time"]
+__all__ = ["StepTime", "jaxpr_costs", "lower_bound", "speeds", "step_time"]
 
 _RING = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "all-reduce": 2.0}
 
@@ -151,17 +151,53 @@ def step_time(compiled: Any, hardware: Hardware, *, dtype: str = "fp32", mesh_sh
     source = "roofline"
     if jaxpr is not None and backend != hardware.kind:  # not this hardware's own program: read the jaxpr
         devices = int(np.prod(list((mesh_shape or {"": 1}).values())))
-        whole, local = dot_flops(jaxpr)  # a compiler's cost analysis counts a loop's body once (the TPU's too)
-        flops = max(flops, whole / devices + local)
-        accessed = fused_bytes(jaxpr, state_shapes).per_device(devices, state_fraction)
+        read_flops, accessed = jaxpr_costs(jaxpr, devices, state_shapes, state_fraction)
+        flops = max(flops, read_flops)
         source = "roofline, from the jaxpr"
     compute = flops / peak
     memory = accessed / (hardware.memory_tbps * 1e12)
     exposed, overlapped = collective_seconds(text, hardware, mesh_shape, critical_axes, hosts)
-    offload = 2 * host_bytes / (hardware.host_link_gbps * 1e9 / 8)
+    offload = _offload_seconds(hardware, host_bytes)
     seconds = max(compute + memory, overlapped) + exposed + offload
     return StepTime(seconds=seconds, compute=compute, memory=memory, exposed=exposed, overlapped=overlapped,
                     offload=offload, flops=flops, bytes_accessed=accessed, source=source, peak_flops=peak)
+
+
+def jaxpr_costs(jaxpr: Any, devices: int, state_shapes: Sequence[tuple[int, ...]] = (),
+                state_fraction: float = 1.0) -> tuple[float, float]:
+    """``(flops, bytes)`` per device of a step's ``jaxpr`` split over ``devices``: every loop
+    iteration's matmuls (a compiler's cost analysis counts a loop's body once, the TPU's too), and
+    the bytes as a GPU or TPU compiler fuses them (see :func:`step_time`'s ``jaxpr``)."""
+    whole, local = dot_flops(jaxpr)
+    return whole / devices + local, fused_bytes(jaxpr, state_shapes).per_device(devices, state_fraction)
+
+
+def lower_bound(jaxpr: Any, hardware: Hardware, *, dtype: str, devices: int,
+                state_shapes: Sequence[tuple[int, ...]] = (), state_fraction: float = 1.0,
+                host_bytes: int = 0) -> float:
+    """Seconds the step of ``jaxpr`` takes at least on ``hardware``, read before anything compiles: its
+    compute and memory terms and its offload transfers, which :func:`step_time` reads from the same
+    jaxpr for a program compiled on other devices than the hardware's, and to which it only adds (the
+    collectives that exceed the computation, those on the critical path; FLOPs the program has beyond the
+    jaxpr's). A plan compiles its candidates in the order of this bound and stops where the next one's
+    exceeds the fastest fitting step predicted so far (:mod:`parallax.plan.auto`).
+
+    Example:
+        >>> jaxpr = jax.make_jaxpr(lambda x: (x @ x.T).sum())(jnp.ones((256, 256))).jaxpr
+        >>> compiled = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((256, 256))).compile()
+        >>> h100 = px.Hardware("h100")
+        >>> bound = lower_bound(jaxpr, h100, dtype="fp32", devices=1)
+        >>> 0 < bound <= step_time(compiled, h100, dtype="fp32", jaxpr=jaxpr, backend="cpu").seconds
+        True
+    """
+    flops, accessed = jaxpr_costs(jaxpr, devices, state_shapes, state_fraction)
+    return (flops / hardware.peak_flops(dtype) + accessed / (hardware.memory_tbps * 1e12)
+            + _offload_seconds(hardware, host_bytes))
+
+
+def _offload_seconds(hardware: Hardware, host_bytes: int) -> float:
+    """Seconds ``host_bytes`` of offloaded state take in and out over the host link each step."""
+    return 2 * host_bytes / (hardware.host_link_gbps * 1e9 / 8)
 
 
 def speeds(hardware: Hardware, dtype: str = "fp32") -> DeviceSpeeds:

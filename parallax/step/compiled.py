@@ -10,8 +10,10 @@ from typing import Any
 from parallax._compat import mesh_context
 from parallax._errors import first_line
 from parallax.pricing.choice import Choice, choose, memory_budget
+from parallax.sharding.pipeline import NoStackError
 from parallax.step.batch import layout_key, state_specs_of
 from parallax.step.resharding import compile_reporting
+from parallax.step.run_changes import pipelined_blocks
 from parallax.step.train_state import TrainState
 
 log = logging.getLogger("parallax")
@@ -62,6 +64,31 @@ class CompiledPaths:
         choice = choose(compiled, devices, memory_budget(self.options.memory_budget, devices), topology=self.topology,
                         speeds=self.speeds)
         return choice, {mode: functions[mode] for mode in compiled}, compiled
+
+    def jaxprs(self, state: TrainState, batch: Any) -> dict[str, Any]:
+        """The step's jaxpr on each path of :meth:`modes`, traced without compiling (a plan bounds a
+        candidate's cost by them before it compiles anything); a path that does not apply is left out.
+
+        Raises:
+            ValueError, TypeError: no path applies (the first path's error).
+        """
+        mesh, specs = state_specs_of(state)
+        self._check_mode(mesh)
+        found, failed = {}, None
+        with mesh_context(mesh):
+            self.prove(state, batch)
+            parts = self._placed(state)[1]
+            for mode in self.modes():
+                try:
+                    found[mode] = self._function(mode, mesh, specs, parts).trace(state, batch).jaxpr.jaxpr
+                except NoStackError as err:  # a pipeline that names no blocks= over a model with no stack
+                    self.strategy = pipelined_blocks(self.strategy, state.model, batch, self.loss_fn, err)
+                    return self.jaxprs(state, batch)
+                except (ValueError, TypeError, NotImplementedError) as err:  # as compile_paths: not a candidate
+                    failed = failed or err
+        if not found:
+            raise failed
+        return found
 
     def reuse(self, priced: CompiledPaths | None) -> bool:
         """Takes over the programs ``priced`` compiled where it is this step (the same loss, strategy,
