@@ -67,7 +67,7 @@ def test_candidates_compile_in_the_order_of_their_bounds_until_none_left_could_b
     assert compiled == ["c", "d", "f"]
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp+tp2", "pp2+fsdp"])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp+tp2"])  # a pipeline's: in the wide test below
 def test_a_steps_bound_is_the_compute_and_memory_its_compiled_prediction_reads_from_the_same_jaxpr(strategy):
     """On each path: the bound's memory term is the prediction's (the same jaxpr, the same bytes), its
     compute term the jaxpr's matmuls, which the prediction takes unless the compiled program counts more

@@ -14,7 +14,7 @@ its compute and memory terms, read from its jaxpr, to which the compiled program
 collectives beyond the computation, those on the critical path). They compile in the order of that
 bound, and stop where the next bound is no less than the runner-up's predicted step: the pick and its
 runner-up are those every candidate compiled would give (the tests check it), for a few compiles where
-the layouts' bounds differ (a 70B Llama on 256 H100s: 12 of 70 candidates; see ``pruned``).
+the layouts' bounds differ (a 70B Llama on 256 H100s: 10 of 70 candidates; see ``pruned``).
 
 Example:
     >>> rows = [{"strategy": "FSDP(fsdp=8)", "error": None, "peak": 5, "collective_bytes": 8, "estimate": 0.2},

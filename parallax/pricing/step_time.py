@@ -179,8 +179,8 @@ def lower_bound(jaxpr: Any, hardware: Hardware, *, dtype: str, devices: int,
     compute and memory terms and its offload transfers, which :func:`step_time` reads from the same
     jaxpr for a program compiled on other devices than the hardware's, and to which it only adds (the
     collectives that exceed the computation, those on the critical path; FLOPs the program has beyond the
-    jaxpr's). A plan compiles its candidates in the order of this bound and stops where the next one's
-    exceeds the fastest fitting step predicted so far (:mod:`parallax.plan.auto`).
+    jaxpr's). A plan compiles its candidates in the order of this bound and stops where the next one is
+    no less than the runner-up's predicted step (:func:`parallax.plan.auto.in_bound_order`).
 
     Example:
         >>> jaxpr = jax.make_jaxpr(lambda x: (x @ x.T).sum())(jnp.ones((256, 256))).jaxpr
