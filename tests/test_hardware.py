@@ -59,6 +59,12 @@ def test_the_topology_of_a_hardware_is_its_hosts_and_links():
     two_pods = px.Hardware("v6e").topology(512)  # beyond a 256-chip pod: the data-center network between them
     assert two_pods.cross_host_bandwidth == px.Hardware("v6e").inter_bandwidth
     assert px.Hardware("v6e").domains([0, 63, 64, 127]) == [0, 0, 1, 1]  # 4 chips per host, 256 per slice
+    # Hosts of 4 H100s: NVLink joins the 4 a host holds (it joined 8, pricing two hosts' collectives at NVLink's
+    # speed); a TPU slice's ICI spans hosts whatever their size, and a fast domain given stays.
+    four = px.Hardware("h100", devices_per_host=4)
+    assert (four.fast_domain, four.domains([0, 1]), four.topology(8).cross_host_bandwidth) == (4, [0, 1], 50e9)
+    assert px.Hardware("v5p", devices_per_host=8).fast_domain == 8960
+    assert px.Hardware("h100", devices_per_host=4, fast_domain=8).domains([0, 1]) == [0, 0]
 
 
 @pytest.mark.parametrize("call, message", [

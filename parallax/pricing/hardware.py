@@ -89,7 +89,8 @@ class Hardware:
         memory_tbps: device memory bandwidth, TB/s.
         devices_per_host: accelerators per host (per process of a run).
         fast_domain: devices one fast network joins (a host's NVLink, a TPU slice's ICI); the
-            devices per host by default.
+            devices per host by default, and a GPU's follows ``devices_per_host`` where only that is
+            overridden (``Hardware("h100", devices_per_host=4)``: NVLink joins 4).
         intra_host_gbps: the fast links, Gb/s per device and direction (NVLink; a TPU's ICI).
         inter_host_gbps: between hosts (fast domains), Gb/s per device and direction (the NIC;
             a TPU's data-center network).
@@ -136,6 +137,9 @@ class Hardware:
             merged = dict(given)
         else:
             merged = {**profile, **given}
+            if "devices_per_host" in given and "fast_domain" not in given and profile["fast_domain"] == profile[
+                    "devices_per_host"]:  # a GPU's NVLink joins a host's devices: as many as the host now has
+                merged["fast_domain"] = given["devices_per_host"]
             object.__setattr__(self, "name", key)
             if "peak_tflops" in given:
                 merged["peak_tflops"] = {**profile["peak_tflops"], **given["peak_tflops"]}
