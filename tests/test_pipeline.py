@@ -751,3 +751,16 @@ def test_a_list_of_blocks_that_rematerialise_themselves_pipelines_at_the_cost_of
     report = px.testing.assert_equivalent(ListedLlama(shape), optax.adamw(1e-2), loss_fn, batches, strategy,
                                           params=listed)
     assert report.mode == "jit", report
+
+
+@pytest.mark.wide("GPT-2 pipelined over microbatches of one row, against one device (~5 s)")
+def test_microbatches_of_one_row_pipeline_an_attention_model_like_one_device():
+    """Hugging Face GPT-2's listed blocks over 2 stages × DP 4, 16 rows in microbatches of one: the
+    layer's proof reads the microbatch's trace, where the example dim has one row (a reshape onto a
+    unit dim, a causal mask ``jnp.broadcast_to`` leaves as it is). It was refused as mixing examples."""
+    from tests import third_party
+
+    strategy = px.combine(px.PipelineParallel(2, microbatches=16), px.DataParallel(4))
+    report = px.testing.assert_equivalent(third_party.gpt2(layers=2), optax.adamw(1e-2), third_party.causal_lm_loss,
+                                          third_party.batches("text", 2), strategy)
+    assert report.mode == "jit", report

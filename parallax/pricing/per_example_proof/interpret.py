@@ -93,8 +93,13 @@ def _record(eqn: Any, ins: list, signature: list) -> None:
     it reads and its operands' shapes, except the example dim of per-example values and the
     dims a batch-free value is constant along (unless the primitive sums over them). An
     equation on a batch-wide sum records only its primitive: a mean's divisor is meant to
-    differ, and :func:`parallax.pricing.per_example_proof.prove_loss` checks its scale."""
+    differ, and :func:`parallax.pricing.per_example_proof.prove_loss` checks its scale. A batch-free
+    value broadcast (a causal mask to the batch's shape) is not recorded: ``jnp.broadcast_to`` emits
+    nothing where the shape is already the target's (a batch of one), and what reads the broadcast
+    records its shapes (a sum over the broadcast dims among them)."""
     name = eqn.primitive.name
+    if name == "broadcast_in_dim" and all(isinstance(a, Fixed) for a in ins):
+        return
     if _synced(name, ins):  # prove_loss checks each is a mean
         signature.extend((SYNCED, a.scales, a.offsets) for a in ins)
         return

@@ -163,16 +163,21 @@ def _along(eqn: Any, ins: list, per: PerExample) -> Any:
 
 
 def _reshape(eqn: Any, per: PerExample) -> PerExample:
-    """The example dim survives a reshape when the dims around it only merge or split."""
+    """The example dim survives a reshape when the dims around it only merge or split.
+
+    A unit dim holds the examples only where there is one (a trace of one row, a pipeline's
+    microbatch of one): ``(8, 32)`` holding one example's 8 tokens, reshaped to ``(1, 8, 4, 8)``,
+    holds it on dim 0, as ``(16, 32)`` holding two reshaped to ``(2, 8, 4, 8)`` holds them."""
     if eqn.params.get("dimensions") is not None:
         raise NotPerExample("it reshapes with a transposition")
     source, target = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     outer, inner = int(np.prod(source[:per.dim])), int(np.prod(source[per.dim + 1:]))
+    single = source[per.dim] == per.block  # the dim holds one example
     for e in range(len(target)):
         if int(np.prod(target[:e])) != outer:
             continue
         inner_e = int(np.prod(target[e + 1:]))
-        if target[e] > 1 and (per.block * inner) % inner_e == 0:
+        if (target[e] > 1 or single) and (per.block * inner) % inner_e == 0:
             block = per.block * inner // inner_e
             if target[e] % block == 0:
                 return PerExample(e, block)
