@@ -98,13 +98,28 @@ def in_bound_order(pool: list[Strategy], rows_for: Rows, bounds_for: Rows, befor
 def _runner_up_seconds(rows: Sequence[dict], budget: int | None) -> float:
     """The predicted step of the second fastest of ``rows`` that fit ``budget``, laid out otherwise than
     the fastest (infinite where there is none)."""
-    fitting = sorted((row for row in rows if not row.get("error") and row.get("step")
-                      and (budget is None or row["peak"] <= budget)), key=lambda row: row["step"]["seconds"])
+    runner = _fastest_two(_fitting(rows, budget, _predicted), _predicted)[1]
+    return float("inf") if runner is None else _predicted(runner)
+
+
+def _predicted(row: dict) -> float | None:
+    """A row's predicted step on the named hardware."""
+    return (row.get("step") or {}).get("seconds")
+
+
+def _fitting(rows: Sequence[dict], budget: int | None, seconds: Callable[[dict], float | None]) -> list[dict]:
+    """The ``rows`` planned (no error) that fit ``budget`` and have ``seconds``, fastest first."""
+    return sorted((row for row in rows if not row.get("error") and (budget is None or row["peak"] <= budget)
+                   and seconds(row) is not None), key=seconds)
+
+
+def _fastest_two(fitting: list[dict], seconds: Callable[[dict], float | None]) -> tuple[dict | None, dict | None]:
+    """The first of ``fitting`` (fastest first) and the next laid out otherwise: not the same program (the same
+    peak, bytes moved and time, e.g. an FSDP that splits no param beside DP); ``None`` where there is none."""
     if not fitting:
-        return float("inf")
-    alike = lambda row: (row["peak"], row["collective_bytes"], row["step"]["seconds"])  # noqa: E731 (as pick's)
-    others = [row for row in fitting[1:] if alike(row) != alike(fitting[0])]
-    return others[0]["step"]["seconds"] if others else float("inf")
+        return None, None
+    alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))  # noqa: E731
+    return fitting[0], next((row for row in fitting[1:] if alike(row) != alike(fitting[0])), None)
 
 
 def _labelled(rows: list[dict], strategies: Sequence[Strategy]) -> list[dict]:
@@ -156,18 +171,13 @@ def pick(rows: Sequence[dict], devices: int, budget: int | None, hardware: Hardw
     """The fastest of ``rows`` (one device count's ``"auto"`` rows) that fits ``budget`` bytes a device."""
     planned = [row for row in rows if not row.get("error") or row.get("over_budget") or row.get("pruned")]
 
-    def seconds(row: dict) -> float | None:
-        return (row.get("step") or {}).get("seconds") if hardware is not None else row.get("estimate")
-
-    fitting = sorted((row for row in planned if not row.get("error") and (budget is None or row["peak"] <= budget)
-                      and seconds(row) is not None), key=seconds)
+    seconds = _predicted if hardware is not None else lambda row: row.get("estimate")
+    fitting = _fitting(planned, budget, seconds)
     basis = "predicted" if hardware is not None else "est."
-    if not fitting:
+    best, other = _fastest_two(fitting, seconds)
+    if best is None:
         return Pick(devices, None, None, None, basis, 0, len(planned))
-    best = fitting[0]
-    alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))  # noqa: E731 (the same program)
-    others = [row for row in fitting[1:] if alike(row) != alike(best)]
-    runner = (others[0]["strategy"], seconds(others[0])) if others else None
+    runner = (other["strategy"], seconds(other)) if other is not None else None
     return Pick(devices, best["strategy"], seconds(best), runner, basis, len(fitting), len(planned),
                 sum(bool(row.get("pruned")) for row in planned))
 

@@ -145,10 +145,8 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     by_bytes = layout.describe() if layout and layout.inside_first != plan.strategy.inside_first() else None
     row["note"] = "; ".join(n for n in (unsharded_reason(plan), close, by_bytes) if n) or None
     if hardware is not None:
-        shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(plan.abstract_arrays())]
-        fraction = totals["total"]["per_device"] / max(totals["total"]["global"], 1)
         row["step"] = priced_step(compiled, jaxpr, hardware, plan.strategy, laid, hosts, memory["host"],
-                                  example_batch, shapes, fraction)
+                                  example_batch, *_state_share(plan, totals))
     return row
 
 
@@ -157,12 +155,17 @@ def _bound(step: Any, plan: Any, batch: Any, hardware: Hardware, mesh: Any, tota
     (``None`` where :func:`priced_step` would read the compiled program instead)."""
     if _runs_on(mesh) == hardware.kind:
         return None
-    state = plan.abstract_arrays()
-    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(state)]
-    fraction = totals["total"]["per_device"] / max(totals["total"]["global"], 1)
+    shapes, fraction = _state_share(plan, totals)
     return min(lower_bound(jaxpr, hardware, dtype=matmul_dtype(jaxpr), devices=mesh.devices.size,
                            state_shapes=shapes, state_fraction=fraction)
-               for jaxpr in step.jaxprs(state, batch).values())
+               for jaxpr in step.jaxprs(plan.abstract_arrays(), batch).values())
+
+
+def _state_share(plan: Any, totals: dict) -> tuple[list[tuple[int, ...]], float]:
+    """The train state's leaves' shapes and its bytes per device over its global bytes, as the step's
+    bytes from its jaxpr are priced (:func:`parallax.pricing.step_time.jaxpr_costs`)."""
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(plan.abstract_arrays())]
+    return shapes, totals["total"]["per_device"] / max(totals["total"]["global"], 1)
 
 
 def _without_memories(devices: Sequence[jax.Device]) -> bool:
