@@ -185,18 +185,20 @@ def test_models_that_shard_themselves_train_like_one_device(call, kind):
              "dp+fsdp": (("data", "fsdp"), None), "dp+fsdp+tp": (("data", "fsdp"), "tensor")})[kind]
     model, lf = Net(call, spec), (onehot_loss if call == "reshard" else loss_fn)
     tx = optax.sgd(0.1) if kind in ("dp", "tp") else optax.adam(1e-2)
-    if call == "reshard" and "tp" in kind:  # Explicit mode: a row-parallel Dense needs out_sharding, which linen lacks
-        with pytest.raises(ValueError, match="with Explicit axes: Contracting dimensions are sharded"):
-            px.init_state(model, tx, BATCHES[0], strategy=strategy, loss_fn=lf)
-        return
-    state = px.init_state(model, tx, BATCHES[0], strategy=strategy, loss_fn=lf)
+    if call == "reshard" and "tp" in kind:  # a row-parallel Dense on Explicit axes needs out_sharding, which linen lacks
+        with pytest.warns(UserWarning, match=r"split over \['tensor'\] are gathered whole where the model uses them "
+                                             r"\(JAX refuses them split: Contracting dimensions are sharded"):
+            state = px.init_state(model, tx, BATCHES[0], strategy=strategy, loss_fn=lf)
+        assert state.params["Dense_1"]["kernel"].sharding.spec[0] == "tensor"  # stored split all the same
+    else:
+        state = px.init_state(model, tx, BATCHES[0], strategy=strategy, loss_fn=lf)
     explicit = call == "reshard"
     assert state.params["Dense_0"]["kernel"].sharding.mesh.axis_types[0] == (E if explicit else A)
     step = px.make_train_step(lf, strategy)
     names = [name for name, _ in strategy.mesh_axes()]
     check_against_one_device(model, tx, lf, state, step, names=names, explicit=explicit)
-    if explicit:
-        assert step.mode() == "jit" and "Explicit" in step.describe()
+    if explicit:  # jit: the only path for Explicit axes (or for no data axis, said first)
+        assert step.mode() == "jit" and ("Explicit" in step.describe() or kind == "tp"), step.describe()
 
 
 class ExplicitNnx(nnx.Module):
@@ -211,27 +213,53 @@ class ExplicitNnx(nnx.Module):
         return self.down(nnx.relu(self.up(x, out_sharding=P("fsdp", None))))
 
 
-@pytest.mark.parametrize("model", ["linen reshard", "nnx out_sharding"])
-def test_explicit_mode_models_train_inside_your_explicit_set_mesh(model):
+class TensorNnx(ExplicitNnx):
+    """NNX code written for Explicit axes and tensor parallelism: each contraction over a split dim
+    told its output's sharding."""
+
+    def __call__(self, tokens):
+        x = tokens.astype(jnp.float32) / 32
+        return self.down(nnx.relu(self.up(x, out_sharding=P("fsdp", "tensor"))), out_sharding=P("fsdp", None))
+
+
+EXPLICIT_GRID = [(model, kind) for model in ["linen reshard", "nnx out_sharding", "nnx tensor"]
+                 for kind in ["fsdp", "fsdp+tp"] if not (model == "nnx tensor" and kind == "fsdp")]
+
+
+@pytest.mark.parametrize("model, kind", tiers.cases(EXPLICIT_GRID, [("linen reshard", "fsdp"),
+                                                                    ("nnx out_sharding", "fsdp+tp"),
+                                                                    ("nnx tensor", "fsdp+tp")]))
+def test_explicit_mode_models_train_inside_your_explicit_set_mesh(model, kind, recwarn):
     """A model written for Explicit axes, run as its author runs it: inside ``jax.set_mesh`` of an
-    Explicit mesh (devices reversed) and given no ``mesh=``; the state on that mesh."""
-    mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[::-1], axis_types=(E,))
-    strategy, tx = px.FSDP(min_weight_size=0, split="largest"), optax.adam(1e-2)
+    Explicit mesh (devices reversed) and given no ``mesh=``; the state on that mesh. Under FSDP × TP
+    a model that says how its tensor-split contractions are sharded keeps its params split there;
+    one that does not (its hidden layer pinned whole, as written for FSDP) gets them gathered where
+    used, with a warning saying so (before, JAX refused it: "Contracting dimensions are sharded")."""
+    names = ("fsdp",) if kind == "fsdp" else ("fsdp", "tensor")
+    mesh = jax.make_mesh(SHAPES[kind][:len(names)], names, devices=jax.devices()[::-1], axis_types=(E,) * len(names))
+    strategy = px.FSDP(min_weight_size=0, split="largest") if kind == "fsdp" else STRATEGIES[kind]()
+    tx = optax.adam(1e-2)
     with jax.set_mesh(mesh):
-        net = Net("reshard", ("fsdp", None)) if model.startswith("linen") else ExplicitNnx(nnx.Rngs(0))
+        net = (Net("reshard", ("fsdp", None)) if model.startswith("linen") else
+               ExplicitNnx(nnx.Rngs(0)) if model == "nnx out_sharding" else TensorNnx(nnx.Rngs(0)))
         state = px.init_state(net, tx, BATCHES[0], strategy=strategy, loss_fn=onehot_loss)
         placed = jax.tree.leaves(state.params)[0].sharding.mesh
-        assert list(placed.devices.flat) == list(mesh.devices.flat) and placed.axis_types == (E,), placed
+        assert list(placed.devices.flat) == list(mesh.devices.flat) and set(placed.axis_types) == {E}, placed
+        gathered = [str(w.message) for w in recwarn if "gathered whole where the model uses" in str(w.message)]
+        assert len(gathered) == (model == "nnx out_sharding" and kind == "fsdp+tp"), gathered
         step = px.make_train_step(onehot_loss, strategy)
         if model.startswith("linen"):
-            check_against_one_device(net, tx, onehot_loss, state, step, names=("fsdp",), explicit=True)
+            check_against_one_device(net, tx, onehot_loss, state, step, names=names, explicit=True)
         else:
             initial = jax.device_get(state.params)
             final, losses = run_steps(step, state, BATCHES)
-            with jax.set_mesh(one_device_mesh(("fsdp",), explicit=True)):  # where its author runs it on one device
+            with jax.set_mesh(one_device_mesh(names, explicit=True)):  # where its author runs it on one device
                 ref_params, ref_losses = plain_nnx(net, tx, onehot_loss, initial, BATCHES)
             assert np.abs(losses - ref_losses).max() <= TOL and max_diff(jax.device_get(final.params), ref_params) <= TOL
     assert step.mode() == "jit" and "Explicit" in step.describe()
+    if kind == "fsdp+tp":  # the tensor split stays in the state (and, for the model that says how, in the step)
+        assert "tensor" in jax.tree.leaves(state.params)[0].sharding.spec or \
+            any("tensor" in leaf.sharding.spec for leaf in jax.tree.leaves(state.params))
 
 
 def plain_nnx(module, tx, lf, params, batches):

@@ -177,11 +177,14 @@ def plan_state(
             except NoExpertsError as err:
                 raise NoExpertsError(f"{err}{listed_experts_hint(model, example_batch, loss_fn)}") from None
         specs = fitted.state_specs(abstract, train_mesh)
-        if loss_fn is not None:
-            probe_loss(adapter, abstract, specs, example_batch, loss_fn, train_mesh, fitted, rng_streams)
-        return abstract, fitted, specs
+        changed = None if loss_fn is None else probe_loss(adapter, abstract, specs, example_batch, loss_fn,
+                                                          train_mesh, fitted, rng_streams)
+        return abstract, fitted, specs, changed
 
-    mesh, (abstract, strategy, specs), note = planned_in_mode(attempt, mesh, sharding_mode)
+    mesh, (abstract, strategy, specs, changed), note = planned_in_mode(attempt, mesh, sharding_mode)
+    if changed:
+        warnings.warn(changed, UserWarning, stacklevel=3)
+        note = f"{note} {changed}"
     shardings = with_memory_kinds(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec), offload)
     plain = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
                          adapter.unbox(abstract.params))
@@ -284,10 +287,11 @@ def _abstract(make: Callable, key: Any, example_batch: Any) -> TrainState:
 
 
 def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_batch: Any, loss_fn: LossFn,
-               mesh: Mesh, strategy: Strategy, rng_streams: Sequence[str]) -> None:
+               mesh: Mesh, strategy: Strategy, rng_streams: Sequence[str]) -> str | None:
     """Traces the loss on the planned shardings, and on an Explicit mesh its gradient too (nothing
     compiles or runs): raises what JAX raises where the model's own sharding does not fit this
-    mesh's mode.
+    mesh's mode. Returns what the train step will change to run the model (on an Explicit mesh,
+    params gathered whole where used: :func:`parallax.step.jit.jit_loss`), or ``None``.
 
     On Auto axes shardings are not part of the arrays' types, so what JAX refuses there (``reshard``,
     ``out_sharding=``, an Explicit mesh's ``NamedSharding``) is in the loss as written, and the
@@ -306,9 +310,12 @@ def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_
     batch = jax.tree.map(batch_leaf, example_batch)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     run = ModelRun(train=True, constraint_axes=tuple(mesh.axis_names))
-    loss = jit_loss(adapter, loss_fn, rng_streams, run, mesh, strategy, specs.params)  # as the train step runs it
+    said: list[str] = []
+    loss = jit_loss(adapter, loss_fn, rng_streams, run, mesh, strategy, specs.params,  # as the train step runs it
+                    on_whole=said.append)
     traced = jax.value_and_grad(loss, has_aux=True) if is_explicit(mesh) else loss
     jax.eval_shape(traced, params, model_state, batch, key)
+    return said[0] if said else None
 
 
 def trace_computation(adapter: ModelAdapter, abstract: TrainState, example_batch: Any, loss_fn: LossFn | None,

@@ -7,12 +7,14 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallax._errors import first_line
 from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import dims_axes, is_spec, without_axes
 from parallax.sharding.strategy import Strategy
 from parallax.step.accumulate import accumulated
 from parallax.step.loss import loss_closure
+from parallax.step.mesh_mode import is_mode_error
 from parallax.step.options import StepOptions
 from parallax.step.run_changes import with_blocks_marked, with_run_changes
 
@@ -24,25 +26,67 @@ def jit_run(options: StepOptions, mesh: Mesh, train: bool) -> ModelRun:
 
 
 def jit_loss(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str], run: ModelRun, mesh: Mesh,
-             strategy: Strategy, param_specs: Any = None, scan_lists: bool = True) -> Callable:
+             strategy: Strategy, param_specs: Any = None, scan_lists: bool = True,
+             on_whole: Callable[[str], None] | None = None) -> Callable:
     """The loss closure (:func:`parallax.step.loss.loss_closure`) as the jit path runs it.
 
     On a mesh with Explicit axes, which wants a contraction's operands to agree, the params are
     first resharded without the FSDP axes: each FSDP shard is all-gathered where the model uses
-    it, and the transpose (a reduce-scatter) brings its gradient back to the shard. A list of
-    identical checkpointed blocks runs as a loop where ``scan_lists`` (:func:`with_run_changes`).
+    it, and the transpose (a reduce-scatter) brings its gradient back to the shard. A param split
+    on another axis (tensor parallelism's) keeps its split where the model's own shardings say how
+    to shard what its contractions make (``out_sharding=``); where they do not (JAX refuses the
+    loss or its gradient: "Contracting dimensions are sharded and it is ambiguous ..."), every
+    param is gathered whole where it is used, as the model runs on its author's mesh, and
+    ``on_whole`` is told why. A list of identical checkpointed blocks runs as a loop where
+    ``scan_lists`` (:func:`with_run_changes`).
     """
     closure = with_run_changes(loss_closure(adapter, loss_fn, rng_streams, with_blocks_marked(run, strategy)),
                                strategy, mesh, run.remat, scan_lists)
-    if not (is_explicit(mesh) and strategy.fsdp_axes and param_specs is not None):
+    if not (is_explicit(mesh) and param_specs is not None):
         return closure
     fsdp = set(strategy.fsdp_axes)
-    compute = jax.tree.map(lambda spec: without_axes(spec, dims_axes(spec) - fsdp), param_specs, is_leaf=is_spec)
+    kept = jax.tree.map(lambda spec: without_axes(spec, dims_axes(spec) - fsdp), param_specs, is_leaf=is_spec)
+    split = any(len(spec) for spec in jax.tree.leaves(kept, is_leaf=is_spec))
+    if not (fsdp or split):
+        return closure
+    whole = jax.tree.map(lambda spec: PartitionSpec(), param_specs, is_leaf=is_spec)
+
+    def used(specs):
+        return lambda params, *rest: closure(jax.tree.map(jax.sharding.reshard, params, specs), *rest)
 
     def loss(params, *rest):
-        return closure(jax.tree.map(jax.sharding.reshard, params, compute), *rest)
+        if not split:
+            return used(kept)(params, *rest)
+        refused = _refused(used(kept), params, rest)
+        if refused is None:
+            return used(kept)(params, *rest)
+        if on_whole is not None:
+            on_whole(f"Its params split over {sorted(_axes(kept))} are gathered whole where the model uses them (JAX "
+                     f"refuses them split: {first_line(refused, 200)}); to keep them split, give the model's "
+                     "contractions over a split dim out_sharding= (NNX layers and jnp.einsum take it).")
+        return used(whole)(params, *rest)
 
     return loss
+
+
+def _axes(specs: Any) -> set[str]:
+    return set().union(*(dims_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=is_spec)))
+
+
+def _refused(loss: Callable, params: Any, rest: tuple) -> BaseException | None:
+    """What JAX says, tracing ``loss``'s value and gradient on values typed as ``params`` and
+    ``rest`` (tracers or arrays; nothing compiles), where the model's own shardings and the
+    params' do not agree on an Explicit mesh; ``None`` where they do."""
+    def typed(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.typeof(x).sharding) if hasattr(x, "dtype") else x
+
+    try:
+        jax.eval_shape(jax.value_and_grad(loss, has_aux=True), *jax.tree.map(typed, (params, *rest)))
+    except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
+        if not is_mode_error(err):
+            raise
+        return err
+    return None
 
 
 def jit_gradients(loss_fn: LossFn, strategy: Strategy, options: StepOptions, mesh: Mesh, train: bool,
