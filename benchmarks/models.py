@@ -1,8 +1,9 @@
-"""The benchmark models: a ~10M-param MLP, a small transformer LM, a CNN."""
+"""The benchmark models: a ~10M-param MLP, a small transformer LM, a CNN, a Switch-style mixture of listed experts."""
 
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -57,6 +58,40 @@ class CNN(nn.Module):
             x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
             x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
         return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
+
+
+class Expert(nn.Module):
+    width: int
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.width, use_bias=False)(nn.gelu(nn.Dense(self.hidden, use_bias=False)(x)))
+
+
+class ListedSwitch(nn.Module):
+    """A Switch-style mixture (top-1 routing, a capacity of 1.25x per row of tokens, one-hot
+    dispatch) whose 8 experts are a list of ``Expert`` modules, each called on its own slots."""
+
+    width: int = 32
+    hidden: int = 64
+    experts: int = 8
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = True):
+        x = nn.Embed(64, self.width)(tokens)
+        h = nn.LayerNorm()(x)
+        probs = jax.nn.softmax(nn.Dense(self.experts, use_bias=False, name="router")(h))
+        capacity = max(1, int(1.25 * h.shape[1] / self.experts))
+        chosen = jax.nn.one_hot(jnp.argmax(probs, -1), self.experts)
+        slot = (jnp.cumsum(chosen, axis=1) - 1) * chosen
+        combine = (probs * chosen * (slot < capacity))[..., None] * jax.nn.one_hot(slot, capacity)  # row, token, e, slot
+        mask = (combine > 0).astype(h.dtype)
+        y = 0
+        for i in range(self.experts):
+            slots = jnp.einsum("gtc,gtd->gcd", mask[:, :, i], h)
+            y = y + jnp.einsum("gcd,gtc->gtd", Expert(self.width, self.hidden, name=f"expert_{i}")(slots), combine[:, :, i])
+        return nn.Dense(64, name="head")(nn.LayerNorm()(x + y))
 
 
 def classifier_loss(model, batch):

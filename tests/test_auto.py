@@ -31,6 +31,7 @@ from parallax.sharding.auto import (candidates, context_candidates, expert_candi
 from parallax.state import search, search_budget
 from parallax.state.more_candidates import more_candidates
 from parallax.state.search import priced_candidates, resolve
+from benchmarks.models import ListedSwitch
 from tests import third_party
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 from tests.test_expert_parallel import nano_loss
@@ -182,6 +183,35 @@ def test_auto_offers_a_pipeline_over_listed_blocks_and_experts_parallel_over_lis
     assert more_candidates(False, TinyLM(), tokens, lm_loss, (), 4) == []
     assert [s.describe() for s in more_candidates(False, TinyLM(), tokens, lm_loss, (), 4, over_budget=True)] == [
         s.describe() for s in context_candidates(4)]
+
+
+@pytest.mark.wide("five candidates compiled and timed, two exact runs (about 40 s)")
+def test_auto_times_each_layout_familys_best_and_keeps_experts_in_a_list_exact():
+    """A Switch-style mixture whose 8 experts are a list: ``"auto"`` times the close calls and the
+    best of each other layout family (tensor, expert) where the cost model prices it within 3x of its
+    pick, and keeps the measured fastest past the 10 % margin; the expert meshes train exactly
+    (AdamW), the experts' params split by expert. (benchmarks/expert_speed.py: at width 128, hidden
+    512, the cost model priced ExpertParallel(8) 1.3x its pick and it measured the fastest.)"""
+    adamw = optax.adamw(3e-3, weight_decay=0.1)
+    ep8, ep4 = px.ExpertParallel(8, modules="Expert"), px.combine(px.ExpertParallel(4, modules="Expert"),
+                                                                 px.DataParallel(2))
+    among = [px.DataParallel(8), px.combine(px.DataParallel(4), px.TensorParallel(2)), px.TensorParallel(8), ep8, ep4]
+    tokens = {"x": np.random.default_rng(0).integers(0, 64, (16, 33)).astype(np.int32)}
+    # Steps long enough that only close calls and family bests are timed: the two closest (here DP 4 x
+    # TP 2 and TP 8, both of the tensor family), and EP 8 and DP 8 by the family rule only.
+    found = resolve(ListedSwitch(128, 512), adamw, tokens, "auto", loss_fn=lm_loss, among=among, steps=10**6,
+                    options=px.StepOptions(compile="jit", timed_candidates=2))
+    choice, families = found.choice, {}
+    fitting = [label for label in choice.estimates if label not in choice.over_budget]  # fastest first
+    for label in fitting:
+        families.setdefault(tuple(part for part in ("ExpertParallel", "TensorParallel") if part in label), label)
+    best = choice.estimates[fitting[0]].seconds
+    expected = {label for label in families.values() if choice.estimates[label].seconds <= timing.FAMILY_WINDOW * best}
+    assert len(families) == 3 and expected <= set(choice.timed), (families, choice.describe())
+    assert choice.picked == timing.measured_pick(fitting[0], choice.timed), choice.describe()
+    for strategy in (ep8, ep4):
+        report = px.testing.assert_equivalent(ListedSwitch(), adamw, lm_loss, batches("lm", 2, batch_size=8), strategy)
+        assert "ExpertParallel" in report.strategy
 
 
 @pytest.mark.wide("a search on 2 devices and a short run (30 s cold)")
@@ -352,6 +382,21 @@ def test_the_closest_estimates_are_the_ones_worth_timing():
     assert timing.closest(rank(short, 50, what="x"), 3) == ["a", "b", "d"]  # 6 * 0.24 s
     longer = {label: _estimate(10 * est.seconds, est.peak) for label, est in short.items()}
     assert timing.closest(rank(longer, 50, what="x"), 3) == []  # 14.4 s: only close calls are worth it
+    # Each other layout family's best within 3x of the pick is timed beside the close calls (the
+    # first of a family by estimate only), one over the budget or beyond 3x never.
+    wide = {"dp": _estimate(1.0, 10), "tp": _estimate(1.1, 10), "dp2": _estimate(1.15, 10), "ep": _estimate(1.3, 10),
+            "ep-slow": _estimate(1.35, 10), "cp": _estimate(1.2, 100), "pp": _estimate(3.5, 10),
+            "cp-fits": _estimate(2.9, 10)}
+    families = {"dp": (), "dp2": (), "tp": ("TensorParallel",), "ep": ("ExpertParallel",),
+                "ep-slow": ("ExpertParallel",), "cp": ("ContextParallel",), "cp-fits": ("ContextParallel",),
+                "pp": ("PipelineParallel",)}
+    choice = rank(wide, 50, what="strategy")
+    assert timing.closest(choice, 2) == ["dp", "tp"]
+    assert timing.closest(choice, 2, families) == ["dp", "tp", "ep", "cp-fits"]
+    assert timing.closest(choice, 3, families) == ["dp", "tp", "dp2", "ep", "cp-fits"]
+    assert timing.closest(choice, 1, families) == []  # timed_candidates=1: nothing runs
+    alone = rank({"dp": _estimate(1.0, 10), "ep": _estimate(2.0, 10)}, 50, what="strategy")
+    assert timing.closest(alone, 3, {"dp": (), "ep": ("ExpertParallel",)}) == ["dp", "ep"]  # no close call, a family
 
 
 class _Program:
@@ -403,7 +448,7 @@ def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_
     kept = dataclasses.replace(step.choice, picked="jit", timed={"jit": 0.0100, "shard_map": 0.0097})
     assert kept.describe().endswith("shard_map 9.7 ms, jit 10.0 ms (jit kept: the measured difference is within "
                                     "the timing's noise margin)"), kept.describe()
-    assert "timed the closest on the devices: " in step.describe() and int(state.step) == 1
+    assert "timed on the devices: " in step.describe() and int(state.step) == 1
     untimed = px.make_train_step(MARKED, strategy, compile=step.choice.picked)
     expected_state, expected = untimed(init(), data[0])
     assert float(metrics["loss"]) == float(expected["loss"])
@@ -429,7 +474,7 @@ def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_
     assert set(found.timed) == set(found.choice.estimates) and len(found.timed) == 2
     assert found.choice.picked == timing.measured_pick(next(iter(found.choice.estimates)), found.timed)
     assert found.choice.picked.startswith(found.strategy.describe(found.mesh))
-    assert "timed the closest on the devices: " in found.describe()
+    assert "timed on the devices: " in found.describe()
     assert search().timed == found.timed  # cached per machine and program: the same pick, nothing run
     untimed = search(timed_candidates=0)
     assert untimed.timed == {} and untimed.choice.picked == next(iter(untimed.choice.estimates))

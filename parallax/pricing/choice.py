@@ -61,7 +61,7 @@ class Choice:
         if self.over_budget:
             text += f"; over the {format_bytes(self.budget or 0)} budget: {', '.join(self.over_budget)}"
         if self.timed:
-            text += "; timed the closest on the devices: " + ", ".join(
+            text += "; timed on the devices: " + ", ".join(
                 f"{label} {1e3 * seconds:.1f} ms" for label, seconds in sorted(self.timed.items(), key=lambda x: x[1]))
             if self.picked != min(self.timed, key=self.timed.get):
                 text += f" ({self.picked} kept: the measured difference is within the timing's noise margin)"

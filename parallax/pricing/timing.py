@@ -41,6 +41,7 @@ CACHE_FILE = "timed_candidates.json"
 # zoo (benchmarks/results/zoo_pieces.md), 5-round timings 0.3-6% apart overturned the model's pick
 # six times, and 25 interleaved rounds then measured the timed pick 1.10-1.33x the best plan.
 MARGIN = 0.10
+FAMILY_WINDOW = 3.0  # each layout family's best estimated within 3x the pick is timed as well (closest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,34 +65,49 @@ class Timed:
     peak: int
 
 
-def closest(choice: Choice, limit: int) -> list[str]:
-    """The candidates worth timing, fastest estimate first, at most ``limit``: those that fit the
-    budget and are estimated within :data:`WINDOW` of the pick, where the cost model's ranking is
-    within its error; or, where timing them all would take under :data:`CHEAP_SECONDS` of steps
-    (by their estimates), every one that fits: on steps that short the model's fixed per-op
-    costs dominate its error (on an 8 ms MLP step it priced two plans 1.9x apart that measured
-    within 3%), and settling it costs less than compiling the candidates did."""
+def closest(choice: Choice, limit: int, families: Mapping[str, Any] | None = None) -> list[str]:
+    """The candidates worth timing, fastest estimate first: those that fit the budget and are
+    estimated within :data:`WINDOW` of the pick, where the cost model's ranking is within its
+    error (at most ``limit`` of them); or, where timing them all would take under
+    :data:`CHEAP_SECONDS` of steps (by their estimates), every one that fits: on steps that short
+    the model's fixed per-op costs dominate its error (on an 8 ms MLP step it priced two plans
+    1.9x apart that measured within 3%), and settling it costs less than compiling the candidates did.
+
+    With ``families`` (label -> its layout family: the model-parallel parts it combines, e.g. tensor
+    or expert parallelism), each other family's best that fits and is estimated within
+    :data:`FAMILY_WINDOW` of the pick is timed too: the cost model errs by family (on a listed mixture
+    of experts it priced expert parallelism 2.9x its measured step and the pick 1.6x, and the expert
+    mesh measured fastest), so a whole family is never ruled out by its estimate alone.
+    """
     if limit < 2 or choice.picked in choice.over_budget:
         return []
     best = choice.estimates[choice.picked].seconds
-    fitting = [label for label in choice.estimates if label not in choice.over_budget][:limit]
-    cost = (ROUNDS + 1) * sum(choice.estimates[label].seconds for label in fitting)
-    near = fitting if cost <= CHEAP_SECONDS else [
-        label for label in fitting if choice.estimates[label].seconds <= WINDOW * best]
+    fitting = [label for label in choice.estimates if label not in choice.over_budget]
+    cost = (ROUNDS + 1) * sum(choice.estimates[label].seconds for label in fitting[:limit])
+    near = fitting[:limit] if cost <= CHEAP_SECONDS else [
+        label for label in fitting[:limit] if choice.estimates[label].seconds <= WINDOW * best]
+    if families:
+        seen = {families.get(label) for label in near} | {families.get(choice.picked)}
+        for label in fitting:  # fastest first: the first of each family is its best
+            family = families.get(label)
+            if family not in seen and choice.estimates[label].seconds <= FAMILY_WINDOW * best:
+                near.append(label)
+            seen.add(family)
     return near if len(near) > 1 else []
 
 
 def settle(choice: Choice, timed: Callable[[str], Timed], budget: int | None, limit: int,
-           devices: Sequence[jax.Device]) -> Choice:
-    """``choice`` with its close call (:func:`closest`, at most ``limit`` candidates) settled on
-    the devices: the measured fastest picked where it beats the cost model's pick by more than
-    :data:`MARGIN` (:func:`measured_pick`), the times in :attr:`Choice.timed`.
+           devices: Sequence[jax.Device], families: Mapping[str, Any] | None = None) -> Choice:
+    """``choice`` with its close call (:func:`closest`: at most ``limit`` close candidates, and with
+    ``families`` each other layout family's best) settled on the devices: the measured fastest picked
+    where it beats the cost model's pick by more than :data:`MARGIN` (:func:`measured_pick`), the
+    times in :attr:`Choice.timed`.
 
     ``timed(label)`` makes a candidate ready to run. Nothing runs where there is no close call
     or with several processes (each would time on its own clock and cache); where running fails
     (e.g. out of memory) the cost model's pick stands.
     """
-    labels = closest(choice, limit)
+    labels = closest(choice, limit, families)
     if not labels or jax.process_count() > 1:
         return choice
     try:

@@ -261,3 +261,14 @@ def from_mesh(mesh: Mesh) -> Strategy:
         raise ValueError(f"strategy='auto' reads the strategy from the state's mesh, but its axes {list(mesh.axis_names)} "
                          f"include {unknown}; pass the strategy the state was built with.")
     return _joined([kinds[name](int(mesh.shape[name])) for name in mesh.axis_names])
+
+
+def layout_family(strategy: Strategy) -> tuple[str, ...]:
+    """A candidate's layout family for timing (:func:`parallax.pricing.timing.closest`): the
+    model-parallel parts it combines, by kind; data parallelism and FSDP alone are one family, ``()``.
+
+    Example:
+        >>> layout_family(px.combine(px.ExpertParallel(4), px.FSDP(2)))
+        ('ExpertParallel',)
+    """
+    return tuple(sorted({type(part).__name__ for part in strategy.parts if not isinstance(part, (DataParallel, FSDP))}))

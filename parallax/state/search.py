@@ -32,8 +32,8 @@ from parallax.models.blocks import repeated_blocks
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import (AUTO, candidates, every_param, is_auto, layout_suffix, split_candidates, split_label,
-                                    with_split)
+from parallax.sharding.auto import (AUTO, candidates, every_param, is_auto, layout_family, layout_suffix, split_candidates,
+                                    split_label, with_split)
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
 from parallax.state.more_candidates import more_candidates, stacks
@@ -126,7 +126,7 @@ class Resolved:
         if choice.runner_up is not None:
             text += f" (runner-up {choice.runner_up}: {1e3 * choice.estimates[choice.runner_up].seconds:.1f} ms)"
         if choice.timed:
-            text += ", the closest timed on the devices"
+            text += ", the closest and each layout family's best timed on the devices"
         if self.changes:
             text += f"; with {describe_changes(self.changes)} to fit the memory budget"
         count = len(choice.estimates)
@@ -237,10 +237,11 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             return _largest(strategy, mesh, devices, skipped, topology)
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
-    stopped = spent.stopped(estimates)
-    if not stopped and topology is None and all(isinstance(x, (np.ndarray, jax.Array)) for x in jax.tree.leaves(example_batch)):
+    if not spent.stopped(estimates) and topology is None and all(isinstance(x, (np.ndarray, jax.Array))
+                                                                 for x in jax.tree.leaves(example_batch)):
+        families = None if splitting else {label: layout_family(found[label][0]) for label in estimates}
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
-                        budget, options.timed_candidates, devices)
+                        budget, options.timed_candidates, devices, families)
     picked, picked_mesh, path, step = found[choice.picked]
     resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step)
     log.info("%s", resolved.describe())

@@ -57,8 +57,9 @@ class StepOptions:
             estimates within 25% of its best (all of them, where their steps are so short that
             timing costs under 2 s) are then run for a few steps on the devices (a
             freshly built state, or a copy of the caller's, and the example batch), the measured
-            fastest kept (:mod:`parallax.pricing.timing`; cached per machine). ``0`` keeps the
-            cost model's pick and runs nothing.
+            fastest kept (:mod:`parallax.pricing.timing`; cached per machine); for ``"auto"``
+            each other layout family's best within 3x is run beside them. ``0`` (or ``1``) keeps
+            the cost model's pick and runs nothing.
         search_seconds: for ``strategy="auto"`` and ``FSDP(split="auto")``: the most seconds the
             search spends planning, compiling and timing candidates (simplest meshes first);
             once spent, the candidates not yet tried are skipped (the search's ``skipped`` says
