@@ -236,9 +236,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                      reasons)
             return _largest(strategy, mesh, devices, skipped, topology)
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
-    choice = rank(estimates, budget, what="FSDP" if splitting else "strategy")
-    if not spent.stopped(estimates) and topology is None and all(isinstance(x, (np.ndarray, jax.Array))
-                                                                 for x in jax.tree.leaves(example_batch)):
+    choice, leaves = rank(estimates, budget, what="FSDP" if splitting else "strategy"), jax.tree.leaves(example_batch)
+    if not spent.stopped(estimates) and topology is None and all(isinstance(x, (np.ndarray, jax.Array)) for x in leaves):
         families = None if splitting else {label: layout_family(found[label][0]) for label in estimates}
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices, families)

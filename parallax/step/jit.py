@@ -55,16 +55,12 @@ def jit_loss(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[str],
         return lambda params, *rest: closure(jax.tree.map(jax.sharding.reshard, params, specs), *rest)
 
     def loss(params, *rest):
-        if not split:
-            return used(kept)(params, *rest)
-        refused = _refused(used(kept), params, rest)
-        if refused is None:
-            return used(kept)(params, *rest)
-        if on_whole is not None:
-            on_whole(f"Its params split over {sorted(_axes(kept))} are gathered whole where the model uses them (JAX "
-                     f"refuses them split: {first_line(refused, 200)}); to keep them split, give the model's "
-                     "contractions over a split dim out_sharding= (NNX layers and jnp.einsum take it).")
-        return used(whole)(params, *rest)
+        refused = _refused(used(kept), params, rest) if split else None
+        if refused is not None and on_whole is not None:
+            on_whole(f"The model's params split over {sorted(_axes(kept))} are gathered whole where the model uses "
+                     f"them (JAX refuses them split: {first_line(refused, 200)}); to keep them split, give the "
+                     "model's contractions over a split dim out_sharding= (NNX layers and jnp.einsum take it).")
+        return used(kept if refused is None else whole)(params, *rest)
 
     return loss
 
