@@ -140,7 +140,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], follow: Fo
         order = schedule(jaxpr.eqns, groups) if groups else order
     for item in order:
         if isinstance(item, Siblings):
-            for call, outs in zip(item.calls, run_siblings(item, jaxpr.eqns, read, pin)):
+            for call, outs in zip(item.calls, run_siblings(item, jaxpr.eqns, read, pin, rows)):
                 values.update(zip(jaxpr.eqns[call].outvars, outs))
             continue
         eqn = jaxpr.eqns[item]

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
+from parallax.models.follow_dims import dims_of, follow_rows, note
 from parallax.models.rebind import bind_eqn
 from parallax.sharding.chains import REMAT, call_body
 from parallax.sharding.siblings import Siblings
@@ -67,13 +68,31 @@ def schedule(eqns: Sequence[Any], groups: Sequence[Siblings]) -> list:
     return order
 
 
-def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Callable) -> list[list[Any]]:
-    """Each call's results, computed as one batch over the group's calls split by expert."""
+def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Callable,
+                 rows: dict | None = None) -> list[list[Any]]:
+    """Each call's results, computed as one batch over the group's calls split by expert.
+
+    ``rows`` holds the batch's rows dim of values where it is known (:mod:`parallax.models.follow_dims`).
+    An operand whose calls' values still hold the rows (tokens dispatched per sequence: ``[groups,
+    capacity, d]``) is stacked, pinned along the rows as the devices computed it, then along the
+    experts: the compiler moves it with one all-to-all. Where such tokens were dispatched, a result
+    holding the rows goes back along them the same way before the calls read their slices, and its
+    rows are noted in ``rows``; the results of experts that all read the same tokens (a dense
+    mixture) stay where the compiler puts them."""
+    rows = {} if rows is None else rows
     first = eqns[group.calls[0]]
     body, consts = call_body(first)
     stacked = set(group.weights) | set(group.varying)
-    operands = [pin(jnp.stack([read(eqns[call].invars[p]) for call in group.calls]), 0) if p in stacked
-                else read(v) for p, v in enumerate(first.invars)]
+    held = [_common(rows, [eqns[call].invars[p] for call in group.calls]) for p in range(len(first.invars))]
+
+    def operand(p: int, v: Any) -> Any:
+        if p not in stacked:
+            return read(v)
+        x = jnp.stack([read(eqns[call].invars[p]) for call in group.calls])
+        at = None if held[p] is None else held[p] + 1
+        return pin(pin(x, None, at), 0, at) if at is not None else pin(x, 0)
+
+    operands = [operand(p, v) for p, v in enumerate(first.invars)]
 
     def one(*args: Any) -> list[Any]:
         values = {**dict(zip(body.constvars, consts)), **dict(zip(body.invars, args))}
@@ -82,10 +101,24 @@ def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Call
             values.update(zip(eqn.outvars, bind_eqn(eqn, [read_here(v) for v in eqn.invars])))
         return [read_here(v) for v in body.outvars]
 
+    inner = {v: d for v, d in zip(body.invars, held) if d is not None}
+    for eqn in body.eqns:  # where the rows land in the body's results
+        follow_rows(eqn, dims_of(eqn, inner), inner)
+    out_rows = [None if isinstance(v, core.Literal) else inner.get(v) for v in body.outvars]
     call = jax.checkpoint(one, prevent_cse=first.params["prevent_cse"], policy=first.params["policy"])
     in_axes = tuple(0 if p in stacked else None for p in range(len(operands)))
     outs = [pin(out, 0) for out in jax.vmap(call, in_axes=in_axes)(*operands)]
+    if any(held[p] is not None for p in group.varying):  # tokens dispatched to each expert: back along the rows
+        outs = [out if at is None else pin(pin(out, 0, at + 1), None, at + 1) for out, at in zip(outs, out_rows)]
+        for call_index in group.calls:
+            note(rows, eqns[call_index].outvars, out_rows)
     return [[out[member] for out in outs] for member in range(len(group.calls))]
+
+
+def _common(rows: dict, values: Sequence[Any]) -> int | None:
+    """The rows dim all of ``values`` hold, or ``None``."""
+    found = {None if isinstance(v, core.Literal) else rows.get(v) for v in values}
+    return found.pop() if len(found) == 1 else None
 
 
 def holds_modules(eqn: Any) -> bool:
