@@ -26,7 +26,7 @@ def main() -> None:
     from benchmarks import TimedSteps, report, time_interleaved
     from benchmarks.models import ListedSwitch, lm_loss
     from parallax import inspect
-    from parallax.sharding.auto import candidates, expert_candidates
+    from parallax.sharding.auto import candidates, expert_candidates, layout_family
     from parallax.state.search import resolve
 
     width, hidden = (32, 64) if args.smoke else (128, 512)
@@ -42,7 +42,7 @@ def main() -> None:
     for label, estimate in found.choice.estimates.items():
         name, path = label.rsplit(", ", 1)
         if label not in found.choice.over_budget and name in known:
-            best.setdefault(family_of(name), (name, path, estimate))
+            best.setdefault(layout_family(known[name]), (name, path, estimate))
 
     class Runner(TimedSteps):
         def __init__(self, strategy, path):
@@ -82,12 +82,6 @@ def main() -> None:
         return "\n".join(lines)
 
     report(args, "auto_experts", results, markdown, batch=16, width=width, hidden=hidden, search=found.describe())
-
-
-def family_of(label: str) -> tuple[str, ...]:
-    """The layout family of a candidate's label (:func:`parallax.sharding.auto.layout_family` of its strategy)."""
-    return tuple(sorted(part for part in ("ContextParallel", "ExpertParallel", "PipelineParallel", "TensorParallel")
-                        if part in label))
 
 
 if __name__ == "__main__":

@@ -68,8 +68,7 @@ def schedule(eqns: Sequence[Any], groups: Sequence[Siblings]) -> list:
     return order
 
 
-def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Callable,
-                 rows: dict | None = None) -> list[list[Any]]:
+def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Callable, rows: dict) -> list[list[Any]]:
     """Each call's results, computed as one batch over the group's calls split by expert.
 
     ``rows`` holds the batch's rows dim of values where it is known (:mod:`parallax.models.follow_dims`).
@@ -79,7 +78,6 @@ def run_siblings(group: Siblings, eqns: Sequence[Any], read: Callable, pin: Call
     holding the rows goes back along them the same way before the calls read their slices, and its
     rows are noted in ``rows``; the results of experts that all read the same tokens (a dense
     mixture) stay where the compiler puts them."""
-    rows = {} if rows is None else rows
     first = eqns[group.calls[0]]
     body, consts = call_body(first)
     stacked = set(group.weights) | set(group.varying)
