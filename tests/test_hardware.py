@@ -365,6 +365,41 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
         assert abs(predicted / truth[config]["step_s"] - 1) < 0.25, (config, predicted, truth[config]["step_s"])
 
 
+def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs_them():
+    """A Pallas flash attention (jax's own GPU kernel) in a step's jaxpr: its matmuls' FLOPs over its grid,
+    each query tile's inner loop run up to the diagonal under ``causal=True``, and the bytes its loads and
+    stores move, against the counts written out by hand; a kernel that gives its own ``cost_estimate`` is
+    priced by it. Read as one body of the kernel, the forward was 1/40 of its FLOPs."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas.ops.gpu import attention
+
+    from parallax.pricing.fused_bytes import dot_flops
+    from parallax.pricing.kernel_cost import kernel_calls, kernel_cost
+
+    b, s, h, d, tile = 2, 1024, 4, 64, 128
+    q = jnp.ones((b, s, h, d), jnp.bfloat16)
+    tiles, pairs = s // tile, b * h
+    for causal, visited in ((False, (s // tile) ** 2), (True, tiles * (tiles + 1) // 2)):
+        jaxpr = jax.make_jaxpr(lambda q: attention.mha(q, q, q, segment_ids=None, causal=causal))(q).jaxpr
+        (forward,) = kernel_calls(jaxpr)
+        cost = kernel_cost(forward)
+        assert cost.flops == pairs * visited * 2 * (2 * tile * tile * d) and cost.unknown_loops == 0
+        tile_bytes = tile * d * 2
+        # q read and o written once per tile, k and v read at every tile visited
+        assert cost.bytes == pairs * (tiles * 2 * tile_bytes + visited * 2 * tile_bytes), causal
+        assert dot_flops(jaxpr)[0] == cost.flops and fused_bytes(jaxpr).total >= cost.bytes
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] @ x_ref[...]
+
+    x = jnp.ones((128, 128))
+    estimate = pl.CostEstimate(flops=123, transcendentals=0, bytes_accessed=456)
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), cost_estimate=estimate)
+    (given,) = kernel_calls(jax.make_jaxpr(call)(x).jaxpr)
+    cost = kernel_cost(given)
+    assert (cost.flops, cost.bytes, cost.estimated) == (123, 456, True)
+
+
 def test_a_body_manual_over_some_axes_is_priced_per_device_as_the_compiler_counts_it():
     """A pipeline's shard_map is manual over the stages only: its body's shapes are one stage's, whole over the
     FSDP axis the compiler still splits. Its FLOPs and bytes per device are the body's over that axis's devices

@@ -8,7 +8,8 @@ each group reads the values it takes from outside once and writes what leaves it
 a gather, a collective or a loop reads materialised inputs and writes its outputs (a
 ``dynamic_slice`` reads its slice alone, a ``dynamic_update_slice`` writes its update alone, in
 place, as a loop's accumulator is written, and a slice's gradient added to an accumulator is that
-update read and written, as XLA rewrites it); a scan's body counts once per iteration. Measured
+update read and written, as XLA rewrites it); a scan's body counts once per iteration; a Pallas
+kernel, what its loads and stores move over its grid (:mod:`parallax.pricing.kernel_cost`). Measured
 against an H200 (``benchmarks/results/gpu.md``): the step times this predicts are within 7 %
 (float32) and 21 % (bf16) of the measured ones. The jaxpr's matmuls too: their FLOPs, every loop
 iteration's (:func:`dot_flops`), and the dtype most of them run in (:func:`matmul_dtype`).
@@ -26,6 +27,8 @@ from typing import Any, Iterable
 
 import numpy as np
 from jax.extend import core as jcore
+
+from parallax.pricing.kernel_cost import kernel_cost
 
 __all__ = ["Moved", "dot_flops", "fused_bytes", "matmul_dtype"]
 
@@ -133,6 +136,9 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
 
     total, reads = Moved(), {}
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":  # a kernel: its loads and stores over its grid
+            total = total + Moved(kernel_cost(eqn).bytes)
+            continue
         inner = _inner(eqn)
         if inner:  # a call, a remat, a scan's body (once per iteration), a shard_map's body
             body = max((fused_bytes(j, shapes) for j in inner), key=lambda m: m.total).times(_runs(eqn))
@@ -192,11 +198,15 @@ def _sharing(eqn: Any) -> int:
 
 
 def dot_flops(jaxpr: Any) -> tuple[float, float]:
-    """The FLOPs of ``jaxpr``'s matmuls (``dot_general``; a scan's body once per iteration):
+    """The FLOPs of ``jaxpr``'s matmuls (``dot_general``; a scan's body once per iteration, a Pallas
+    kernel's over its grid):
     ``(at global shapes, inside shard_map bodies at one device's)`` (a body manual over some axes
     only is divided over the devices of the others, which its shapes span)."""
     whole = local = 0.0
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":  # a kernel: its matmuls over its grid
+            whole += kernel_cost(eqn).flops
+            continue
         inner = _inner(eqn)
         if inner:
             body = max((dot_flops(j) for j in inner), key=sum)
