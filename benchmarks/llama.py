@@ -31,6 +31,7 @@ class Shape(NamedTuple):
     kv_heads: int
     vocab: int = 128_256
     chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
+    flash: bool = False  # attention by jax's Pallas flash-attention kernel for GPUs (flash_attention); over chunk
     dtype: str = "bfloat16"  # the compute dtype (params stay float32); "float32" for runs on a CPU
 
 
@@ -80,6 +81,28 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> j
     return jnp.moveaxis(out, 0, 1).reshape(b, n, h, d)
 
 
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention by jax's Pallas flash-attention kernel for GPUs
+    (``jax.experimental.pallas.ops.gpu.attention.mha``, a Triton kernel: the scores stay on chip), as a
+    JAX user runs attention on an H100. A kernel is not split by the compiler: under a mesh it runs per
+    device in a ``shard_map``, the rows over the mesh's data and FSDP axes, the heads over its tensor
+    axis (parallax's axis names), as MaxText wraps its attention kernels."""
+    from jax.experimental.pallas.ops.gpu import attention
+    from jax.sharding import PartitionSpec as P
+
+    def kernel(q, k, v):
+        return attention.mha(q, k, v, segment_ids=None, sm_scale=q.shape[-1] ** -0.5, causal=True)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return kernel(q, k, v)
+    free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+    rows = tuple(a for a in free if a in ("data", "fsdp")) or None
+    spec = P(rows, None, "tensor" if "tensor" in free else None, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=set(free),
+                         check_vma=False)(q, k, v)  # the kernel says nothing of how its output varies
+
+
 class Block(nn.Module):
     shape: Shape
 
@@ -92,7 +115,9 @@ class Block(nn.Module):
         k = dense((s.kv_heads, head), "wk")(h)
         v = dense((s.kv_heads, head), "wv")(h)
         k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
-        if s.chunk:
+        if s.flash:
+            out = flash_attention(q, k, v)
+        elif s.chunk:
             out = chunked_attention(q, k, v, s.chunk)
         else:
             mask = nn.make_causal_mask(x[..., 0])

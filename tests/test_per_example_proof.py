@@ -54,6 +54,43 @@ class Dropout(nn.Module):
         return nn.Dense(10)(nn.Dropout(0.5, deterministic=not train)(nn.Dense(16)(x)))
 
 
+class KernelAttention(nn.Module):
+    """Causal self-attention by jax's Pallas flash-attention kernel (run by the interpreter on this CPU), then a
+    head over the tokens: a kernel whose grid gives each cell one example."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        from jax.experimental.pallas.ops.gpu import attention
+
+        h = nn.Embed(64, 32)(x)
+        q, k, v = (nn.DenseGeneral((2, 16))(h) for _ in range(3))
+        out = attention.mha(q, k, v, segment_ids=None, causal=True, interpret=True)
+        return nn.Dense(64)(h + nn.DenseGeneral(32, axis=(-2, -1))(out))
+
+
+def _kernel(body, grid_over_rows: bool):
+    """A Pallas kernel on a ``(rows, 10)`` value (the interpreter runs it on this CPU), one row a cell or all at once."""
+    from jax.experimental import pallas as pl
+
+    def call(x):
+        rows, width = x.shape
+        spec = pl.BlockSpec((None, width), lambda i: (i, 0)) if grid_over_rows else pl.BlockSpec((rows, width),
+                                                                                                 lambda: (0, 0))
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(rows,) if grid_over_rows
+                              else (), in_specs=[spec], out_specs=spec, interpret=True)(x)
+    return call
+
+
+def _centred(x_ref, o_ref):
+    o_ref[...] = x_ref[...] - x_ref[...].mean(0, keepdims=True)
+
+
+def _by_position(x_ref, o_ref):
+    from jax.experimental import pallas as pl
+
+    o_ref[...] = x_ref[...] * (1 + pl.program_id(0)).astype(x_ref.dtype)
+
+
 def ce(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
 
@@ -73,6 +110,10 @@ PROVEN = {
     "mean over tokens, then over examples": (TinyLM, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
         m(b["x"]), b["y"]).mean(-1).mean(), "tokens"),
     "scan over layers": (ScannedMLP, classifier_loss, "x"),
+    "a Pallas attention kernel": (KernelAttention, lm_loss, "tokens"),
+    "a Pallas kernel one row a cell": (MLP, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        _kernel(lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.tanh(x_ref[...])), True)(m(b["x"])), b["y"]).mean(),
+                                       "x"),
 }
 REJECTED = {
     "masked-token mean": (TinyLM, lambda m, b: (optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"])
@@ -97,6 +138,10 @@ REJECTED = {
     "per-example weights as long as the batch": (MLP, lambda m, b: (ce(m, b)[:, None] * jnp.arange(
         b["x"].shape[0])[None, :]).sum(1).mean(), "x", "computes differently at one shard's batch size", True),
     "first example's loss": (MLP, lambda m, b: ce(m, b)[0], "x", "part of the example dim", True),
+    "a Pallas kernel over the whole batch": (MLP, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        _kernel(_centred, False)(m(b["x"])), b["y"]).mean(), "x", "do not each see one example", True),
+    "a Pallas kernel reading its row's place": (MLP, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        _kernel(_by_position, True)(m(b["x"])), b["y"]).mean(), "x", "where in the batch", True),
 }
 
 

@@ -764,3 +764,40 @@ def test_microbatches_of_one_row_pipeline_an_attention_model_like_one_device():
     report = px.testing.assert_equivalent(third_party.gpt2(layers=2), optax.adamw(1e-2), third_party.causal_lm_loss,
                                           third_party.batches("text", 2), strategy)
     assert report.mode == "jit", report
+
+
+class KernelBlock(nn.Module):
+    """Causal self-attention by jax's Pallas flash-attention kernel (the interpreter runs it on this CPU)."""
+
+    @nn.compact
+    def __call__(self, h, _):
+        from jax.experimental.pallas.ops.gpu import attention
+
+        q, k, v = (nn.DenseGeneral((2, 8), use_bias=False)(h) for _ in range(3))  # a key bias: zero gradient
+        out = attention.mha(q, k, v, segment_ids=None, causal=True, interpret=True)
+        return h + nn.DenseGeneral(WIDTH, axis=(-2, -1))(out), None
+
+
+class KernelStack(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        h = nn.Embed(32, WIDTH)(tokens)
+        h, _ = nn.scan(KernelBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)(name="blocks")(h, None)
+        return nn.Dense(32)(h)
+
+
+@pytest.mark.wide("a pipeline over a Pallas kernel its interpreter runs (9 s cold); the core tier proves such a kernel "
+                  "per example in test_per_example_proof.py")
+def test_a_stack_whose_attention_is_a_pallas_kernel_is_pipelined_like_one_device():
+    """The per-example proof reads a Pallas kernel by its grid (each cell one example: jax's flash attention
+    takes one row a cell), so a stack calling one is pipelined over microbatches, exact against one device
+    (refused before: "it applies pallas_call, which the proof does not know")."""
+    def loss(model, batch):
+        logits = model(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+    rng = np.random.default_rng(3)
+    batches = [{"tokens": rng.integers(0, 32, (8, 9)).astype(np.int32)} for _ in range(2)]
+    strategy = px.combine(px.PipelineParallel(2, microbatches=4), px.FSDP(4, min_weight_size=0))
+    report = px.testing.assert_equivalent(KernelStack(), optax.adam(1e-2), loss, batches, strategy)
+    assert report.max_diff <= 1e-5, report

@@ -142,6 +142,8 @@ def _visit(eqn: Any, ins: list, signature: list, draws: int | None) -> list:
 
 
 def _sub_jaxpr(eqn: Any):
+    if eqn.primitive.name == "pallas_call":  # a kernel's body runs on refs, once per cell: rules._kernel
+        return None
     for key in _CALLS:
         sub = eqn.params.get(key)
         jaxpr = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub

@@ -91,6 +91,8 @@ def per_example(eqn: Any, ins: list):
     name, params = eqn.primitive.name, eqn.params
     if name == "dot_general":
         return _dot(eqn, ins)
+    if name == "pallas_call":
+        return _kernel(eqn, ins)
     per = _the(ins)
     if name in ELEMENTWISE or name == "concatenate" and params["dimension"] != per.dim:
         _aligned(eqn, ins, per)
@@ -272,3 +274,72 @@ def _gather(eqn: Any, ins: list) -> PerExample:
     if indices.dim == index_vector_dim:
         raise NotPerExample("a gather's index vector runs over the examples")
     return PerExample(batch_positions[index_dims.index(indices.dim)], indices.block)
+
+
+def _kernel(eqn: Any, ins: list) -> list:
+    """A Pallas kernel computes each example on its own where each cell of its grid sees one example:
+    every per-example operand and output is blocked one example at a time along its example dim, by
+    the same grid axis; no batch-free operand's block moves along that axis; the kernel never reads
+    that axis's index or size (which would tell it where in the batch the example sits); and it keeps
+    no scratch memory from one cell to the next."""
+    mapping = eqn.params["grid_mapping"]
+    per = _the(ins)
+    firsts = mapping.num_index_operands
+    if per.block != 1 or not all(isinstance(a, Fixed) for a in ins[:firsts]):
+        raise NotPerExample("a kernel reads its grid's indices or an example's several rows from the batch")
+    if mapping.num_scratch_operands:
+        raise NotPerExample("a kernel keeps scratch memory from one cell of its grid to the next")
+    operands = ins[firsts:firsts + mapping.num_inputs]
+    blocks = mapping.block_mappings
+    steps = {_grid_axis(blocks[k], per.dim, len(mapping.grid)) for k, a in enumerate(operands) if isinstance(a, PerExample)}
+    axis = steps.pop() if len(steps) == 1 else None
+    if axis is None:
+        raise NotPerExample("a kernel's cells do not each see one example of every per-example operand")
+    for k, a in enumerate(operands):
+        if isinstance(a, Fixed) and axis in _grid_axes_read(blocks[k].index_map_jaxpr.jaxpr, len(mapping.grid)):
+            raise NotPerExample("a kernel pairs each example with a different block of a value that does not come "
+                                "from the batch")
+    if _reads_grid(eqn.params["jaxpr"], axis):
+        raise NotPerExample("a kernel reads where in the batch its example sits (program_id or num_programs)")
+    outs = []
+    for block in blocks[mapping.num_inputs:mapping.num_inputs + mapping.num_outputs]:
+        dims = [d for d in range(len(block.block_shape)) if _grid_axis(block, d, len(mapping.grid)) == axis]
+        if len(dims) != 1:
+            raise NotPerExample("a kernel writes blocks that do not hold one example each")
+        outs.append(PerExample(dims[0]))
+    return outs
+
+
+def _grid_axis(block: Any, dim: int, axes: int) -> int | None:
+    """The grid axis that picks ``block``'s one-element block along ``dim`` (its index there), or None."""
+    if type(block.block_shape[dim]).__name__ != "Squeezed" and getattr(block.block_shape[dim], "block_size", 0) != 1:
+        return None
+    jaxpr = block.index_map_jaxpr.jaxpr
+    out = jaxpr.outvars[dim]
+    grid = jaxpr.invars[:axes]
+    return grid.index(out) if out in grid else None
+
+
+def _grid_axes_read(jaxpr: Any, axes: int) -> set[int]:
+    """The grid axes an index map's outputs depend on."""
+    depends = {v: {i} for i, v in enumerate(jaxpr.invars[:axes])}
+    for e in jaxpr.eqns:
+        read = set().union(*(depends.get(v, set()) for v in e.invars if not hasattr(v, "val")))
+        for v in e.outvars:
+            depends[v] = read
+    return set().union(*(depends.get(v, set()) for v in jaxpr.outvars if not hasattr(v, "val")))
+
+
+def _reads_grid(jaxpr: Any, axis: int) -> bool:
+    """Whether a kernel's body reads the index or the size of grid ``axis``."""
+    from jax.extend import core
+
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("program_id", "num_programs") and int(e.params["axis"]) == axis:
+            return True
+        for value in e.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = item.jaxpr if isinstance(item, core.ClosedJaxpr) else item
+                if isinstance(inner, core.Jaxpr) and _reads_grid(inner, axis):
+                    return True
+    return False
