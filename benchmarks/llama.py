@@ -32,6 +32,7 @@ class Shape(NamedTuple):
     vocab: int = 128_256
     chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
     flash: bool = False  # attention by jax's Pallas flash-attention kernel for GPUs (flash_attention); over chunk
+    selective: bool = False  # keep what torchtitan's selective (op) checkpointing keeps (SELECTIVE); else recompute all
     dtype: str = "bfloat16"  # the compute dtype (params stay float32); "float32" for runs on a CPU
 
 
@@ -103,6 +104,17 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                          check_vma=False)(q, k, v)  # the kernel says nothing of how its output varies
 
 
+SELECTIVE = ("wq", "wv", "w1", "w2", "attention")
+"""What a block keeps for its backward under ``Shape(selective=True)``: torchtitan's selective op checkpointing
+(``_save_list``, "only recompute every other mm": the block's 1st, 3rd, 5th and 7th matmul outputs) and the
+attention's output; the rest is recomputed. (Their flash attention's log-sum-exp is kept too; here the kernel's
+forward runs again for it.)"""
+
+
+def _kept(x: jax.Array, name: str, shape: Shape) -> jax.Array:
+    return jax.ad_checkpoint.checkpoint_name(x, name) if shape.selective and name in SELECTIVE else x
+
+
 class Block(nn.Module):
     shape: Shape
 
@@ -111,9 +123,9 @@ class Block(nn.Module):
         s, head = self.shape, self.shape.dim // self.shape.heads
         dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.dtype(s.dtype), name=name)  # noqa: E731
         h = RMSNorm(name="attention_norm")(x)
-        q = dense((s.heads, head), "wq")(h)
+        q = _kept(dense((s.heads, head), "wq")(h), "wq", s)
         k = dense((s.kv_heads, head), "wk")(h)
-        v = dense((s.kv_heads, head), "wv")(h)
+        v = _kept(dense((s.kv_heads, head), "wv")(h), "wv", s)
         k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
         if s.flash:
             out = flash_attention(q, k, v)
@@ -122,10 +134,15 @@ class Block(nn.Module):
         else:
             mask = nn.make_causal_mask(x[..., 0])
             out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.dtype(s.dtype))
+        out = _kept(out, "attention", s)
         x = x + nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.dtype(s.dtype), name="wo")(out)
         h = RMSNorm(name="ffn_norm")(x)
-        gated = nn.silu(dense(s.ffn, "w1")(h)) * dense(s.ffn, "w3")(h)
-        return x + dense(s.dim, "w2")(gated)
+        gated = nn.silu(_kept(dense(s.ffn, "w1")(h), "w1", s)) * dense(s.ffn, "w3")(h)
+        return x + _kept(dense(s.dim, "w2")(gated), "w2", s)
+
+
+def _policy(shape: Shape):
+    return jax.checkpoint_policies.save_only_these_names(*SELECTIVE) if shape.selective else None
 
 
 class ScanBlock(nn.Module):
@@ -145,7 +162,7 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.dtype(self.shape.dtype))
-        block = nn.remat(ScanBlock) if self.remat else ScanBlock
+        block = nn.remat(ScanBlock, policy=_policy(self.shape)) if self.remat else ScanBlock
         x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                        length=self.shape.layers)(self.shape, name="layers")(x, None)
         x = RMSNorm(name="norm")(x)
@@ -161,7 +178,7 @@ class ListedLlama(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(self.shape.vocab, self.shape.dim, name="embed")(tokens).astype(jnp.dtype(self.shape.dtype))
-        block = nn.remat(Block) if self.remat else Block
+        block = nn.remat(Block, policy=_policy(self.shape)) if self.remat else Block
         for i in range(self.shape.layers):
             x = block(self.shape, name=f"layers_{i}")(x)
         x = RMSNorm(name="norm")(x)

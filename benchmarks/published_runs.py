@@ -7,17 +7,19 @@ torchtitan's Llama 3.1 runs on H100s (``benchmarks/llama3_h100_202412_torchtitan
 pytorch/torchtitan, December 2024: 8 to 512 GPUs, FSDP, TP, PP, sequence 8192, their tokens per
 second per GPU and memory), planned here as a user would before renting the GPUs: the same shapes
 written in Flax (:mod:`benchmarks.llama`, a scanned stack, bf16 compute over float32 params and
-AdamW, attention a chunk of queries at a time as flash attention holds it), the same layout, global
+AdamW, attention by jax's Pallas flash-attention kernel as theirs is a flash attention; ``--attention
+chunked``: plain JAX a chunk of queries at a time), the same layout, global
 batch and sequence, on their hardware as they describe it (H100 with 96 GB HBM2e at 2.4 TB/s, a
 500 W limit, 400 Gb/s per GPU between hosts; the peak FLOP/s are the SXM data sheet's, as their
 MFU figures use). Nothing is fitted to their numbers.
 
-What differs, and which way it moves the comparison (said again in the results): their 8B runs
-keep some activations (selective checkpointing) where this model recomputes every block (more
-FLOPs here, less memory); their 70B and 405B runs are float8 with torch.compile (faster than the
-bf16 predicted here); their pipeline schedule is 1F1B (interleaved 1F1B), parallax's GPipe with
-its own microbatch count (another bubble and another activation memory); their memory is the
-allocator's peak, the plan's a CPU compile of the program (which fuses less than a GPU's).
+What differs, and which way it moves the comparison (said again in the results): the 8B runs keep
+what their selective checkpointing keeps (every other matmul's output and the attention's), but
+the kernel's forward runs again in the backward for its log-sum-exp, which theirs keeps; their 70B
+and 405B runs are float8 with torch.compile (faster than the bf16 predicted here); their pipeline
+schedule is 1F1B (interleaved 1F1B), parallax's GPipe with its own microbatch count (another
+bubble and another activation memory); their memory is the most their caching allocator reserved,
+the plan's the peak of XLA's GPU program (compiled here without a GPU).
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ class Run(NamedTuple):
     published_tps: float  # tokens per second per GPU
     published_gib: float
     their_setup: str
+    selective: bool = False  # their selective (op) activation checkpointing, else full
 
 
 RUNS = (
-    Run("8b-fsdp8", "8b", 8, "fsdp8", 16, 5_762, 82.4, "Table 1: FSDP, eager, bf16, selective AC, local batch 2"),
-    Run("8b-fsdp128", "8b", 128, "fsdp128", 256, 5_605, 67.0, "Table 3: FSDP, eager, bf16, selective AC, local batch 2"),
+    Run("8b-fsdp8", "8b", 8, "fsdp8", 16, 5_762, 82.4, "Table 1: FSDP, eager, bf16, selective AC, local batch 2", True),
+    Run("8b-fsdp128", "8b", 128, "fsdp128", 256, 5_605, 67.0, "Table 3: FSDP, eager, bf16, selective AC, local batch 2",
+        True),
     Run("70b-fsdp32-tp8", "70b", 256, "fsdp32+tp8", 512, 829, 71.9,
         "Table 4: FSDP 32 × TP 8, torch.compile + float8, full AC, local batch 16"),
     Run("405b-pp8-fsdp8-tp8", "405b", 512, "pp8+fsdp8+tp8", 256, 100, 82.5,
@@ -77,13 +81,15 @@ def strategy(layout: str):
     return built[0] if len(built) == 1 else px.combine(*built)
 
 
-def predict(run: Run, auto: bool = False, listed: bool = False, memory_budget: str | None = None) -> dict:
+def predict(run: Run, auto: bool = False, listed: bool = False, memory_budget: str | None = None,
+            attention: str = "flash") -> dict:
     import optax
 
     import parallax as px
     from benchmarks.llama import SHAPES, ListedLlama, Llama, batch, loss_fn
 
-    model = (ListedLlama if listed else Llama)(SHAPES[run.model]._replace(chunk=CHUNK))
+    shape = SHAPES[run.model]._replace(chunk=CHUNK, flash=attention == "flash", selective=run.selective)
+    model = (ListedLlama if listed else Llama)(shape)
     def planned(strategies: list) -> tuple:
         start = time.perf_counter()
         report = px.plan(model, optax.adamw(3e-4), batch(run.global_batch, SEQUENCE), loss_fn=loss_fn,
@@ -96,13 +102,14 @@ def predict(run: Run, auto: bool = False, listed: bool = False, memory_budget: s
         report, seconds = planned([strategy(run.layout)])
         searched, search_seconds = planned(["auto"]) if auto else (None, None)
     except RuntimeError as err:  # the planning subprocess died: recorded, the other runs still planned
-        return {"run": run._asdict(), "plan_seconds": time.perf_counter() - start, "peak": None, "fits": None,
+        return {"run": run._asdict(), "attention": attention, "plan_seconds": time.perf_counter() - start,
+                "peak": None, "fits": None,
                 "note": None, "error": str(err).splitlines()[0], "step": {}, "predicted_tps": None, "mesh": None,
                 "backend": None}
     row = report.rows[0]
     step = row.get("step") or {}
     picked = searched.picks[0] if searched is not None else None
-    return {"run": run._asdict(), "plan_seconds": seconds, "peak": row.get("peak"),
+    return {"run": run._asdict(), "attention": attention, "plan_seconds": seconds, "peak": row.get("peak"),
             "fits": report.fits(row), "note": row.get("note"), "error": row.get("error"), "step": step,
             "predicted_tps": step.get("tokens_per_second"), "mesh": row.get("mesh"), "backend": row.get("backend"),
             "auto": None if picked is None else {
@@ -120,10 +127,14 @@ def markdown(results: list[dict], listed: bool = False) -> str:
     gib = 2**30
     written = ("`ListedLlama`, its blocks kept in a list of `nn.remat` blocks as Hugging Face writes them" if listed
                else "scanned")
+    flash = all(r.get("attention", "chunked") == "flash" for r in results)
+    attention = ("attention by jax's Pallas flash-attention kernel for GPUs, per device in a `shard_map`" if flash
+                 else f"attention {CHUNK} queries at a time in plain JAX")
     lines = ["## px.plan on this CPU against torchtitan's published H100 runs", "",
              f"Source: {SOURCE}. Hardware: `px.Hardware(\"h100\", memory_gib=96, memory_tbps=2.4, "
-             f"inter_host_gbps=400)`; sequence 8192; the model `benchmarks/llama.py` ({written}, bf16, full remat, "
-             f"attention {CHUNK} queries at a time).", "",
+             f"inter_host_gbps=400)`; sequence 8192; the model `benchmarks/llama.py` ({written}, bf16, {attention}; "
+             "recomputed as they do: the 8B runs keep what torchtitan's selective checkpointing keeps "
+             "(`benchmarks.llama.SELECTIVE`), the others recompute every block).", "",
              "| run | their setup | step published | step predicted | compute + memory + exposed | published / compute "
              "| tok/s/GPU published | predicted | memory published | peak planned | compiled for | plan time |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -145,12 +156,15 @@ def markdown(results: list[dict], listed: bool = False) -> str:
               "the compiled program's FLOPs (recomputation and the pipeline's bubble included) at the data sheet's "
               "dense bf16 peak (989 TFLOP/s, their MFU's) + its bytes at the memory bandwidth + the collectives on the "
               "critical path, nothing fitted. Published / compute: how many times the FLOPs at the peak their step "
-              "took (the reciprocal of an MFU that counts the recomputation). The memory term is this model's "
-              "attention as written in plain JAX, whose score tiles XLA writes to memory; their flash attention keeps "
-              "them on chip, which is most of the difference where the memory term leads. Peak planned: XLA's GPU "
+              "took (the reciprocal of an MFU that counts the recomputation). "
+              + ("The attention kernel is priced by its own loads, stores and matmuls over its grid "
+                 "(`parallax/pricing/kernel_cost.py`). " if flash else
+                 "The memory term is this model's attention as written in plain JAX, whose score tiles XLA writes to "
+                 "memory; their flash attention keeps them on chip, which is most of the difference where the memory "
+                 "term leads. ") + "Peak planned: XLA's GPU "
               "compiler's program for H100s, compiled here without them (with JAX's CUDA plugin; else the CPU "
-              "compiler's, an overestimate), not PyTorch's allocator's: theirs keeps more activations under "
-              "selective checkpointing in the 8B runs, and shards the residual stream over the tensor axis "
+              "compiler's, an overestimate), not PyTorch's allocator's (theirs is the most the caching allocator "
+              "reserved, fragmentation included): theirs shards the residual stream over the tensor axis "
               "(sequence parallelism) and keeps float8 copies in the 70B and 405B ones."]
     return "\n".join(lines) + "\n"
 
@@ -190,6 +204,9 @@ def main() -> None:
                         "against their layout (written to published_auto.{json,md})")
     parser.add_argument("--listed", action="store_true", help="the model's blocks kept in a list, as Hugging Face "
                         "writes them (benchmarks.llama.ListedLlama; written to published_listed.{json,md})")
+    parser.add_argument("--attention", choices=("flash", "chunked"), default="flash",
+                        help="the model's attention: jax's Pallas flash-attention kernel (as their runs' flash "
+                        "attention), or plain JAX a chunk of queries at a time (written to published_*_chunked.*)")
     parser.add_argument("--memory-budget", default=None, help="bytes per device a plan must fit (e.g. 10TB: a run that "
                         "does not fit the H100's 96 GiB is then not searched for a fix, planned once)")
     args = parser.parse_args()
@@ -200,13 +217,14 @@ def main() -> None:
     chosen = [run for run in RUNS if run.name in args.runs.split(",")]
     results = []
     for run in chosen:
-        results.append(predict(run, args.auto, args.listed, args.memory_budget))
+        results.append(predict(run, args.auto, args.listed, args.memory_budget, args.attention))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "note"}, default=str), flush=True)
     text = markdown(results, args.listed) + (auto_markdown(results) if args.auto else "")
     print(text)
     if args.out:
         name = {(False, False): "published_runs", (True, False): "published_auto", (False, True): "published_listed",
                 (True, True): "published_listed_auto"}[args.auto, args.listed]
+        name += "_chunked" if args.attention == "chunked" else ""
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
