@@ -392,7 +392,16 @@ def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] @ x_ref[...]
 
+    def upper_half(x_ref, o_ref):  # a grid of 4 cells, the first 2 multiplying (as a causal kernel skips tiles)
+        @pl.when(pl.program_id(0) < 2)
+        def _():
+            o_ref[...] = x_ref[...] @ x_ref[...]
+
     x = jnp.ones((128, 128))
+    spec = pl.BlockSpec((128, 128), lambda i: (0, 0))
+    (when,) = kernel_calls(jax.make_jaxpr(pl.pallas_call(upper_half, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                         grid=(4,), in_specs=[spec], out_specs=spec))(x).jaxpr)
+    assert kernel_cost(when).flops == 2 * (2 * 128**3)
     estimate = pl.CostEstimate(flops=123, transcendentals=0, bytes_accessed=456)
     call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), cost_estimate=estimate)
     (given,) = kernel_calls(jax.make_jaxpr(call)(x).jaxpr)

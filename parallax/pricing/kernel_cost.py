@@ -9,7 +9,8 @@ costs the FLOPs of one tile of queries against one tile of keys. Here:
   flash and splash attentions do);
 - else each cell's body: its ``dot_general`` FLOPs, and for a Triton kernel (GPU), whose refs are
   device memory that every ``load`` reads and every ``swap`` writes, those bytes, with each loop
-  run as many times as it runs for that cell (its bounds worked out from ``program_id``); for a
+  run as many times as it runs for that cell (its bounds worked out from ``program_id``), and of a
+  branch (``pl.when``) the one the cell takes; for a
   Mosaic kernel (TPU), whose blocks are copied in and out of on-chip memory once per cell, the
   blocks' bytes.
 
@@ -180,6 +181,13 @@ def _walk(jaxpr: Any, scalars: _Scalars, triton: bool) -> tuple[float, float, in
             moved += _nbytes(eqn.outvars[0])
         elif triton and name in _STORES:
             moved += _nbytes(eqn.outvars[0])
+        elif name == "cond":  # the branch this cell takes (pl.when), else the dearest
+            which = scalars.value(eqn.invars[0])
+            branches = eqn.params["branches"]
+            costs = [_walk(b.jaxpr, _Scalars(scalars.index, scalars.grid), triton) for b in branches]
+            f, b, u = (costs[int(np.clip(which, 0, len(costs) - 1))] if which is not None
+                       else max(costs, key=lambda c: (c[0], c[1])))
+            flops, moved, unknown = flops + f, moved + b, unknown + u
         elif name in ("scan", "while"):
             trips = int(eqn.params["length"]) if name == "scan" else _trips(eqn, scalars)
             body = eqn.params["jaxpr" if name == "scan" else "body_jaxpr"].jaxpr
