@@ -31,8 +31,8 @@ class Shape(NamedTuple):
     kv_heads: int
     vocab: int = 128_256
     chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
-    flash: bool = False  # attention by jax's Pallas flash-attention kernel for GPUs (flash_attention); over chunk
-    selective: bool = False  # keep what torchtitan's selective (op) checkpointing keeps (SELECTIVE); else recompute all
+    flash: str = ""  # attention by jax's Pallas flash-attention kernel for "gpu" or "tpu" (flash_attention); over chunk
+    saved: tuple = ()  # what each remat'd block keeps for its backward, by name (TORCHTITAN_SELECTIVE...); () recomputes all
     dtype: str = "bfloat16"  # the compute dtype (params stay float32); "float32" for runs on a CPU
 
 
@@ -82,17 +82,31 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> j
     return jnp.moveaxis(out, 0, 1).reshape(b, n, h, d)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention by jax's Pallas flash-attention kernel for GPUs
-    (``jax.experimental.pallas.ops.gpu.attention.mha``, a Triton kernel: the scores stay on chip), as a
-    JAX user runs attention on an H100. A kernel is not split by the compiler: under a mesh it runs per
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, target: str = "gpu") -> jax.Array:
+    """Causal attention by jax's Pallas flash-attention kernel for ``target``'s chips (GPUs:
+    ``jax.experimental.pallas.ops.gpu.attention.mha``, a Triton kernel; TPUs:
+    ``jax.experimental.pallas.ops.tpu.flash_attention``, a Mosaic kernel: the scores stay on chip), as a
+    JAX user runs attention on them. A kernel is not split by the compiler: under a mesh it runs per
     device in a ``shard_map``, the rows over the mesh's data and FSDP axes, the heads over its tensor
     axis (parallax's axis names), as MaxText wraps its attention kernels."""
-    from jax.experimental.pallas.ops.gpu import attention
     from jax.sharding import PartitionSpec as P
 
-    def kernel(q, k, v):
-        return attention.mha(q, k, v, segment_ids=None, sm_scale=q.shape[-1] ** -0.5, causal=True)
+    scale = q.shape[-1] ** -0.5
+    if target == "tpu":
+        from jax.experimental.pallas.ops.tpu import flash_attention as tpu
+
+        sizes = tpu.BlockSizes(block_q=1024, block_k_major=1024, block_k=512, block_b=1, block_q_major_dkv=1024,
+                               block_k_major_dkv=1024, block_k_dkv=512, block_q_dkv=1024, block_k_major_dq=1024,
+                               block_k_dq=512, block_q_dq=1024)
+
+        def kernel(q, k, v):  # the kernel's layout: [batch, heads, tokens, head dim]
+            heads_first = [jnp.swapaxes(t, 1, 2) for t in (q, k, v)]
+            return jnp.swapaxes(tpu.flash_attention(*heads_first, causal=True, sm_scale=scale, block_sizes=sizes), 1, 2)
+    else:
+        from jax.experimental.pallas.ops.gpu import attention
+
+        def kernel(q, k, v):
+            return attention.mha(q, k, v, segment_ids=None, sm_scale=scale, causal=True)
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -104,15 +118,18 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                          check_vma=False)(q, k, v)  # the kernel says nothing of how its output varies
 
 
-SELECTIVE = ("wq", "wv", "w1", "w2", "attention")
-"""What a block keeps for its backward under ``Shape(selective=True)``: torchtitan's selective op checkpointing
-(``_save_list``, "only recompute every other mm": the block's 1st, 3rd, 5th and 7th matmul outputs) and the
-attention's output; the rest is recomputed. (Their flash attention's log-sum-exp is kept too; here the kernel's
-forward runs again for it.)"""
+TORCHTITAN_SELECTIVE = ("wq", "wv", "w1", "w2", "attention")
+"""What torchtitan's selective op checkpointing keeps (``_save_list``, "only recompute every other mm": the
+block's 1st, 3rd, 5th and 7th matmul outputs) and the attention's output; the rest is recomputed. (Their flash
+attention's log-sum-exp is kept too; here the kernel's forward runs again for it.)"""
+
+MAXTEXT_OFFLOADED = ("wq", "wk", "wv", "wo")
+"""What MaxText's ``remat_policy: custom`` runs keep (offloaded to the host there, in device memory here): the
+attention's query, key, value and output projections; the rest is recomputed."""
 
 
 def _kept(x: jax.Array, name: str, shape: Shape) -> jax.Array:
-    return jax.ad_checkpoint.checkpoint_name(x, name) if shape.selective and name in SELECTIVE else x
+    return jax.ad_checkpoint.checkpoint_name(x, name) if name in shape.saved else x
 
 
 class Block(nn.Module):
@@ -124,25 +141,26 @@ class Block(nn.Module):
         dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.dtype(s.dtype), name=name)  # noqa: E731
         h = RMSNorm(name="attention_norm")(x)
         q = _kept(dense((s.heads, head), "wq")(h), "wq", s)
-        k = dense((s.kv_heads, head), "wk")(h)
+        k = _kept(dense((s.kv_heads, head), "wk")(h), "wk", s)
         v = _kept(dense((s.kv_heads, head), "wv")(h), "wv", s)
         k, v = (jnp.repeat(t, s.heads // s.kv_heads, axis=2) for t in (k, v))
         if s.flash:
-            out = flash_attention(q, k, v)
+            out = flash_attention(q, k, v, s.flash)
         elif s.chunk:
             out = chunked_attention(q, k, v, s.chunk)
         else:
             mask = nn.make_causal_mask(x[..., 0])
             out = nn.dot_product_attention(q, k, v, mask=mask, dtype=jnp.dtype(s.dtype))
         out = _kept(out, "attention", s)
-        x = x + nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.dtype(s.dtype), name="wo")(out)
+        x = x + _kept(nn.DenseGeneral(s.dim, axis=(-2, -1), use_bias=False, dtype=jnp.dtype(s.dtype), name="wo")(out),
+                      "wo", s)
         h = RMSNorm(name="ffn_norm")(x)
-        gated = nn.silu(_kept(dense(s.ffn, "w1")(h), "w1", s)) * dense(s.ffn, "w3")(h)
+        gated = nn.silu(_kept(dense(s.ffn, "w1")(h), "w1", s)) * _kept(dense(s.ffn, "w3")(h), "w3", s)
         return x + _kept(dense(s.dim, "w2")(gated), "w2", s)
 
 
 def _policy(shape: Shape):
-    return jax.checkpoint_policies.save_only_these_names(*SELECTIVE) if shape.selective else None
+    return jax.checkpoint_policies.save_only_these_names(*shape.saved) if shape.saved else None
 
 
 class ScanBlock(nn.Module):

@@ -86,9 +86,10 @@ def predict(run: Run, auto: bool = False, listed: bool = False, memory_budget: s
     import optax
 
     import parallax as px
-    from benchmarks.llama import SHAPES, ListedLlama, Llama, batch, loss_fn
+    from benchmarks.llama import SHAPES, TORCHTITAN_SELECTIVE, ListedLlama, Llama, batch, loss_fn
 
-    shape = SHAPES[run.model]._replace(chunk=CHUNK, flash=attention == "flash", selective=run.selective)
+    shape = SHAPES[run.model]._replace(chunk=CHUNK, flash="gpu" if attention == "flash" else "",
+                                       saved=TORCHTITAN_SELECTIVE if run.selective else ())
     model = (ListedLlama if listed else Llama)(shape)
     def planned(strategies: list) -> tuple:
         start = time.perf_counter()
@@ -134,7 +135,7 @@ def markdown(results: list[dict], listed: bool = False) -> str:
              f"Source: {SOURCE}. Hardware: `px.Hardware(\"h100\", memory_gib=96, memory_tbps=2.4, "
              f"inter_host_gbps=400)`; sequence 8192; the model `benchmarks/llama.py` ({written}, bf16, {attention}; "
              "recomputed as they do: the 8B runs keep what torchtitan's selective checkpointing keeps "
-             "(`benchmarks.llama.SELECTIVE`), the others recompute every block).", "",
+             "(`benchmarks.llama.TORCHTITAN_SELECTIVE`), the others recompute every block).", "",
              "| run | their setup | step published | step predicted | compute + memory + exposed | published / compute "
              "| tok/s/GPU published | predicted | memory published | peak planned | compiled for | plan time |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -368,8 +368,9 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
 def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs_them():
     """A Pallas flash attention (jax's own GPU kernel) in a step's jaxpr: its matmuls' FLOPs over its grid,
     each query tile's inner loop run up to the diagonal under ``causal=True``, and the bytes its loads and
-    stores move, against the counts written out by hand; a kernel that gives its own ``cost_estimate`` is
-    priced by it. Read as one body of the kernel (before), the forward counted 1/64 of its FLOPs, 1/288 causal."""
+    stores move, against the counts written out by hand; a branch (``pl.when``) as each cell takes it; a
+    kernel's own ``cost_estimate`` where its loops cannot be worked out; a TPU kernel's blocks copied where
+    their index changes. Read as one body of the kernel (before), the forward counted 1/64 of its FLOPs, 1/288 causal."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas.ops.gpu import attention
 
@@ -402,11 +403,26 @@ def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs
     (when,) = kernel_calls(jax.make_jaxpr(pl.pallas_call(upper_half, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                                                          grid=(4,), in_specs=[spec], out_specs=spec))(x).jaxpr)
     assert kernel_cost(when).flops == 2 * (2 * 128**3)
+    def rows(x_ref, o_ref):  # a TPU (Mosaic) kernel: its input block changes with i alone, its output's every cell
+        o_ref[...] = x_ref[:, :128]
+
+    wide = jnp.ones((256, 384))
+    mosaic = pl.pallas_call(rows, out_shape=jax.ShapeDtypeStruct(wide.shape, wide.dtype), grid=(2, 3),
+                            in_specs=[pl.BlockSpec((128, 384), lambda i, j: (i, 0))],
+                            out_specs=pl.BlockSpec((128, 128), lambda i, j: (i, j)))
+    (tiled,) = kernel_calls(jax.make_jaxpr(mosaic)(wide).jaxpr)
+    assert kernel_cost(tiled).bytes == 2 * 128 * 384 * 4 + 6 * 128 * 128 * 4  # an unchanged block is not copied again
+
+    def data_bound(x_ref, o_ref):  # a loop whose count is read from the data: only its author's estimate says
+        o_ref[...] = jax.lax.fori_loop(0, x_ref[0, 0].astype(jnp.int32), lambda i, acc: acc @ x_ref[...], x_ref[...])
+
     estimate = pl.CostEstimate(flops=123, transcendentals=0, bytes_accessed=456)
-    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), cost_estimate=estimate)
-    (given,) = kernel_calls(jax.make_jaxpr(call)(x).jaxpr)
-    cost = kernel_cost(given)
-    assert (cost.flops, cost.bytes, cost.estimated) == (123, 456, True)
+    for body, estimated in ((upper_half, False), (data_bound, True)):
+        call = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,), in_specs=[spec],
+                              out_specs=spec, cost_estimate=estimate)
+        (given,) = kernel_calls(jax.make_jaxpr(call)(x).jaxpr)
+        cost = kernel_cost(given)
+        assert cost.estimated == estimated and (cost.flops == 123) == estimated, cost
 
 
 def test_a_body_manual_over_some_axes_is_priced_per_device_as_the_compiler_counts_it():

@@ -5,17 +5,17 @@ times read from the cell's index (a causal flash attention's inner loop stops at
 Counted as the kernel's body once, as a plain jaxpr walk would, a flash attention of 8,192 tokens
 costs the FLOPs of one tile of queries against one tile of keys. Here:
 
-- the kernel's own ``cost_estimate`` where its author gave one (``pl.CostEstimate``, as the TPU
-  flash and splash attentions do);
-- else each cell's body: its ``dot_general`` FLOPs, and for a Triton kernel (GPU), whose refs are
+- each cell's body: its ``dot_general`` FLOPs, and for a Triton kernel (GPU), whose refs are
   device memory that every ``load`` reads and every ``swap`` writes, those bytes, with each loop
   run as many times as it runs for that cell (its bounds worked out from ``program_id``), and of a
-  branch (``pl.when``) the one the cell takes; for a
-  Mosaic kernel (TPU), whose blocks are copied in and out of on-chip memory once per cell, the
-  blocks' bytes.
+  branch (``pl.when``) the one the cell takes; for a Mosaic kernel (TPU), whose blocks are copied
+  in and out of on-chip memory, each block's bytes once per run of cells that keep its index (its
+  pipeline skips the copy of an unchanged block).
 
 A loop whose count depends on anything but the cell's index and constants is counted once (and
-said in :attr:`KernelCost.unknown_loops`).
+said in :attr:`KernelCost.unknown_loops`); such a kernel is priced by its own ``cost_estimate``
+where its author gave one (``pl.CostEstimate``; the TPU flash attention's counts every tile, the
+ones a causal mask skips included).
 
 Example:
     >>> from jax.experimental.pallas.ops.gpu import attention
@@ -63,7 +63,8 @@ class KernelCost:
         flops: its matmuls' FLOPs over the grid.
         bytes: device-memory bytes read and written over the grid.
         unknown_loops: loops whose count could not be worked out (each counted once).
-        estimated: whether the kernel's own ``cost_estimate`` gave the figures.
+        estimated: whether the kernel's own ``cost_estimate`` gave the figures (its loops could not
+            be worked out).
     """
 
     flops: float
@@ -87,9 +88,14 @@ def kernel_calls(jaxpr: Any) -> Iterator[Any]:
 
 def kernel_cost(eqn: Any) -> KernelCost:
     """The FLOPs and bytes of one ``pallas_call`` equation (see the module)."""
+    walked = _walked(eqn)
     estimate = eqn.params.get("cost_estimate")
-    if estimate is not None:
-        return KernelCost(float(estimate.flops), float(estimate.bytes_accessed), estimated=True)
+    if walked.unknown_loops and estimate is not None:
+        return KernelCost(float(estimate.flops), float(estimate.bytes_accessed), walked.unknown_loops, estimated=True)
+    return walked
+
+
+def _walked(eqn: Any) -> KernelCost:
     mapping, body = eqn.params["grid_mapping"], eqn.params["jaxpr"]
     grid = tuple(int(size) if isinstance(size, (int, np.integer)) else 1 for size in mapping.grid)
     cells = math.prod(grid)
@@ -104,10 +110,29 @@ def kernel_cost(eqn: Any) -> KernelCost:
         f, b, u = _walk(body, _Scalars(dict(zip(read, index)), grid), triton)
         flops, moved, unknown = flops + f, moved + b, max(unknown, u)
     scale = cells / enumerated
-    if not triton:  # Mosaic: each cell's blocks copied in and out once
-        blocks = sum(_block_bytes(m) for m in mapping.block_mappings)
-        moved = blocks * cells / scale
+    if not triton:  # Mosaic: a block copied in (or out) where its index changes from one cell to the next
+        return KernelCost(flops * scale, float(sum(_block_bytes(m) * _copies(m, grid) for m in mapping.block_mappings)),
+                          unknown)
     return KernelCost(flops * scale, moved * scale, unknown)
+
+
+def _copies(mapping: Any, grid: tuple[int, ...]) -> int:
+    """How many times a Mosaic kernel's pipeline copies this block: once per run of cells (the last
+    grid axis fastest) that keep its index, as it skips the copy of an unchanged block; every cell
+    where its index cannot be worked out here, or the grid is too large to walk."""
+    cells = math.prod(grid)
+    if cells > _MOST_CELLS:
+        return cells
+    closed, scalars = mapping.index_map_jaxpr, _Scalars({}, grid)
+    copies, last = 0, None
+    for index in itertools.product(*(range(size) for size in grid)):
+        extra = len(closed.jaxpr.invars) - len(grid)  # scalar-prefetch operands: unknown here
+        block = _run(closed, list(index) + [None] * extra, scalars)
+        if any(b is None for b in block):
+            return cells
+        copies += block != last
+        last = block
+    return copies
 
 
 def _block_bytes(mapping: Any) -> int:
