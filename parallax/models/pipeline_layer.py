@@ -57,6 +57,15 @@ def in_context(jaxpr: Any, mesh: Any) -> Any:
     return jaxpr.replace(eqns=eqns)
 
 
+def layer_mesh(mesh: Any, axis: str) -> Any:
+    """The mesh a layer is traced under: the one it runs in, the stage axis manual (a model that reads
+    the mesh, to place its own ``shard_map``, sees the axes it may split), or none where the stage axis
+    is the mesh's only one."""
+    if mesh is None or set(mesh.axis_names) == {axis}:
+        return jax.sharding.AbstractMesh((), ())
+    return mesh.abstract_mesh.update_axis_types({axis: jax.sharding.AxisType.Manual})
+
+
 def sub_jaxprs(eqn: Any) -> list[Any]:
     """The jaxprs nested in ``eqn``'s params (a call's body, a loop's, a ``cond``'s branches)."""
     found = []

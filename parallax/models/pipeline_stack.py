@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from parallax._compat import scan_counts
 from parallax.models.pipeline import pipeline
-from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws
+from parallax.models.pipeline_layer import RANDOM_BITS, Draws, in_context, layer_draws, layer_mesh
 from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_operands
 from parallax.models.rebind import bind_eqn
 from parallax.models.remat_policy import rematerialises
@@ -101,7 +101,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
             return jax.ShapeDtypeStruct((min(rows) // count, *shape[1:]) if batch else shape, jax.numpy.result_type(x))
 
         micro = [jax.tree.map(lambda x, b=i in batch_argnums: shape_of(x, b), arg) for i, arg in enumerate(args)]
-        with jax.sharding.use_abstract_mesh(_layer_mesh(mesh, axis)):
+        with jax.sharding.use_abstract_mesh(layer_mesh(mesh, axis)):
             traced = jax.make_jaxpr(fn)(*micro)
             bodies = _stack_bodies(traced.jaxpr, kinds, traced.consts)[0]
             # For the proof, the layers at the batch's shape traced alike (the same context, no mesh).
@@ -119,15 +119,6 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
-
-
-def _layer_mesh(mesh: Any, axis: str) -> Any:
-    """The mesh a layer is traced under: the one it runs in, the stage axis manual (a model that reads
-    the mesh, to place its own ``shard_map``, sees the axes it may split), or none where the stage axis
-    is the mesh's only one."""
-    if mesh is None or set(mesh.axis_names) == {axis}:
-        return jax.sharding.AbstractMesh((), ())
-    return mesh.abstract_mesh.update_axis_types({axis: jax.sharding.AxisType.Manual})
 
 
 def _stack_bodies(jaxpr: Any, kinds: Sequence[frozenset],
