@@ -33,6 +33,7 @@ class Shape(NamedTuple):
     chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
     flash: str = ""  # attention by jax's Pallas flash-attention kernel for "gpu" or "tpu" (flash_attention); over chunk
     saved: tuple = ()  # what each remat'd block keeps for its backward, by name (TORCHTITAN_SELECTIVE...); () recomputes all
+    offloaded: bool = False  # the saved values kept in the host's memory (as MaxText offloads them), not the device's
     dtype: str = "bfloat16"  # the compute dtype (params stay float32); "float32" for runs on a CPU
 
 
@@ -123,9 +124,9 @@ TORCHTITAN_SELECTIVE = ("wq", "wv", "w1", "w2", "attention")
 block's 1st, 3rd, 5th and 7th matmul outputs) and the attention's output; the rest is recomputed. (Their flash
 attention's log-sum-exp is kept too; here the kernel's forward runs again for it.)"""
 
-MAXTEXT_OFFLOADED = ("wq", "wk", "wv", "wo")
-"""What MaxText's ``remat_policy: custom`` runs keep (offloaded to the host there, in device memory here): the
-attention's query, key, value and output projections; the rest is recomputed."""
+MAXTEXT_OFFLOADED = ("layer_input", "wq", "wk", "wv", "wo")
+"""What MaxText's ``remat_policy: custom`` runs offload to the host (``Shape(offloaded=True)``): each block's
+input and the attention's query, key, value and output projections; the rest is recomputed."""
 
 
 def _kept(x: jax.Array, name: str, shape: Shape) -> jax.Array:
@@ -138,6 +139,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         s, head = self.shape, self.shape.dim // self.shape.heads
+        x = _kept(x, "layer_input", s)
         dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.dtype(s.dtype), name=name)  # noqa: E731
         h = RMSNorm(name="attention_norm")(x)
         q = _kept(dense((s.heads, head), "wq")(h), "wq", s)
@@ -160,6 +162,10 @@ class Block(nn.Module):
 
 
 def _policy(shape: Shape):
+    if shape.saved and shape.offloaded:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(shape.saved), offload_src="device",
+            offload_dst="pinned_host")
     return jax.checkpoint_policies.save_only_these_names(*shape.saved) if shape.saved else None
 
 

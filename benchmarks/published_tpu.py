@@ -47,11 +47,11 @@ class TpuRun(NamedTuple):
 
 
 RUNS = (
-    TpuRun("8b-v6e-8", "8b", 8, 3, 3.443, 413.433, 7_138.890, ("wq", "wk", "wv", "wo"),
+    TpuRun("8b-v6e-8", "8b", 8, 3, 3.443, 413.433, 7_138.890, ("layer_input", "wq", "wk", "wv", "wo"),
            "Llama3.1-8B-MaxText/v6e-8 (MaxText tpu-recipes-v0.1.4, jax 0.6.1): FSDP 8, batch 3 a chip"),
-    TpuRun("8b-v6e-256", "8b", 256, 4, 4.225, 449.171, 7_755.989, ("wq", "wk", "wv", "wo"),
+    TpuRun("8b-v6e-256", "8b", 256, 4, 4.225, 449.171, 7_755.989, ("layer_input", "wq", "wk", "wv", "wo"),
            "Llama3.1-8B-MaxText/v6e-256 (MaxText 3ad02ba, libtpu 20241209): FSDP 256, batch 4 a chip"),
-    TpuRun("70b-v6e-256", "70b", 256, 5, 42.656, 462.297, 960.248, ("wq", "wk", "wv"),
+    TpuRun("70b-v6e-256", "70b", 256, 5, 42.656, 462.297, 960.248, ("layer_input", "wq", "wk", "wv"),
            "Llama3.1-70B-MaxText/v6e-256 (MaxText tpu-recipes-v0.1.4, jax 0.6.1): FSDP 256, batch 5 a chip"),
 )
 
@@ -62,7 +62,7 @@ def predict(run: TpuRun) -> dict:
     import parallax as px
     from benchmarks.llama import SHAPES, Llama, batch, loss_fn
 
-    shape = SHAPES[run.model]._replace(flash="tpu", saved=run.kept)
+    shape = SHAPES[run.model]._replace(flash="tpu", saved=run.kept, offloaded=True)
     start = time.perf_counter()
     try:
         report = px.plan(Llama(shape), optax.adamw(3e-4), batch(run.per_device_batch * run.chips, SEQUENCE),
