@@ -390,9 +390,6 @@ def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs
         assert cost.bytes == pairs * (tiles * 2 * tile_bytes + visited * 2 * tile_bytes), causal
         assert dot_flops(jaxpr)[0] == cost.flops and fused_bytes(jaxpr).total >= cost.bytes
 
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...] @ x_ref[...]
-
     def upper_half(x_ref, o_ref):  # a grid of 4 cells, the first 2 multiplying (as a causal kernel skips tiles)
         @pl.when(pl.program_id(0) < 2)
         def _():
@@ -403,6 +400,7 @@ def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs
     (when,) = kernel_calls(jax.make_jaxpr(pl.pallas_call(upper_half, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                                                          grid=(4,), in_specs=[spec], out_specs=spec))(x).jaxpr)
     assert kernel_cost(when).flops == 2 * (2 * 128**3)
+
     def rows(x_ref, o_ref):  # a TPU (Mosaic) kernel: its input block changes with i alone, its output's every cell
         o_ref[...] = x_ref[:, :128]
 
