@@ -104,7 +104,8 @@ def markdown(results: list[dict]) -> str:
             f"| {r['peak'] / gib:.1f} GiB | {r['plan_seconds']:.0f} s |")
     lines += ["", "Step predicted: the compiled program's FLOPs (their recomputation included) at v6e's dense bf16 peak "
               "(918 TFLOP/s), its bytes at the memory bandwidth, the collectives on the critical path; a Pallas "
-              "kernel by its blocks and matmuls over its grid (`parallax/pricing/kernel_cost.py`). Their TFLOP/s ÷ peak: their MFU (model FLOPs, no recomputation). "
+              "kernel by its blocks and matmuls over its grid (`parallax/pricing/kernel_cost.py`). "
+              "Their TFLOP/s ÷ peak: their MFU (model FLOPs, no recomputation). "
               "Peak planned: the TPU compiler's program for the chip (its 31.25 GiB of HBM), as `px.plan` reads it."]
     return "\n".join(lines) + "\n"
 
@@ -121,10 +122,9 @@ def main() -> None:
     text = markdown(results)
     print(text)
     if args.out:
-        with open(os.path.join(args.out, "published_tpu.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(args.out, "published_tpu.md"), "w") as f:
-            f.write(text)
+        from benchmarks import write_results
+
+        write_results(args.out, "published_tpu", {"source": SOURCE, "sequence": SEQUENCE}, results, text)
 
 
 if __name__ == "__main__":

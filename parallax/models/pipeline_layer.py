@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from jax.extend import core
 
-from parallax.sharding.chains import CALLS, REMAT
+from parallax.sharding.chains import CALLS, REMAT, sub_jaxprs
 
 RANDOM_BITS = "random_bits"
 # Calls opened to reach a draw inside them (a jax.checkpoint stays one, with its policy); a draw
@@ -64,18 +64,6 @@ def layer_mesh(mesh: Any, axis: str) -> Any:
     if mesh is None or set(mesh.axis_names) == {axis}:
         return jax.sharding.AbstractMesh((), ())
     return mesh.abstract_mesh.update_axis_types({axis: jax.sharding.AxisType.Manual})
-
-
-def sub_jaxprs(eqn: Any) -> list[Any]:
-    """The jaxprs nested in ``eqn``'s params (a call's body, a loop's, a ``cond``'s branches)."""
-    found = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, core.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, core.Jaxpr):
-                found.append(item)
-    return found
 
 
 def draw_shapes(jaxpr: Any) -> list[tuple[int, ...]]:

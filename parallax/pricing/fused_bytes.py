@@ -28,7 +28,8 @@ from typing import Any, Iterable
 import numpy as np
 from jax.extend import core as jcore
 
-from parallax.pricing.kernel_cost import kernel_cost
+from parallax.pricing.kernel_cost import kernel_cost, kernel_flops, value_bytes
+from parallax.sharding.chains import sub_jaxprs
 
 __all__ = ["Moved", "dot_flops", "fused_bytes", "matmul_dtype"]
 
@@ -69,25 +70,6 @@ class Moved:
         return self.state * state_fraction + self.local + (self.total - self.state - self.local) / max(devices, 1)
 
 
-def _nbytes(var: Any) -> int:
-    aval = getattr(var, "aval", None)
-    try:
-        return int(np.prod(aval.shape)) * aval.dtype.itemsize
-    except (AttributeError, TypeError):
-        return 0
-
-
-def _inner(eqn: Any) -> list[Any]:
-    found = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jcore.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jcore.Jaxpr):
-                found.append(item)
-    return found
-
-
 def _runs(eqn: Any) -> int:
     return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
 
@@ -106,7 +88,7 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
     outputs = {var for var in jaxpr.outvars if isinstance(var, jcore.Var)}
 
     def fusible(eqn: Any) -> bool:
-        return eqn.primitive.name in _ELEMENTWISE and not _inner(eqn)
+        return eqn.primitive.name in _ELEMENTWISE and not sub_jaxprs(eqn)
 
     def materialised(var: Any) -> bool:
         made = producer.get(var)
@@ -131,7 +113,7 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
                 group[root(id(consumer))] = root(id(made))
 
     def moved(var: Any) -> Moved:
-        size = _nbytes(var)
+        size = value_bytes(var)
         return Moved(size, size if tuple(getattr(var.aval, "shape", ())) in shapes else 0)
 
     total, reads = Moved(), {}
@@ -139,7 +121,7 @@ def fused_bytes(jaxpr: Any, state_shapes: Iterable[tuple[int, ...]] = ()) -> Mov
         if eqn.primitive.name == "pallas_call":  # a kernel: its loads and stores over its grid
             total = total + Moved(kernel_cost(eqn).bytes)
             continue
-        inner = _inner(eqn)
+        inner = sub_jaxprs(eqn)
         if inner:  # a call, a remat, a scan's body (once per iteration), a shard_map's body
             body = max((fused_bytes(j, shapes) for j in inner), key=lambda m: m.total).times(_runs(eqn))
             if eqn.primitive.name == "shard_map":  # one device's: its shapes are one manual shard's, over the rest
@@ -205,9 +187,9 @@ def dot_flops(jaxpr: Any) -> tuple[float, float]:
     whole = local = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":  # a kernel: its matmuls over its grid
-            whole += kernel_cost(eqn).flops
+            whole += kernel_flops(eqn)
             continue
-        inner = _inner(eqn)
+        inner = sub_jaxprs(eqn)
         if inner:
             body = max((dot_flops(j) for j in inner), key=sum)
             runs = _runs(eqn)
@@ -239,7 +221,7 @@ def matmul_dtype(jaxpr: Any, default: str = "fp32") -> str:
 
     def walk(inner: Any) -> None:
         for eqn in inner.eqns:
-            for body in _inner(eqn):
+            for body in sub_jaxprs(eqn):
                 walk(body)
             if eqn.primitive.name == "dot_general":
                 kinds = [str(var.aval.dtype) for var in eqn.invars]

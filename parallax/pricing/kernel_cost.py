@@ -38,7 +38,9 @@ from typing import Any, Iterator
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["KernelCost", "kernel_calls", "kernel_cost"]
+from parallax.sharding.chains import sub_jaxprs
+
+__all__ = ["KernelCost", "kernel_calls", "kernel_cost", "kernel_flops", "value_bytes"]
 
 _LOADS = frozenset({"load", "masked_load", "get"})
 _STORES = frozenset({"swap", "masked_swap", "store"})
@@ -79,23 +81,30 @@ def kernel_calls(jaxpr: Any) -> Iterator[Any]:
         if eqn.primitive.name == "pallas_call":
             yield eqn
             continue
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = item.jaxpr if isinstance(item, jcore.ClosedJaxpr) else item
-                if isinstance(inner, jcore.Jaxpr):
-                    yield from kernel_calls(inner)
+        for inner in sub_jaxprs(eqn):
+            yield from kernel_calls(inner)
 
 
 def kernel_cost(eqn: Any) -> KernelCost:
     """The FLOPs and bytes of one ``pallas_call`` equation (see the module)."""
-    walked = _walked(eqn)
+    return _estimated(eqn, _walked(eqn, copies=True))
+
+
+def kernel_flops(eqn: Any) -> float:
+    """``kernel_cost(eqn).flops``, without working out where a Mosaic kernel's blocks are copied."""
+    return _estimated(eqn, _walked(eqn, copies=False)).flops
+
+
+def _estimated(eqn: Any, walked: KernelCost) -> KernelCost:
+    """``walked``, or the kernel's own ``cost_estimate`` where its loops could not be worked out."""
     estimate = eqn.params.get("cost_estimate")
     if walked.unknown_loops and estimate is not None:
         return KernelCost(float(estimate.flops), float(estimate.bytes_accessed), walked.unknown_loops, estimated=True)
     return walked
 
 
-def _walked(eqn: Any) -> KernelCost:
+def _walked(eqn: Any, copies: bool) -> KernelCost:
+    """The kernel walked cell by cell; ``copies=False`` leaves a Mosaic kernel's bytes at 0."""
     mapping, body = eqn.params["grid_mapping"], eqn.params["jaxpr"]
     grid = tuple(int(size) if isinstance(size, (int, np.integer)) else 1 for size in mapping.grid)
     cells = math.prod(grid)
@@ -110,10 +119,11 @@ def _walked(eqn: Any) -> KernelCost:
         f, b, u = _walk(body, _Scalars(dict(zip(read, index)), grid), triton)
         flops, moved, unknown = flops + f, moved + b, max(unknown, u)
     scale = cells / enumerated
-    if not triton:  # Mosaic: a block copied in (or out) where its index changes from one cell to the next
-        return KernelCost(flops * scale, float(sum(_block_bytes(m) * _copies(m, grid) for m in mapping.block_mappings)),
-                          unknown)
-    return KernelCost(flops * scale, moved * scale, unknown)
+    if triton:
+        moved *= scale
+    elif copies:  # Mosaic: a block copied in (or out) where its index changes from one cell to the next
+        moved = float(sum(_block_bytes(m) * _copies(m, grid) for m in mapping.block_mappings))
+    return KernelCost(flops * scale, moved, unknown)
 
 
 def _copies(mapping: Any, grid: tuple[int, ...]) -> int:
@@ -124,10 +134,10 @@ def _copies(mapping: Any, grid: tuple[int, ...]) -> int:
     if cells > _MOST_CELLS:
         return cells
     closed, scalars = mapping.index_map_jaxpr, _Scalars({}, grid)
+    unknown = [None] * (len(closed.jaxpr.invars) - len(grid))  # scalar-prefetch operands: not known here
     copies, last = 0, None
     for index in itertools.product(*(range(size) for size in grid)):
-        extra = len(closed.jaxpr.invars) - len(grid)  # scalar-prefetch operands: unknown here
-        block = _run(closed, list(index) + [None] * extra, scalars)
+        block = _run(closed, list(index) + unknown, scalars)
         if any(b is None for b in block):
             return cells
         copies += block != last
@@ -147,11 +157,8 @@ def _program_axes(jaxpr: Any) -> set[int]:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "program_id":
             axes.add(int(eqn.params["axis"]))
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = item.jaxpr if isinstance(item, jcore.ClosedJaxpr) else item
-                if isinstance(inner, jcore.Jaxpr):
-                    axes |= _program_axes(inner)
+        for inner in sub_jaxprs(eqn):
+            axes |= _program_axes(inner)
     return axes
 
 
@@ -183,12 +190,13 @@ class _Scalars:
                     pass
 
 
-def _nbytes(var: Any) -> float:
+def value_bytes(var: Any) -> int:
+    """The bytes of a jaxpr value (0 for one without a shaped type: a token, a ref's effect)."""
     aval = getattr(var, "aval", None)
     try:
-        return float(np.prod(aval.shape)) * aval.dtype.itemsize
+        return int(np.prod(aval.shape)) * aval.dtype.itemsize
     except (AttributeError, TypeError):
-        return 0.0
+        return 0
 
 
 def _walk(jaxpr: Any, scalars: _Scalars, triton: bool) -> tuple[float, float, int]:
@@ -202,10 +210,8 @@ def _walk(jaxpr: Any, scalars: _Scalars, triton: bool) -> tuple[float, float, in
             (contracting, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             flops += 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(np.prod([lhs[d] for d in contracting]))
-        elif triton and name in _LOADS:
-            moved += _nbytes(eqn.outvars[0])
-        elif triton and name in _STORES:
-            moved += _nbytes(eqn.outvars[0])
+        elif triton and (name in _LOADS or name in _STORES):  # a load's value, or a swap's (its old one's size)
+            moved += value_bytes(eqn.outvars[0])
         elif name == "cond":  # the branch this cell takes (pl.when), else the dearest
             which = scalars.value(eqn.invars[0])
             branches = eqn.params["branches"]
@@ -220,14 +226,9 @@ def _walk(jaxpr: Any, scalars: _Scalars, triton: bool) -> tuple[float, float, in
             unknown += u + (trips is None)
             trips = 1 if trips is None else trips
             flops, moved = flops + f * trips, moved + b * trips
-        else:
-            for value in eqn.params.values():
-                for item in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = item.jaxpr if isinstance(item, jcore.ClosedJaxpr) else item
-                    if isinstance(inner, jcore.Jaxpr):
-                        f, b, u = _walk(inner, _Scalars(scalars.index, scalars.grid), triton)
-                        flops, moved, unknown = flops + f, moved + b, unknown + u
-                        break
+        elif inner := sub_jaxprs(eqn):  # a call: its first body (a custom rule's primal)
+            f, b, u = _walk(inner[0], _Scalars(scalars.index, scalars.grid), triton)
+            flops, moved, unknown = flops + f, moved + b, unknown + u
     return flops, moved, unknown
 
 

@@ -208,3 +208,14 @@ def call_body(eqn: Any) -> Any:
     body = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
     return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
 
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs nested in ``eqn``'s params (a call's body, a loop's, a ``cond``'s branches)."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, core.Jaxpr):
+                found.append(item)
+    return found

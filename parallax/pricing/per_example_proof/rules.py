@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from parallax.pricing.per_example_proof.domain import BatchSum, Fixed, NotPerExample, PerExample
+from parallax.sharding.chains import sub_jaxprs
 
 IDENTITY = {"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint",
             "optimization_barrier", "stop_gradient", "pvary", "mesh_cast", "reshard"}
@@ -332,14 +333,5 @@ def _grid_axes_read(jaxpr: Any, axes: int) -> set[int]:
 
 def _reads_grid(jaxpr: Any, axis: int) -> bool:
     """Whether a kernel's body reads the index or the size of grid ``axis``."""
-    from jax.extend import core
-
-    for e in jaxpr.eqns:
-        if e.primitive.name in ("program_id", "num_programs") and int(e.params["axis"]) == axis:
-            return True
-        for value in e.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = item.jaxpr if isinstance(item, core.ClosedJaxpr) else item
-                if isinstance(inner, core.Jaxpr) and _reads_grid(inner, axis):
-                    return True
-    return False
+    return any((e.primitive.name in ("program_id", "num_programs") and int(e.params["axis"]) == axis)
+               or any(_reads_grid(inner, axis) for inner in sub_jaxprs(e)) for e in jaxpr.eqns)
