@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core
 from jax.sharding import PartitionSpec
 
@@ -29,6 +30,7 @@ from parallax.models.attention_weights import (
     shape_of,
     weights_ops,
 )
+from parallax.models.mask_tiles import Unfollowed, compute, compute_tile, unsharded
 from parallax.models.rebind import bind, bind_eqn
 
 
@@ -134,6 +136,20 @@ class Tiles:
         """A side value's columns ``key_start`` to ``key_start + key_len`` (if it has the keys' dim whole)."""
         return part_of(x, dims[1], self.keys, key_start, key_len)
 
+    def fixed_tile(self, i: int, rows: tuple[Any, int], keys: tuple[Any, int]) -> Any:
+        """Side value ``i`` (one computed from no input: a causal mask from positions) at the queries'
+        rows ``rows`` and keys' columns ``keys`` (each ``(start, length)``), computed there alone: the
+        whole value (``queries × keys`` entries) is never held, and inside a loop over tiles each tile
+        computes its own entries."""
+        q_dim, k_dim = self.side_dims[i]
+        try:  # its ops run at the tile's shapes (parallax.models.mask_tiles)
+            return compute_tile(self.fixed[i], self.sides[i], (q_dim, k_dim), {"q": rows, "k": keys})
+        except Unfollowed:  # computed whole inside the loop, sliced: the compiler computes the slice
+            pass
+        salt = jnp.minimum(jax.lax.optimization_barrier(jnp.asarray(keys[0], jnp.int32)), 0)  # 0, as the loop
+        made = compute(self.fixed[i], self.sides[i], salt)
+        return part_of(part_of(made, q_dim, self.queries, *rows), k_dim, self.keys, *keys)
+
     def run(self, scores: Any, sides: Sequence[Any], finals: dict, shape: tuple[int, int],
             until: int | None = None, want: Any = None) -> Any:
         """The weights of one tile of ``shape`` (queries, keys), from its scores and its side values.
@@ -157,7 +173,7 @@ class Tiles:
             if index in finals:
                 local[op.outvars[0]] = finals[index]
                 continue
-            params = _unsharded(op.params)
+            params = unsharded(op.params)
             if op.primitive.name in SHAPED:
                 key = SHAPED[op.primitive.name]
                 params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape)
@@ -192,22 +208,6 @@ def _recipe(v: Any, eqns: Sequence[Any], ops: Sequence[Any]) -> list | None:
         return seen[x]
 
     return order if walk(v) else None
-
-
-def compute(recipe: Sequence[Any], v: Any) -> Any:
-    """``v`` computed again by its :func:`_recipe`, where this runs (inside a ``shard_map``: its
-    equations' shardings, traced outside it, left out)."""
-    env: dict = {}
-    get = lambda x: x.val if isinstance(x, core.Literal) else x.value if isinstance(x, Const) else env[x]  # noqa: E731
-    for e in recipe:
-        env.update(zip(e.outvars, bind(e.primitive, _unsharded(e.params), [get(x) for x in e.invars])))
-    return env[v]
-
-
-def _unsharded(params: dict) -> dict:
-    """An equation's params without its shardings: traced outside the ``shard_map``, they name the mesh
-    before its axis went manual (left to the body)."""
-    return {name: None if name in ("sharding", "out_sharding") else value for name, value in params.items()}
 
 
 def part_of(x: Any, dim: int | None, full: int, start: Any, length: int) -> Any:

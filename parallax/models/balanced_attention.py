@@ -56,10 +56,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from parallax._compat import shard_map
-from parallax.models.attention_tiles import Tiles, compute, part_of
+from parallax.models.attention_tiles import Tiles, part_of
 from parallax.models.attention_weights import is_var
 from parallax.models.balanced_schedule import (
-    device_rows,
     identities,
     scheduled,
     schedule,
@@ -83,12 +82,17 @@ class Balanced:
             the axis a block (two chunks) at a time (``"ring"``).
         count: also return, per device, how many tiles of scores it computes (an ``int32`` array
             of the axis's size): what the docs' and benchmarks' per-device work is read from.
+        block: keys per step inside a tile, where the weights are a softmax's (one pass): a device holds
+            ``chunk × block`` scores per row of the other dims at a time, not ``chunk²`` (at 262,144
+            tokens over 8 devices, ``chunk`` is 16,384); a tile of fewer keys, or a multiple of none,
+            runs whole.
     """
 
     mesh: Mesh
     axis: str
     gather: bool = True
     count: bool = False
+    block: int = 512
 
     @property
     def size(self) -> int:
@@ -116,33 +120,38 @@ class Balanced:
         entering = [i for i, recipe in enumerate(tiles.fixed) if recipe is None]
         in_specs = (*in_specs[:3], *[in_specs[3 + i] for i in entering])
         probe = _probe(tiles)
-        table = None if probe is None or entering else static_skips(tiles, probe, split_sides, chunk, size)
+        block = self.block if 0 < self.block < chunk and chunk % self.block == 0 else chunk
+        table = None if probe is None or entering else static_skips(tiles, probe, chunk, size, block)
         order = None if table is None or not self.gather else schedule(table)
         ops, info = tiles.ops, tiles.info
-        shape = (chunk, chunk)
         online = find(tiles)
 
         def body(q, k, v, *entered):
             index = jax.lax.axis_index(axis)
             given = dict(zip(entering, entered))
-            sides = []
-            for i, (side, dims, split) in enumerate(zip(tiles.sides, tiles.side_dims, split_sides)):
-                if i in given:
-                    sides.append(zigzag(given[i], dims[0], axis, size) if split else given[i])
-                else:
-                    made = compute(tiles.fixed[i], side)
-                    sides.append(zigzag_rows(made, dims[0], axis, size) if split else made)
+            # The sides entered are exchanged into zig-zag order; the others are computed a tile at a time.
+            sides = [None if i not in given else zigzag(given[i], dims[0], axis, size) if split else given[i]
+                     for i, (dims, split) in enumerate(zip(tiles.side_dims, split_sides))]
             q = zigzag(q, tiles.q_dim, axis, size)
             if not self.gather:
                 k, v = zigzag(k, tiles.k_dim, axis, size), zigzag(v, tiles.v_dim, axis, size)
             q_rows = [jax.lax.slice_in_dim(q, x * chunk, (x + 1) * chunk, axis=tiles.q_dim) for x in (0, 1)]
-            side_rows = [[part_of(side, dims[0], 2 * chunk, x * chunk, chunk)
+            side_rows = [[None if side is None else part_of(side, dims[0], 2 * chunk, x * chunk, chunk)
                           for side, dims in zip(sides, tiles.side_dims)] for x in (0, 1)]
+
+            def tile_sides(x, held, start, length):
+                """The side values at this device's chunk of queries ``x`` (``held``: the entered ones' rows
+                there) and keys ``start`` to ``start + length``."""
+                row = jnp.where(jnp.asarray(x) == 0, index, 2 * size - 1 - index) * chunk
+                return [tiles.fixed_tile(i, (row, chunk), (start, length)) if side is None else
+                        tiles.side_tile(side, dims, start, length)
+                        for i, (side, dims) in enumerate(zip(held, tiles.side_dims))]
 
             if table is not None:  # read from the mask before tracing: this device's row of it
                 skip = jnp.asarray(table)[index]
             else:
-                skip = jnp.zeros((2, n), bool) if probe is None else skips(tiles, probe, sides, chunk, n)
+                skip = jnp.zeros((2, n), bool) if probe is None else skips(
+                    tiles, probe, lambda x, start, length: tile_sides(x, side_rows[x], start, length), chunk, n, block)
 
             def fold(update: Callable, first: list, moves_values: bool) -> list:
                 """Each row's state folded over its tiles by ``update`` (checkpointed: the backward recomputes
@@ -159,23 +168,36 @@ class Balanced:
 
                 return _over_tiles(guarded, first, k, v, index, chunk, size, self.gather, axis, moves_values, tiles)
 
-            def tile(kc, g, x, rows, stacked, names=()):
-                """The tile's scores and side values (``rows``: each one's two rows of chunks, ``stacked`` for
-                a traced row, then the reductions ``names`` says): ``run(finals, until, want=None)`` runs the
-                model's ops on them."""
-                q, *sides_x = [pair[x] if isinstance(x, int) else jax.lax.dynamic_index_in_dim(both, x, 0, False)
-                               for pair, both in zip(rows, stacked or rows)]
+            def tile(kc, start, x, rows, stacked, names=()):
+                """The tile's scores (``kc``: its keys, from ``start``) and side values (``rows``: each one's
+                two rows of chunks, ``stacked`` for a traced row, then the reductions ``names`` says):
+                ``run(finals, until, want=None)`` runs the model's ops on them."""
+                q, *sides_x = [None if pair[0] is None else pair[x] if isinstance(x, int) else
+                               jax.lax.dynamic_index_in_dim(both, x, 0, False) for pair, both in zip(rows, stacked or rows)]
                 sides_x, final = sides_x[:len(tiles.sides)], dict(zip(names, sides_x[len(tiles.sides):]))
-                sides_x = [tiles.side_tile(side, dims, g * chunk, chunk) for side, dims in zip(sides_x, tiles.side_dims)]
+                length = kc.shape[tiles.k_dim]
+                sides_x = tile_sides(x, sides_x, start, length)
                 scores = tiles.scores_of(q, kc)
-                return lambda finals, until, want=None: tiles.run(scores, sides_x, {**final, **finals}, shape, until,
-                                                                  want)
+                return lambda finals, until, want=None: tiles.run(scores, sides_x, {**final, **finals}, (chunk, length),
+                                                                  until, want)
+
+            def stack(rows: list) -> list | None:
+                return None if order is None else [None if pair[0] is None else jnp.stack(pair) for pair in rows]
 
             if online is not None:  # a softmax's: one pass over the tiles (parallax.models.online_softmax)
                 rows = [q_rows, *zip(*side_rows)]
-                stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
-                update = lambda state, kc, vc, g, x: online.step(state, tile(kc, g, x, rows, stacked), vc)  # noqa: E731
-                kc, vc = (jax.lax.slice_in_dim(x, 0, chunk, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim)))
+                stacked = stack(rows)
+
+                def update(state, kc, vc, g, x):  # a tile, ``block`` keys a step (each step's tile recomputed)
+                    step = jax.checkpoint(lambda state, kb, vb, at: online.step(state, tile(kb, at, x, rows, stacked), vb))
+                    if block == chunk:
+                        return step(state, kc, vc, g * chunk)
+                    cut = lambda t, d, j: jax.lax.dynamic_slice_in_dim(t, j * block, block, axis=d)  # noqa: E731
+                    return jax.lax.scan(lambda state, j: (step(state, cut(kc, tiles.k_dim, j), cut(vc, tiles.v_dim, j),
+                                                               g * chunk + j * block), None),
+                                        state, jnp.arange(chunk // block))[0]
+
+                kc, vc = (jax.lax.slice_in_dim(x, 0, block, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim)))
                 start = online.start(lambda: tile(kc, 0, 0, rows, stacked), vc)
                 states = fold(update, [start, start], True)
                 out = jnp.concatenate([online.result(state) for state in states], axis=tiles.out_dim)
@@ -185,10 +207,10 @@ class Balanced:
                     combine = jax.lax.add if reduction is None else COMBINE[ops[reduction].primitive.name]
                     names = list(finals[0])
                     rows = [q_rows, *zip(*side_rows), *([f[r] for f in finals] for r in names)]
-                    stacked = [jnp.stack(pair) for pair in rows] if order is not None else None
+                    stacked = stack(rows)
 
                     def part(kc, vc, g, x, reduction=reduction, rows=rows, stacked=stacked, names=names):
-                        weights = tile(kc, g, x, rows, stacked, names)({}, reduction)
+                        weights = tile(kc, g * chunk, x, rows, stacked, names)({}, reduction)
                         return weights if reduction is not None else tiles.values_of(weights, vc)
 
                     def update(total, kc, vc, g, x, part=part, combine=combine):
@@ -291,11 +313,6 @@ def zigzag(x: Any, dim: int, axis: str, size: int) -> Any:
     from_odd = jax.lax.ppermute(second, axis, [(d, dest(2 * d + 1)) for d in range(size)])
     even = jax.lax.axis_index(axis) % 2 == 0  # its chunk i is even: it came as some device's first half
     return jnp.concatenate([jnp.where(even, from_even, from_odd), jnp.where(even, from_odd, from_even)], axis=dim)
-
-
-def zigzag_rows(x: Any, dim: int, axis: str, size: int) -> Any:
-    """A device's chunks ``i`` and ``2 × size - 1 - i`` of ``2 × size`` along ``dim`` of ``x``, held whole."""
-    return device_rows(x, dim, jax.lax.axis_index(axis), size)
 
 
 def unzigzag(x: Any, dim: int, axis: str, size: int) -> Any:

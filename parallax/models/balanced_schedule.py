@@ -23,56 +23,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallax.models.attention_tiles import Tiles, compute, part_of
+from parallax.models.attention_tiles import Tiles
 from parallax.models.ring_attention import IDENTITY
 
+STATIC_ENTRIES = 2**31  # scores' entries up to which the skipped tiles are read before tracing
 
-def skips(tiles: Tiles, probe: Any, sides: Sequence[Any], chunk: int, n: int) -> Any:
+
+def skips(tiles: Tiles, probe: Any, tile_sides: Callable, chunk: int, n: int, block: int) -> Any:
     """Which of a device's tiles to skip (``[2, n]``: its two chunks of queries against each chunk of
-    keys; ``sides``: its rows of the side values): those the mask hides whole, where every row of its
-    queries keeps some key."""
-    shape = (chunk, chunk)
-    rows = [[part_of(side, dims[0], 2 * chunk, x * chunk, chunk) for side, dims in zip(sides, tiles.side_dims)]
-            for x in (0, 1)]
-
-    def tile_sides(x, g):
-        return [tiles.side_tile(side, dims, g * chunk, chunk) for side, dims in zip(rows[x], tiles.side_dims)]
+    keys; ``tile_sides(x, start, length)``: the side values at its chunk of queries ``x`` and those keys):
+    those the mask hides whole, where every row of its queries keeps some key. Read ``block`` keys at a
+    time, so no more than ``chunk × block`` entries (per row of the other dims) are held."""
+    steps = chunk // block
 
     def look(kept, g):
-        hidden = [probe(tile_sides(x, g), shape) for x in (0, 1)]
-        kept = [k | jnp.any(~h, axis=probe.k_dim) for k, h in zip(kept, hidden)]
-        return kept, jnp.stack([jnp.all(h) for h in hidden])
+        def part(carry, j):
+            kept, hidden = carry
+            seen = [probe(tile_sides(x, g * chunk + j * block, block), (chunk, block)) for x in (0, 1)]
+            return ([k | jnp.any(~h, axis=probe.k_dim) for k, h in zip(kept, seen)],
+                    [a & jnp.all(h) for a, h in zip(hidden, seen)]), None
 
-    held = jax.eval_shape(lambda: jnp.any(probe(tile_sides(0, 0), shape), axis=probe.k_dim))
+        (kept, hidden), _ = jax.lax.scan(part, (kept, [jnp.asarray(True)] * 2), jnp.arange(steps))
+        return kept, jnp.stack(hidden)
+
+    held = jax.eval_shape(lambda: jnp.any(probe(tile_sides(0, 0, block), (chunk, block)), axis=probe.k_dim))
     kept, hidden = jax.lax.scan(look, [jnp.zeros(held.shape, bool)] * 2, jnp.arange(n))
     return hidden.T & jnp.stack([jnp.all(k) for k in kept])[:, None]
 
 
-def device_rows(x: Any, dim: int, index: Any, size: int) -> Any:
-    """Device ``index``'s chunks ``index`` and ``2 × size - 1 - index`` of ``2 × size`` along ``dim`` of
-    ``x`` (``index``: an int, or the context axis's index inside its ``shard_map``)."""
-    chunk = x.shape[dim] // (2 * size)
-    rows = jnp.concatenate([jnp.arange(chunk) + index * chunk, jnp.arange(chunk) + (2 * size - 1 - index) * chunk])
-    return jnp.take(x, rows, axis=dim, mode="clip")
-
-
-def static_skips(tiles: Tiles, probe: Any, split_sides: Sequence[bool], chunk: int, size: int) -> np.ndarray | None:
+def static_skips(tiles: Tiles, probe: Any, chunk: int, size: int, block: int) -> np.ndarray | None:
     """:func:`skips` for every device of the axis (``[size, 2, n]``), computed before tracing where
-    every side value is computed from no input (a causal mask from positions): each device's rows of
-    them (:func:`device_rows`). Computed on this machine's
-    CPU in a thread of its own, outside the step's trace and mesh (which may be of devices not in hand:
-    a deviceless GPU target). ``None`` where one cannot be computed here."""
+    every side value is computed from no input (a causal mask from positions), each tile's entries where
+    the tile is read (:meth:`~parallax.models.attention_tiles.Tiles.fixed_tile`). Computed on this
+    machine's CPU in a thread of its own, outside the step's trace and mesh (which may be of devices not
+    in hand: a deviceless GPU target). ``None`` where one cannot be computed here, or where the scores
+    have more than ``STATIC_ENTRIES`` entries (every one is read: at 65,536 tokens and 32 heads minutes
+    on a CPU); each device then reads its own in the step, where they cost a fraction of the scores'."""
     n = 2 * size
+    if int(np.prod(tiles.scores.aval.shape)) > STATIC_ENTRIES:
+        return None
 
     def table() -> np.ndarray:
+        def one(d):
+            def tile_sides(x, start, length):
+                row = (d if x == 0 else 2 * size - 1 - d) * chunk
+                return [tiles.fixed_tile(i, (row, chunk), (start, length)) for i in range(len(tiles.sides))]
+            return skips(tiles, probe, tile_sides, chunk, n, block)
+
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            made = [compute(recipe, side) for recipe, side in zip(tiles.fixed, tiles.sides)]
-            run = jax.jit(lambda *sides: skips(tiles, probe, sides, chunk, n))
-            found = []
-            for d in range(size):
-                found.append(np.asarray(run(*[device_rows(m, dims[0], d, size) if split else m
-                                              for m, dims, split in zip(made, tiles.side_dims, split_sides)])))
-        return np.stack(found)
+            run = jax.jit(one)
+            return np.stack([np.asarray(run(d)) for d in range(size)])
 
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
