@@ -405,3 +405,44 @@ def test_a_pipeline_runs_its_stages_attention_split_over_the_context_axis():
         state = px.init_state(StackedLM(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=lm_loss)
         tiles[name] = score_tiles(px.make_train_step(lm_loss, strategy).lower(state, batch).compile().as_text())
     assert (8, 16) in tiles["cp"] and (16, 16) not in tiles["cp"] and (16, 16) in tiles["dp"], tiles
+
+
+def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_compute_what_one_device_does():
+    """At long sequences a load-balanced attention holds neither its mask whole nor a chunk² tile of
+    scores: the mask's ops run at each tile's shapes (mask_tiles: no equation of the traced step is the
+    mask's whole [1, 1, 32, 32]), and a softmax's tile runs ``block`` keys a step. Against one device,
+    values and gradients, by both methods: linen's causal mask (made per row of the batch, the same
+    along it: its skips read once for every row and head), jax.nn's is_causal (its mask inside a jit), and
+    a mask made from no input that differs per head (a window per head: its skips read head by head)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("context",))
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 32, 2, 8)) for i in range(3))
+
+    def linen_mask(q, k, v):
+        return nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(q[..., 0, 0]))
+
+    def windows(q, k, v):  # head 0 sees the last 6 keys, head 1 the last 12
+        pos = jnp.arange(32)
+        window = (jnp.arange(2) + 1)[:, None, None] * 6
+        seen = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+        s = jnp.where(seen[None], jnp.einsum("bqhd,bkhd->bhqk", q, k), jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for fn in (linen_mask, causal, windows):
+        want = fn(q, k, v)
+        want_grads = jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+        for method in ("ring", "all_gather"):
+            split = context_parallel(fn, mesh=mesh, axis="context", method=method, load_balance=True, block=2)
+            inside = [str(e.params["jaxpr"]) for e in jax.make_jaxpr(split)(q, k, v).jaxpr.eqns
+                      if e.primitive.name == "shard_map"]  # outside it, the model's mask is left unused
+            traced = inside[0]
+            assert len(inside) == 1 and not re.search(r"\[\d+,\d+,(32,32|16,32)\]", traced), fn
+            assert "f32[2,2,8,2]" in traced  # a step's scores: 8 queries (a chunk) × 2 keys (a block)
+            np.testing.assert_allclose(jax.jit(split)(q, k, v), want, rtol=1e-5, atol=1e-6)
+            grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+            for got, expected in zip(grads, want_grads):
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(jnp.abs(expected).max()))
+    # The skips read from the mask's tiles (of 4 × CP = 8 tiles a device): causal, 5 each; the windows hide
+    # device 0's queries 24-31 from keys 0-7 for both heads, which the causal mask shows, so 4 and 5.
+    assert tiles_computed(linen_mask, q, k, v, mesh=mesh, axis="context").tolist() == [5, 5]
+    assert tiles_computed(windows, q, k, v, mesh=mesh, axis="context").tolist() == [4, 5]

@@ -136,22 +136,25 @@ class Tiles:
         """A side value's columns ``key_start`` to ``key_start + key_len`` (if it has the keys' dim whole)."""
         return part_of(x, dims[1], self.keys, key_start, key_len)
 
-    def fixed_tile(self, i: int, rows: tuple[Any, int], keys: tuple[Any, int]) -> Any:
+    def fixed_tile(self, i: int, rows: tuple[Any, int], keys: tuple[Any, int], squeeze: bool = False) -> Any:
         """Side value ``i`` (one computed from no input: a causal mask from positions) at the queries'
         rows ``rows`` and keys' columns ``keys`` (each ``(start, length)``), computed there alone: the
         whole value (``queries × keys`` entries) is never held, and inside a loop over tiles each tile
-        computes its own entries."""
+        computes its own entries. ``squeeze``: its other dims of 1 (for a value the same along them; raises
+        :class:`~parallax.models.mask_tiles.Unfollowed` where that is not known)."""
         q_dim, k_dim = self.side_dims[i]
         try:  # its ops run at the tile's shapes (parallax.models.mask_tiles)
-            return compute_tile(self.fixed[i], self.sides[i], (q_dim, k_dim), {"q": rows, "k": keys})
-        except Unfollowed:  # computed whole inside the loop, sliced: the compiler computes the slice
+            return compute_tile(self.fixed[i], self.sides[i], (q_dim, k_dim), {"q": rows, "k": keys}, squeeze)
+        except Unfollowed:
+            if squeeze:
+                raise  # computed whole inside the loop, sliced: the compiler computes the slice
             pass
         salt = jnp.minimum(jax.lax.optimization_barrier(jnp.asarray(keys[0], jnp.int32)), 0)  # 0, as the loop
         made = compute(self.fixed[i], self.sides[i], salt)
         return part_of(part_of(made, q_dim, self.queries, *rows), k_dim, self.keys, *keys)
 
     def run(self, scores: Any, sides: Sequence[Any], finals: dict, shape: tuple[int, int],
-            until: int | None = None, want: Any = None) -> Any:
+            until: int | None = None, want: Any = None, squeeze: bool = False) -> Any:
         """The weights of one tile of ``shape`` (queries, keys), from its scores and its side values.
 
         Args:
@@ -176,17 +179,17 @@ class Tiles:
             params = unsharded(op.params)
             if op.primitive.name in SHAPED:
                 key = SHAPED[op.primitive.name]
-                params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape)
+                params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape, squeeze)
             local.update(zip(op.outvars, bind(op.primitive, params, [get(v) for v in op.invars])))
             if index == until:
                 return local[op.outvars[0]]
         return get(want) if want is not None else local[self.weights]
 
-    def blocked(self, full: Sequence[int], roles: tuple, shape: tuple[int, int]) -> tuple:
-        """A shape traced for the whole sequence, at a tile's (queries, keys)."""
+    def blocked(self, full: Sequence[int], roles: tuple, shape: tuple[int, int], squeeze: bool = False) -> tuple:
+        """A shape traced for the whole sequence, at a tile's (queries, keys); ``squeeze``: every other dim 1."""
         q, k = roles
-        return tuple(shape[0] if d == q and n == self.queries else shape[1] if d == k and n == self.keys else n
-                     for d, n in enumerate(full))
+        return tuple(shape[0] if d == q and n == self.queries else shape[1] if d == k and n == self.keys else
+                     1 if squeeze else n for d, n in enumerate(full))
 
 
 def _recipe(v: Any, eqns: Sequence[Any], ops: Sequence[Any]) -> list | None:

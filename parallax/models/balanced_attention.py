@@ -273,15 +273,16 @@ class _Probe:
     reduced: Any
     k_dim: int
 
-    def __call__(self, sides: Sequence[Any], shape: tuple[int, int]) -> Any:
+    def __call__(self, sides: Sequence[Any], shape: tuple[int, int], squeeze: bool = False) -> Any:
+        """``squeeze``: the scores' other dims (batch, heads) of 1, for side values the same along them."""
         tiles = self.tiles
-        full = list(tiles.scores.aval.shape)
         q_out, k_out = tiles.info.roles[tiles.scores]
+        full = [1 if squeeze else n for n in tiles.scores.aval.shape]
         full[q_out], full[k_out] = shape
         hidden = None
         for sign in (1, -1):
             value = tiles.run(jnp.full(full, sign * PROBE, tiles.scores.aval.dtype), sides, {}, shape,
-                              until=self.first, want=self.reduced)
+                              until=self.first, want=self.reduced, squeeze=squeeze)
             hidden = value <= -PROBE if hidden is None else hidden & (value <= -PROBE)
         return hidden
 

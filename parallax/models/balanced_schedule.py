@@ -24,29 +24,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from parallax.models.attention_tiles import Tiles
+from parallax.models.mask_tiles import Unfollowed
 from parallax.models.ring_attention import IDENTITY
 
-STATIC_ENTRIES = 2**31  # scores' entries up to which the skipped tiles are read before tracing
+STATIC_ENTRIES = 2**36  # the mask's entries up to which the skipped tiles are read before tracing (262,144²)
+STATIC_SCORES = 2**31  # ... and the scores' (every head's), for a mask that varies along the heads
 
 
-def skips(tiles: Tiles, probe: Any, tile_sides: Callable, chunk: int, n: int, block: int) -> Any:
+def skips(tiles: Tiles, probe: Any, tile_sides: Callable, chunk: int, n: int, block: int, squeeze: bool = False) -> Any:
     """Which of a device's tiles to skip (``[2, n]``: its two chunks of queries against each chunk of
     keys; ``tile_sides(x, start, length)``: the side values at its chunk of queries ``x`` and those keys):
     those the mask hides whole, where every row of its queries keeps some key. Read ``block`` keys at a
-    time, so no more than ``chunk × block`` entries (per row of the other dims) are held."""
+    time, so no more than ``chunk × block`` entries (per row of the other dims) are held; ``squeeze``:
+    the scores' other dims taken as 1 (side values the same along them)."""
     steps = chunk // block
 
     def look(kept, g):
         def part(carry, j):
             kept, hidden = carry
-            seen = [probe(tile_sides(x, g * chunk + j * block, block), (chunk, block)) for x in (0, 1)]
+            seen = [probe(tile_sides(x, g * chunk + j * block, block), (chunk, block), squeeze) for x in (0, 1)]
             return ([k | jnp.any(~h, axis=probe.k_dim) for k, h in zip(kept, seen)],
                     [a & jnp.all(h) for a, h in zip(hidden, seen)]), None
 
         (kept, hidden), _ = jax.lax.scan(part, (kept, [jnp.asarray(True)] * 2), jnp.arange(steps))
         return kept, jnp.stack(hidden)
 
-    held = jax.eval_shape(lambda: jnp.any(probe(tile_sides(0, 0, block), (chunk, block)), axis=probe.k_dim))
+    held = jax.eval_shape(lambda: jnp.any(probe(tile_sides(0, 0, block), (chunk, block), squeeze), axis=probe.k_dim))
     kept, hidden = jax.lax.scan(look, [jnp.zeros(held.shape, bool)] * 2, jnp.arange(n))
     return hidden.T & jnp.stack([jnp.all(k) for k in kept])[:, None]
 
@@ -56,27 +59,34 @@ def static_skips(tiles: Tiles, probe: Any, chunk: int, size: int, block: int) ->
     every side value is computed from no input (a causal mask from positions), each tile's entries where
     the tile is read (:meth:`~parallax.models.attention_tiles.Tiles.fixed_tile`). Computed on this
     machine's CPU in a thread of its own, outside the step's trace and mesh (which may be of devices not
-    in hand: a deviceless GPU target). ``None`` where one cannot be computed here, or where the scores
-    have more than ``STATIC_ENTRIES`` entries (every one is read: at 65,536 tokens and 32 heads minutes
-    on a CPU); each device then reads its own in the step, where they cost a fraction of the scores'."""
+    in hand: a deviceless GPU target). Where the mask is the same along the scores' other dims (batch,
+    heads: every side value made from iotas along the queries and keys alone, broadcast) it is read once
+    for them all, ``queries × keys`` entries; otherwise every entry of the scores is. ``None`` where one
+    cannot be computed here, or where more entries would be read than ``STATIC_ENTRIES`` (of a mask read
+    once) or ``STATIC_SCORES`` (every head's: at 65,536 tokens and 32 heads, minutes on a CPU); each device then reads its own in the step, where they cost a
+    fraction of what its scores cost."""
     n = 2 * size
-    if int(np.prod(tiles.scores.aval.shape)) > STATIC_ENTRIES:
-        return None
 
-    def table() -> np.ndarray:
+    def table(squeeze: bool) -> np.ndarray:
         def one(d):
             def tile_sides(x, start, length):
                 row = (d if x == 0 else 2 * size - 1 - d) * chunk
-                return [tiles.fixed_tile(i, (row, chunk), (start, length)) for i in range(len(tiles.sides))]
-            return skips(tiles, probe, tile_sides, chunk, n, block)
+                return [tiles.fixed_tile(i, (row, chunk), (start, length), squeeze) for i in range(len(tiles.sides))]
+            return skips(tiles, probe, tile_sides, chunk, n, block, squeeze)
 
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             run = jax.jit(one)
             return np.stack([np.asarray(run(d)) for d in range(size)])
 
+    def either() -> np.ndarray | None:
+        try:
+            return table(squeeze=True) if tiles.queries * tiles.keys <= STATIC_ENTRIES else None
+        except Unfollowed:  # a side value that varies along the other dims: every entry read
+            return table(squeeze=False) if int(np.prod(tiles.scores.aval.shape)) <= STATIC_SCORES else None
+
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(table).result()
+            return pool.submit(either).result()
     except (jax.errors.JAXTypeError, RuntimeError):  # a value only known when the step runs (or no CPU backend):
         return None  # the tiles are skipped as the step finds them
 

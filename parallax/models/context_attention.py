@@ -199,6 +199,7 @@ class _Pin:
     axis: str
     method: str = "all_gather"
     load_balance: bool = False
+    block: int = 512
 
     def __call__(self, x: Any, split: int | None = None, whole: int | None = None) -> Any:
         """``x`` with its dim ``split`` over the axis and its dim ``whole`` on no axis, the rest free."""
@@ -211,7 +212,7 @@ class _Pin:
 
 
 def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_gather",
-                     load_balance: bool = False) -> Callable:
+                     load_balance: bool = False, block: int = 512) -> Callable:
     """``fn`` with every attention it computes split along its queries' sequence over ``mesh``'s ``axis``.
 
     Args:
@@ -223,6 +224,7 @@ def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_
         load_balance: skip the tiles of the scores the model's mask hides, the sequence reordered
             inside each attention so that every device skips as many
             (:mod:`parallax.models.balanced_attention`).
+        block: with ``load_balance``, the keys a softmax's tile takes a step (its ``block``).
 
     Returns:
         A function of the same arguments, returning what ``fn`` returns.
@@ -232,7 +234,7 @@ def context_parallel(fn: Callable, *, mesh: Mesh, axis: str, method: str = "all_
             it), or a sequence length the axis does not divide (and what to pad it to).
     """
     size = int(mesh.shape[axis])
-    pin = _Pin(mesh, axis, method, load_balance)
+    pin = _Pin(mesh, axis, method, load_balance, block)
 
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -286,7 +288,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], pin: _Pin)
         for a in attentions:
             rings[a.values] = (a, ring_region(jaxpr, a))
             skipped.update((a.scores, *rings[a.values][1]))
-    tiled = (Balanced(pin.mesh, pin.axis, gather=pin.method == "all_gather") if pin.load_balance
+    tiled = (Balanced(pin.mesh, pin.axis, gather=pin.method == "all_gather", block=pin.block) if pin.load_balance
              else Ring(pin.mesh, pin.axis))
     for index, eqn in enumerate(jaxpr.eqns):
         if index in skipped:

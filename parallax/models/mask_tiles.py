@@ -40,11 +40,13 @@ class Unfollowed(Exception):
     array along the queries or keys)."""
 
 
-def compute_tile(recipe: Sequence[Any], v: Any, dims: tuple[int | None, int | None], at: dict) -> Any:
+def compute_tile(recipe: Sequence[Any], v: Any, dims: tuple[int | None, int | None], at: dict,
+                 squeeze: bool = False) -> Any:
     """``v`` (of ``recipe``, :func:`compute`'s; ``dims``: its queries' and keys' dims) at one tile: ``at``
     gives the queries' and keys' ``(start, length)`` (``"q"``, ``"k"``). Each value is computed at the
     tile's shapes for each way it is used (a position is a query's along one broadcast and a key's along
-    another), each iota along a followed dim started at the tile's first query or key.
+    another), each iota along a followed dim started at the tile's first query or key. ``squeeze``: every
+    other dim of 1, where the value is known to be the same along it (an iota along one raises).
 
     Raises:
         Unfollowed: for an op other than elementwise ones, ``broadcast_in_dim``, a reshape that adds or
@@ -98,9 +100,17 @@ def compute_tile(recipe: Sequence[Any], v: Any, dims: tuple[int | None, int | No
             if theirs is None:
                 raise Unfollowed(name)
             ins.append(value(x, theirs, scope))
-        if name in _SHAPES and mine:
-            params[_SHAPES[name]] = tuple(at[mine[d]][1] if d in mine else n for d, n in enumerate(params[_SHAPES[name]]))
-        result = bind(eqn.primitive, params, ins)[0]
+        if squeeze and name == "iota" and params["dimension"] not in mine:
+            raise Unfollowed("an iota along a dim other than the queries' and keys'")
+        if name in _SHAPES and (mine or squeeze):
+            params[_SHAPES[name]] = tuple(at[mine[d]][1] if d in mine else 1 if squeeze else n
+                                          for d, n in enumerate(params[_SHAPES[name]]))
+        try:
+            result = bind(eqn.primitive, params, ins)[0]
+        except (TypeError, ValueError) as err:  # squeezed: a value along another dim that is not broadcast
+            if not squeeze:
+                raise
+            raise Unfollowed(str(err)) from None
         if name == "iota" and params["dimension"] in mine:
             result = result + jnp.asarray(at[mine[params["dimension"]]][0]).astype(result.dtype)
         return result
