@@ -55,7 +55,9 @@ class ContextParallel(Strategy):
             nearly half), the sequence cut into ``2 × size`` chunks and each device holding an early
             and a late one inside each attention, so every device skips as many; the tiles run one
             at a time, so a device holds one tile of scores, as the ring does
-            (:mod:`parallax.models.balanced_attention`; the model's positions are unchanged). With
+            (:mod:`parallax.models.balanced_attention`; the model's positions are unchanged; a mask the
+            model computes from positions is computed a tile at a time, and a softmax's tile runs 512
+            keys a step, so long sequences hold neither the mask nor a tile's scores whole). With
             either method. The sequence length must be a multiple of ``2 × size``; not inside a
             pipeline's stages.
 
