@@ -54,7 +54,7 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         # Only where FSDP splits the params: the stacked copy is then each device's share (whole
         # params copied under data parallelism: +12 % on a planned H200 bf16+remat run).
         loss = scanned_lists(loss, params_argnum=0)
-    if batch and not strategy.run_changes and not is_explicit(mesh):
+    if batch and all(isinstance(c, ContextRun) for c in strategy.run_changes) and not is_explicit(mesh):
         # The batch's split kept through the model's loops (a scanned stack), which the compiler may
         # otherwise gather to keep the weights where they are (parallax.models.batch_pins).
         loss = batch_pinned(loss, mesh=mesh, batch_axes=(batch,) if isinstance(batch, str) else tuple(batch),
