@@ -19,6 +19,7 @@ from parallax.models.balanced_attention import tiles_computed
 from parallax.pricing.fused_bytes import dot_flops
 from parallax.models.context_attention import context_parallel, model_has_attention
 from parallax.sharding.auto import from_mesh
+from parallax.sharding.specs import is_spec
 from tests import tiers
 from tests import third_party
 from tests.models import TinyLM, batches, lm_loss
@@ -446,3 +447,30 @@ def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_comp
     # device 0's queries 24-31 from keys 0-7 for both heads, which the causal mask shows, so 4 and 5.
     assert tiles_computed(linen_mask, q, k, v, mesh=mesh, axis="context").tolist() == [5, 5]
     assert tiles_computed(windows, q, k, v, mesh=mesh, axis="context").tolist() == [4, 5]
+
+
+def test_shard_params_splits_the_state_over_the_context_axis_and_a_scanned_stack_keeps_its_rows_split():
+    """ContextParallel(shard_params=True) splits the params and the optimizer state over the context
+    axis as FSDP splits them over its own (a scanned stack's layer dim never), and trains like one
+    device. Under context parallelism the batch's rows stay split through a scanned stack: each
+    device's dense matmuls take its own rows (16 rows x 16 tokens over FSDP 4 and CP 2: 4 x 8 = 32
+    tokens a device), not the whole batch's 128, which the compiler gathered before, every device
+    then computing every row's attention."""
+    make = lambda: px.combine(  # noqa: E731
+        px.ContextParallel(2, "ring", load_balance=True, shard_params=True, min_weight_size=64),
+        px.FSDP(4, min_weight_size=64))
+    plan = px.plan_state(StackedLM(), optax.adamw(1e-2), batches("lm", 1)[0], strategy=make(), loss_fn=lm_loss)
+    specs = {"/".join(str(getattr(k, "key", k)) for k in path): tuple(spec)
+             for path, spec in jax.tree_util.tree_leaves_with_path(plan.specs.params, is_leaf=is_spec)}
+    kernel = next(spec for path, spec in specs.items() if path.endswith("blocks/Dense_0/kernel"))
+    assert kernel[0] is None and {"context", "fsdp"} <= set(kernel[1:]), specs  # (layers, in, out): layers whole
+    assert px.ContextParallel(2).fsdp_axes == () and make().fsdp_axes == ("context", "fsdp")
+    report = px.testing.assert_equivalent(StackedLM(), optax.adamw(1e-2), lm_loss, batches("lm", 2), make())
+    assert report.mode == "jit", report
+    batch = batches("lm", 1)[0]
+    state = px.init_state(StackedLM(), optax.sgd(0.1), batch, strategy=make(), loss_fn=lm_loss)
+    text = px.make_train_step(lm_loss, make()).lower(state, batch).compile().as_text()
+    rows = {int(m) for m in re.findall(r"= f32\[(\d+),32\]\{[\d,]*\} dot\(", text)}  # (tokens, features), grads
+    assert 32 in rows and not rows & {128, 256}, rows
+    with pytest.raises(TypeError, match=r"ContextParallel\(shard_params=1\): use True"):
+        px.ContextParallel(2, shard_params=1)

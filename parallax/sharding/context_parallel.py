@@ -1,7 +1,8 @@
 """Context parallelism: a model's sequence split over a mesh axis, its attention included.
 
-A part that changes how the model runs, not only where its arrays live: it places no param
-(params are replicated over its axis, or split by the parts it is combined with), and declares a
+A part that changes how the model runs, not only where its arrays live: it places no param unless
+told to (``shard_params=True``: split over its axis as FSDP splits them over its own; otherwise
+replicated over it, or split by the parts it is combined with), and declares a
 :class:`ContextRun` (:attr:`Strategy.run_change`), which the step carries out on the traced loss
 (:mod:`parallax.models.context_attention`): each attention the model computes is split along its
 queries' sequence over the axis, the keys and values gathered whole or passed round the axis a block
@@ -12,8 +13,9 @@ at a time (:mod:`parallax.models.ring_attention`), and everything position-wise 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from parallax.sharding.parts import check_axis
+from parallax.sharding.parts import FSDP, check_axis
 from parallax.sharding.strategy import Strategy
 
 METHODS = ("all_gather", "ring")
@@ -60,6 +62,13 @@ class ContextParallel(Strategy):
             keys a step, so long sequences hold neither the mask nor a tile's scores whole). With
             either method. The sequence length must be a multiple of ``2 × size``; not inside a
             pipeline's stages.
+        shard_params: split the params, their gradients and the optimizer state over the axis as
+            ``FSDP`` splits them over its own (each param's largest free dim, params over FSDP's
+            ``min_weight_size``; gathered where a layer uses them), so the devices of the context axis
+            share the state as FSDP's do (torchtitan's FSDP over its data and context devices):
+            ``px.combine(px.ContextParallel(8, shard_params=True), px.FSDP(1))`` holds an eighth of it.
+            Otherwise each device of the axis holds the state as the parts it is combined with place it.
+        min_weight_size: with ``shard_params``, params with at most this many elements stay whole (FSDP's).
 
     Example:
         >>> px.ContextParallel(4).describe(), px.ContextParallel(4).model_axes
@@ -68,15 +77,19 @@ class ContextParallel(Strategy):
         "ContextParallel(context=4, method='ring')"
         >>> px.ContextParallel(4, load_balance=True).describe()
         'ContextParallel(context=4, load_balance=True)'
+        >>> px.ContextParallel(4, shard_params=True).fsdp_axes
+        ('context',)
     """
 
     size: int = -1
     method: str = "all_gather"
     axis: str = "context"
     load_balance: bool = False
+    shard_params: bool = False
+    min_weight_size: int = 2**18
+    scanned: Any = dataclasses.field(default=None, compare=False, repr=False)  # as FSDP's (set when planned)
 
     splits_batch = False
-    gathers_params = False
     placement_priority = 40  # places no param
     link_rank = 35  # keys and values of every attention, each step: inside a host before data parallelism
     critical_path = True
@@ -87,6 +100,9 @@ class ContextParallel(Strategy):
             raise ValueError(f"ContextParallel(method={self.method!r}): use 'all_gather' (each device gathers the "
                              "keys and values of the sequence whole, per attention) or 'ring' (they are passed round "
                              "the axis a block at a time).")
+        if not isinstance(self.shard_params, bool):
+            raise TypeError(f"ContextParallel(shard_params={self.shard_params!r}): use True (the params, gradients "
+                            "and optimizer state split over the context axis, as FSDP splits them) or False.")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"ContextParallel(load_balance={self.load_balance!r}): use True (skip the tiles a causal "
                             "mask hides, evenly over the devices) or False.")
@@ -94,15 +110,33 @@ class ContextParallel(Strategy):
     @property
     def described_options(self) -> str:
         return (("" if self.method == "all_gather" else f", method={self.method!r}")
-                + (", load_balance=True" if self.load_balance else ""))
+                + (", load_balance=True" if self.load_balance else "") + (", shard_params=True" if self.shard_params else ""))
+
+    @property
+    def gathers_params(self) -> bool:  # type: ignore[override]
+        return self.shard_params
+
+    @property
+    def uses_computation(self) -> bool:  # type: ignore[override]  # the scanned layer dims, never split
+        return self.shard_params
+
+    def fit_to_computation(self, computation: Any) -> "ContextParallel":
+        scanned = computation.scanned_dims() if self.shard_params else None
+        return dataclasses.replace(self, scanned=dict(scanned)) if scanned else self
+
+    def _fsdp(self) -> FSDP:
+        """How its params are split where ``shard_params``: FSDP's rule over this axis."""
+        return FSDP(self.size, axis=self.axis, min_weight_size=self.min_weight_size, split="largest", scanned=self.scanned)
 
     @property
     def run_change(self) -> ContextRun:
         return ContextRun(self.axis, self.method, self.load_balance)
 
     def place(self, path, shape, dims, axis_sizes):
-        return dims
+        return self._fsdp().place(path, shape, dims, axis_sizes) if self.shard_params else dims
 
     def why_whole(self, path, shape, axis_sizes) -> str:
         """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
-        return f"ContextParallel({self.axis}) splits the sequence, not params"
+        if self.shard_params:
+            return self._fsdp().why_whole(path, shape, axis_sizes)
+        return f"ContextParallel({self.axis}) splits the sequence, not params (shard_params=True splits them too)"
