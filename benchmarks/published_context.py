@@ -11,8 +11,9 @@ recomputed), the same layout, batch and sequence, on their hardware as they desc
 (:func:`benchmarks.published_runs.hardware`). Without a context split (their first row) the attention is
 jax's Pallas flash-attention kernel, as theirs is a flash attention; with one, it is the attention as
 plain JAX writes it (``flax.linen.dot_product_attention`` under a causal mask), which parallax's
-``ContextParallel(size, "ring", load_balance=True)`` splits (a Pallas kernel is opaque to it). Nothing is
-fitted to their numbers.
+``ContextParallel(size, "ring", load_balance=True, shard_params=True)`` splits (a Pallas kernel is opaque
+to it), the state split over the context devices too, as torchtitan's FSDP splits it over its data and
+context devices. Nothing is fitted to their numbers.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def strategy(run: ContextRun):
     import parallax as px
 
     fsdp = px.FSDP(8 // run.context)
-    return fsdp if run.context == 1 else px.combine(px.ContextParallel(run.context, "ring", load_balance=True), fsdp)
+    if run.context == 1:
+        return fsdp
+    return px.combine(px.ContextParallel(run.context, "ring", load_balance=True, shard_params=True), fsdp)
 
 
 def predict(run: ContextRun) -> dict:
