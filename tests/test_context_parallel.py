@@ -474,3 +474,5 @@ def test_shard_params_splits_the_state_over_the_context_axis_and_a_scanned_stack
     assert 32 in rows and not rows & {128, 256}, rows
     with pytest.raises(TypeError, match=r"ContextParallel\(shard_params=1\): use True"):
         px.ContextParallel(2, shard_params=1)
+    with pytest.raises(ValueError, match=r"ContextParallel\(min_weight_size=-1\): use an integer >= 0"):
+        px.ContextParallel(2, shard_params=True, min_weight_size=-1)

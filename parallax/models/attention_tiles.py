@@ -179,7 +179,8 @@ class Tiles:
             params = unsharded(op.params)
             if op.primitive.name in SHAPED:
                 key = SHAPED[op.primitive.name]
-                params[key] = self.blocked(params[key], self.info.roles.get(op.outvars[0], (None, None)), shape, squeeze)
+                roles = self.info.roles.get(op.outvars[0], (None, None))
+                params[key] = self.blocked(params[key], roles, shape, squeeze)
             local.update(zip(op.outvars, bind(op.primitive, params, [get(v) for v in op.invars])))
             if index == until:
                 return local[op.outvars[0]]

@@ -63,8 +63,8 @@ def static_skips(tiles: Tiles, probe: Any, chunk: int, size: int, block: int) ->
     heads: every side value made from iotas along the queries and keys alone, broadcast) it is read once
     for them all, ``queries × keys`` entries; otherwise every entry of the scores is. ``None`` where one
     cannot be computed here, or where more entries would be read than ``STATIC_ENTRIES`` (of a mask read
-    once) or ``STATIC_SCORES`` (every head's: at 65,536 tokens and 32 heads, minutes on a CPU); each device then reads its own in the step, where they cost a
-    fraction of what its scores cost."""
+    once) or ``STATIC_SCORES`` (every head's: at 65,536 tokens and 32 heads, minutes on a CPU); each
+    device then reads its own in the step, where they cost a fraction of what its scores cost."""
     n = 2 * size
 
     def table(squeeze: bool) -> np.ndarray:
@@ -81,7 +81,7 @@ def static_skips(tiles: Tiles, probe: Any, chunk: int, size: int, block: int) ->
     def either() -> np.ndarray | None:
         try:
             return table(squeeze=True) if tiles.queries * tiles.keys <= STATIC_ENTRIES else None
-        except Unfollowed:  # a side value that varies along the other dims: every entry read
+        except (Unfollowed, TypeError, ValueError):  # a value that varies along the other dims: every entry read
             return table(squeeze=False) if int(np.prod(tiles.scores.aval.shape)) <= STATIC_SCORES else None
 
     try:

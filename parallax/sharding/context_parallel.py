@@ -90,7 +90,7 @@ class ContextParallel(Strategy):
     scanned: Any = dataclasses.field(default=None, compare=False, repr=False)  # as FSDP's (set when planned)
 
     splits_batch = False
-    placement_priority = 40  # places no param
+    placement_priority = 40  # after FSDP's (20): with shard_params, a dim FSDP left free
     link_rank = 35  # keys and values of every attention, each step: inside a host before data parallelism
     critical_path = True
 
@@ -103,6 +103,10 @@ class ContextParallel(Strategy):
         if not isinstance(self.shard_params, bool):
             raise TypeError(f"ContextParallel(shard_params={self.shard_params!r}): use True (the params, gradients "
                             "and optimizer state split over the context axis, as FSDP splits them) or False.")
+        weight = self.min_weight_size
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
+            raise ValueError(f"ContextParallel(min_weight_size={self.min_weight_size!r}): use an integer >= 0 (with "
+                             "shard_params=True, the params with at most this many elements stay whole).")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"ContextParallel(load_balance={self.load_balance!r}): use True (skip the tiles a causal "
                             "mask hides, evenly over the devices) or False.")
@@ -110,7 +114,8 @@ class ContextParallel(Strategy):
     @property
     def described_options(self) -> str:
         return (("" if self.method == "all_gather" else f", method={self.method!r}")
-                + (", load_balance=True" if self.load_balance else "") + (", shard_params=True" if self.shard_params else ""))
+                + (", load_balance=True" if self.load_balance else "")
+                + (", shard_params=True" if self.shard_params else ""))
 
     @property
     def gathers_params(self) -> bool:  # type: ignore[override]
@@ -126,7 +131,8 @@ class ContextParallel(Strategy):
 
     def _fsdp(self) -> FSDP:
         """How its params are split where ``shard_params``: FSDP's rule over this axis."""
-        return FSDP(self.size, axis=self.axis, min_weight_size=self.min_weight_size, split="largest", scanned=self.scanned)
+        return FSDP(self.size, axis=self.axis, min_weight_size=self.min_weight_size, split="largest",
+                    scanned=self.scanned)
 
     @property
     def run_change(self) -> ContextRun:
