@@ -383,9 +383,11 @@ def test_the_plan_names_more_devices_with_the_sequence_split_for_a_long_sequence
     tried = report.as_dict()["fixes"]["8MB"]
     assert [fix["change"] for fix in tried if fix["error"]] == ["devices=4"]  # the batch does not split
     split = [fix for fix in tried if "ContextParallel" in fix["change"]]
-    assert [fix["strategy"] for fix in split] == ["ContextParallel(context=2, load_balance=True) × FSDP(fsdp=2)"]
+    assert [fix["strategy"] for fix in split] == [
+        "ContextParallel(context=2, load_balance=True, shard_params=True) × FSDP(fsdp=2)"]  # the state over both
     assert split[0]["fits"] and split[0]["peak"] < tried[0]["peak"] / 4, tried
-    assert "use devices=4, strategy=ContextParallel(context=2, load_balance=True) × FSDP(fsdp=-1)" in str(report)
+    assert ("use devices=4, strategy=ContextParallel(context=2, load_balance=True, shard_params=True) × "
+            "FSDP(fsdp=-1)") in str(report)
     plain = px.plan(TinyLM(), optax.adamw(1e-3), batch, loss_fn=lm_loss, devices=[4],
                     strategies=[px.combine(px.ContextParallel(2), px.FSDP(2))]).rows[0]
     assert plain["peak"] > 8e6 > split[0]["peak"], (plain["peak"], split[0]["peak"])  # unbalanced, it would not fit

@@ -7,7 +7,8 @@ blocks (:func:`parallax.models.blocks.repeated_blocks`) rematerialised keeping t
 nothing; the params in host memory too; that with the blocks rematerialised; then 2x and 4x
 the devices, each also with the sequence split over the added devices
 (:class:`parallax.ContextParallel`, for a model with attention, its keys and values gathered, then
-passed round a ring; each load-balanced first, ``load_balance=True``, which skips the tiles a causal
+passed round a ring, the state split over the added devices too where FSDP splits it; each
+load-balanced first, ``load_balance=True``, which skips the tiles a causal
 mask hides and holds no more, the unbalanced method tried only where the balanced one cannot be
 planned): more devices hold a batch of few long sequences only by splitting them. The first that fits
 ends the search; every one tried is reported with its numbers; one whose planning subprocess died is
@@ -76,10 +77,14 @@ def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
 
 def with_context(strategy: Strategy, size: int, method: str = "all_gather",
                  load_balance: bool = False) -> Strategy | None:
-    """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already)."""
+    """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already);
+    where it splits the state (FSDP), split over the added devices too (``shard_params=True``), so they
+    hold no more of it than the devices before."""
     if any(isinstance(part, ContextParallel) for part in strategy.parts):
         return None
-    return combine(ContextParallel(size, method=method, load_balance=load_balance), *strategy.parts)
+    sharded = any(part.gathers_params for part in strategy.parts)
+    return combine(ContextParallel(size, method=method, load_balance=load_balance, shard_params=sharded),
+                   *strategy.parts)
 
 
 def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, budget: int,
