@@ -414,7 +414,8 @@ def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_comp
     """At long sequences a load-balanced attention holds neither its mask whole nor a chunk² tile of
     scores: the mask's ops run at each tile's shapes (mask_tiles: no equation of the traced step is the
     mask's whole [1, 1, 32, 32]), and a softmax's tile runs ``block`` keys a step. Against one device,
-    values and gradients, by both methods: linen's causal mask (made per row of the batch, the same
+    values and gradients, by both methods (the kept tiles alone, without a branch, round the ring too,
+    where every device keeps as many): linen's causal mask (made per row of the batch, the same
     along it: its skips read once for every row and head), jax.nn's is_causal (its mask inside a jit), and
     a mask made from no input that differs per head (a window per head: its skips read head by head)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("context",))
@@ -441,6 +442,9 @@ def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_comp
             traced = inside[0]
             assert len(inside) == 1 and not re.search(r"\[\d+,\d+,(32,32|16,32)\]", traced), fn
             assert "f32[2,2,8,2]" in traced  # a step's scores: 8 queries (a chunk) × 2 keys (a block)
+            # A causal mask leaves every device as many tiles (of each turn's block round the ring): the loop
+            # runs the kept ones alone, no branch; the windows leave unequal counts, a branch per tile.
+            assert (" cond[" in traced) == (fn is windows), (fn, method)
             np.testing.assert_allclose(jax.jit(split)(q, k, v), want, rtol=1e-5, atol=1e-6)
             grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
             for got, expected in zip(grads, want_grads):

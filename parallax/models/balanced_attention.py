@@ -17,11 +17,11 @@ reduction over the keys, then the weights times the values summed over them. A t
 score the mask hides is skipped (``lax.cond`` inside the tile's checkpoint) in every pass, the
 backward included. Under a causal mask every device computes ``2 × size + 1`` of its ``4 × size``
 tiles, the same number, and holds one tile of scores at a time. Where the mask is computed from no
-input (a causal mask from positions), which tiles each device skips is read before tracing; with the
-keys gathered and every device keeping as many, the loop then runs over the kept tiles alone, without
-a branch: the program's FLOPs and bytes are the kept tiles' (what ``px.plan`` prices), and on the
-causal LM of ``benchmarks/context_balance.py`` (CP 8) a step took 0.69 (1,024 tokens) and 0.52 (2,048)
-of the unbalanced one's where with the branch it took 0.74 and 0.65.
+input (a causal mask from positions), which tiles each device skips is read before tracing; where every
+device keeps as many (of the gathered keys, or of each turn's block round the ring), the loop runs over
+the kept tiles alone, without a branch: the program's FLOPs and bytes are the kept tiles' (what
+``px.plan`` prices); on the causal LM of ``benchmarks/context_balance.py`` (CP 8, gathered) a step took
+0.69 (1,024 tokens) and 0.52 (2,048) of the unbalanced one's, with the branch 0.74 and 0.65.
 
 What counts as hidden is read from the model's ops, not assumed: the value the softmax's maximum
 reduces over (the scores masked, scaled, biased) is evaluated for scores of ``+1e30`` and of ``-1e30``
@@ -60,6 +60,8 @@ from parallax.models.attention_tiles import Tiles, part_of
 from parallax.models.attention_weights import is_var
 from parallax.models.balanced_schedule import (
     identities,
+    ring_schedule,
+    ring_scheduled,
     scheduled,
     schedule,
     skips,
@@ -123,6 +125,7 @@ class Balanced:
         block = self.block if 0 < self.block < chunk and chunk % self.block == 0 else chunk
         table = None if probe is None or entering else static_skips(tiles, probe, chunk, size, block)
         order = None if table is None or not self.gather else schedule(table)
+        turns = None if table is None or self.gather else ring_schedule(table)
         ops, info = tiles.ops, tiles.info
         online = find(tiles)
 
@@ -155,11 +158,12 @@ class Balanced:
 
             def fold(update: Callable, first: list, moves_values: bool) -> list:
                 """Each row's state folded over its tiles by ``update`` (checkpointed: the backward recomputes
-                a tile): the kept ones alone (``order``), else every tile with the skipped ones passed over (a
-                branch inside the tile's checkpoint: what the backward keeps is the tile's inputs, not every
-                value the branches read, a mask's rows)."""
+                a tile): the kept ones alone (``order``, ``turns``), else every tile with the skipped ones passed
+                over (a branch inside the tile's checkpoint)."""
                 if order is not None:
                     return scheduled(jax.checkpoint(update), first, k, v, jnp.asarray(order)[index], chunk, tiles)
+                if turns is not None:
+                    return ring_scheduled(jax.checkpoint(update), first, k, v, turns, index, chunk, axis, moves_values, tiles)
 
                 def guarded(state, kc, vc, g, x):
                     keep = lambda state, kc, vc, g: state  # noqa: E731
@@ -181,8 +185,8 @@ class Balanced:
                 return lambda finals, until, want=None: tiles.run(scores, sides_x, {**final, **finals}, (chunk, length),
                                                                   until, want)
 
-            def stack(rows: list) -> list | None:
-                return None if order is None else [None if pair[0] is None else jnp.stack(pair) for pair in rows]
+            def stack(rows: list) -> list | None:  # each pair of rows stacked, for a row the loop traces
+                return None if order is None and turns is None else [None if p[0] is None else jnp.stack(p) for p in rows]
 
             if online is not None:  # a softmax's: one pass over the tiles (parallax.models.online_softmax)
                 rows = [q_rows, *zip(*side_rows)]

@@ -119,6 +119,59 @@ def scheduled(update: Callable, first: Sequence[Any], k: Any, v: Any, order: Any
     return [jax.tree.map(lambda t, x=x: t[x], totals) for x in (0, 1)]
 
 
+def ring_schedule(table: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Round the ring, per device and turn, the (row of chunks, chunk of the block) of each tile it
+    computes: the first turn's (its own block, ``[size, kept, 2]``) and the others' (``[size, size - 1,
+    kept, 2]``); ``None`` where, on some turn, the devices keep unequal counts (or the later turns do).
+    Under a causal mask a device keeps 3 tiles of its own block and 2 of each other."""
+    size, n = table.shape[0], table.shape[2]
+    turns = []
+    for t in range(size):
+        slots = []
+        for d in range(size):
+            s = (d - t) % size  # the block's source: its chunks s and n - 1 - s
+            slots.append([(x, y) for y, g in ((0, s), (1, n - 1 - s)) for x in (0, 1) if not table[d, x, g]])
+        if len({len(kept) for kept in slots}) != 1:
+            return None
+        turns.append(np.asarray(slots, np.int32).reshape(size, len(slots[0]), 2))
+    if len({turn.shape[1] for turn in turns[1:]}) > 1:
+        return None
+    return turns[0], (np.stack(turns[1:], axis=1) if size > 1 else None)
+
+
+def ring_scheduled(update: Callable, first: Sequence[Any], k: Any, v: Any, plan: tuple, index: Any, chunk: int,
+                   axis: str, moves_values: bool, tiles: Tiles) -> list:
+    """:func:`scheduled` round the ring: each turn's kept tiles of the block in hand (``plan``:
+    :func:`ring_schedule`'s; ``index``: this device's), the blocks passed round the axis between turns.
+    No tile the mask hides is in the loop, and no branch: the program's FLOPs and bytes are the kept
+    tiles'."""
+    own, later = plan
+    size, n = own.shape[0], 2 * own.shape[0]
+    perm = [(i, (i + 1) % size) for i in range(size)]
+
+    def run(totals, kb, vb, source, slots):
+        for j in range(slots.shape[0]):
+            x, y = slots[j, 0], slots[j, 1]
+            mine = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, x, 0, keepdims=False), totals)
+            now = update(mine, jax.lax.dynamic_slice_in_dim(kb, y * chunk, chunk, axis=tiles.k_dim),
+                         jax.lax.dynamic_slice_in_dim(vb, y * chunk, chunk, axis=tiles.v_dim),
+                         jnp.where(y == 0, source, n - 1 - source), x)
+            totals = jax.tree.map(lambda t, new: jax.lax.dynamic_update_index_in_dim(t, new, x, 0), totals, now)
+        return totals
+
+    totals = run(jax.tree.map(lambda *rows: jnp.stack(rows), *first), k, v, index, jnp.asarray(own)[index])
+    if later is not None:
+        def turn(carry, t):
+            kb, vb, totals = carry
+            kb = jax.lax.ppermute(kb, axis, perm)  # the block of the device before, in turn
+            vb = jax.lax.ppermute(vb, axis, perm) if moves_values else vb
+            totals = run(totals, kb, vb, (index - t) % size, jnp.asarray(later)[index][t - 1])
+            return (kb, vb, totals), None
+
+        totals = jax.lax.scan(turn, (k, v, totals), jnp.arange(1, size))[0][2]
+    return [jax.tree.map(lambda t, x=x: t[x], totals) for x in (0, 1)]
+
+
 def identities(part: Callable, combine: Callable, k: Any, v: Any, chunk: int, tiles: Tiles) -> list:
     """A pass's totals before any tile: ``combine``'s identity at a tile's result's shape, for each row."""
     out = jax.eval_shape(lambda kc, vc: part(kc, vc, 0, 0), jax.lax.slice_in_dim(k, 0, chunk, axis=tiles.k_dim),
