@@ -457,8 +457,8 @@ def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_comp
 
 def test_shard_params_splits_the_state_over_the_context_axis_and_a_scanned_stack_keeps_its_rows_split():
     """ContextParallel(shard_params=True) splits the params and the optimizer state over the context
-    axis as FSDP splits them over its own (a scanned stack's layer dim never), and trains like one
-    device. Under context parallelism the batch's rows stay split through a scanned stack: each
+    axis as FSDP splits them over its own, on FSDP's dim (a scanned stack's layer dim never), and trains
+    like one device. Under context parallelism the batch's rows stay split through a scanned stack: each
     device's dense matmuls take its own rows (16 rows x 16 tokens over FSDP 4 and CP 2: 4 x 8 = 32
     tokens a device), not the whole batch's 128, which the compiler gathered before, every device
     then computing every row's attention."""
@@ -469,7 +469,7 @@ def test_shard_params_splits_the_state_over_the_context_axis_and_a_scanned_stack
     specs = {"/".join(str(getattr(k, "key", k)) for k in path): tuple(spec)
              for path, spec in jax.tree_util.tree_leaves_with_path(plan.specs.params, is_leaf=is_spec)}
     kernel = next(spec for path, spec in specs.items() if path.endswith("blocks/Dense_0/kernel"))
-    assert kernel[0] is None and {"context", "fsdp"} <= set(kernel[1:]), specs  # (layers, in, out): layers whole
+    assert kernel == (None, ("fsdp", "context")), specs  # (layers, in, out): layers whole, FSDP's dim joined
     assert px.ContextParallel(2).fsdp_axes == () and make().fsdp_axes == ("context", "fsdp")
     report = px.testing.assert_equivalent(StackedLM(), optax.adamw(1e-2), lm_loss, batches("lm", 2), make())
     assert report.mode == "jit", report

@@ -13,9 +13,11 @@ at a time (:mod:`parallax.models.ring_attention`), and everything position-wise 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from parallax.sharding.parts import FSDP, check_axis
+from parallax.sharding.specs import entry_size
 from parallax.sharding.strategy import Strategy
 
 METHODS = ("all_gather", "ring")
@@ -63,8 +65,9 @@ class ContextParallel(Strategy):
             either method. The sequence length must be a multiple of ``2 × size``; not inside a
             pipeline's stages.
         shard_params: split the params, their gradients and the optimizer state over the axis as
-            ``FSDP`` splits them over its own (each param's largest free dim, params over FSDP's
-            ``min_weight_size``; gathered where a layer uses them), so the devices of the context axis
+            ``FSDP`` splits them over its own (on the dim another part split, joined to its axis where the
+            size allows, else the largest free dim; params over ``min_weight_size``; gathered where a layer
+            uses them), so the devices of the context axis
             share the state as FSDP's do (torchtitan's FSDP over its data and context devices):
             ``px.combine(px.ContextParallel(8, shard_params=True), px.FSDP(1))`` holds an eighth of it.
             Otherwise each device of the axis holds the state as the parts it is combined with place it.
@@ -139,7 +142,19 @@ class ContextParallel(Strategy):
         return ContextRun(self.axis, self.method, self.load_balance)
 
     def place(self, path, shape, dims, axis_sizes):
-        return self._fsdp().place(path, shape, dims, axis_sizes) if self.shard_params else dims
+        """With ``shard_params``, a param FSDP split joins the context axis on FSDP's dim where its size
+        allows (the state split over the flattened devices, as torchtitan's FSDP over data and context: one
+        gather a use); otherwise FSDP's rule over this axis alone."""
+        if not self.shard_params or axis_sizes[self.axis] == 1:
+            return dims
+        fsdp = self._fsdp()
+        if math.prod(shape) > self.min_weight_size:
+            for d, entry in enumerate(dims):
+                axes = entry if isinstance(entry, tuple) else (entry,)
+                if entry is not None and d not in (self.scanned or {}).get(path, ()) and \
+                        shape[d] % (entry_size(entry, axis_sizes) * axis_sizes[self.axis]) == 0:
+                    return [*dims[:d], (*axes, self.axis), *dims[d + 1:]]
+        return fsdp.place(path, shape, dims, axis_sizes)
 
     def why_whole(self, path, shape, axis_sizes) -> str:
         """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
