@@ -147,8 +147,9 @@ class Tiles:
             return compute_tile(self.fixed[i], self.sides[i], (q_dim, k_dim), {"q": rows, "k": keys}, squeeze)
         except Unfollowed:
             if squeeze:
-                raise  # computed whole inside the loop, sliced: the compiler computes the slice
-            pass
+                raise
+        # Computed whole inside the loop and sliced: with a zero from the loop in its iotas, the compiler
+        # computes the slice alone instead of hoisting the whole value out of the loop.
         salt = jnp.minimum(jax.lax.optimization_barrier(jnp.asarray(keys[0], jnp.int32)), 0)  # 0, as the loop
         made = compute(self.fixed[i], self.sides[i], salt)
         return part_of(part_of(made, q_dim, self.queries, *rows), k_dim, self.keys, *keys)

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from jax.extend import core
 
-from parallax.models.attention_weights import _CALLS, _ELEMENTWISE, Const, shape_of
+from parallax.models.attention_weights import _CALLS, Const, _back, _movable
 from parallax.models.rebind import bind
 from parallax.sharding.chains import call_body
 
@@ -49,22 +49,23 @@ def compute_tile(recipe: Sequence[Any], v: Any, dims: tuple[int | None, int | No
     other dim of 1, where the value is known to be the same along it (an iota along one raises).
 
     Raises:
-        Unfollowed: for an op other than elementwise ones, ``broadcast_in_dim``, a reshape that adds or
-            drops dims of 1, ``squeeze``, ``transpose`` and ``iota``, or a constant array along either dim.
+        Unfollowed: for an op other than elementwise ones, ``broadcast_in_dim``, ``transpose``,
+            ``squeeze``, a reshape that keeps the queries' and keys' dims each a dim of its own, and ``iota``,
+            or a constant array along either dim.
     """
     memo: dict = {}
 
-    def value(x: Any, mine: dict, scope: tuple) -> Any:
+    def value(x: Any, mine: tuple, scope: tuple) -> Any:
         if isinstance(x, core.Literal):
             return x.val
         if isinstance(x, Const):
-            if mine:
+            if mine != (None, None):
                 raise Unfollowed("a constant array along the queries or keys")
             return x.value
         made, links = scope
         if x in links:  # a body's input: the value the call passed it, in the scope around it
             return value(links[x][0], mine, links[x][1])
-        key = (x, id(made), tuple(sorted(mine.items())))
+        key = (x, id(made), mine)
         if key not in memo:
             eqn = made[x]
             if eqn.primitive.name in _CALLS:  # its body, at the tile's shapes too
@@ -74,36 +75,25 @@ def compute_tile(recipe: Sequence[Any], v: Any, dims: tuple[int | None, int | No
                           **{b: (o, scope) for b, o in zip(body.invars, eqn.invars)}})
                 memo[key] = value(body.outvars[eqn.outvars.index(x)], mine, inner)
             else:
-                memo[key] = _run(eqn, x, mine, scope)
+                memo[key] = _run(eqn, mine, scope)
         return memo[key]
 
-    def _run(eqn: Any, out: Any, mine: dict, scope: tuple) -> Any:
-        name, shape, params = eqn.primitive.name, shape_of(out), unsharded(eqn.params)
+    def _run(eqn: Any, mine: tuple, scope: tuple) -> Any:
+        """``eqn`` at the tile's shapes, ``mine``: its result's (queries', keys') dims."""
+        name, params = eqn.primitive.name, unsharded(eqn.params)
+        if name != "iota" and not _movable(eqn):
+            raise Unfollowed(name)
         ins = []
-        for x in eqn.invars:
-            xs = shape_of(x)
-            if isinstance(x, core.Literal) or not mine:
-                theirs: dict | None = {}
-            elif name in _ELEMENTWISE:
-                theirs = {d: r for d, r in mine.items() if len(xs) == len(shape) and xs[d] == shape[d]}
-            elif name == "broadcast_in_dim":
-                theirs = {i: mine[d] for i, d in enumerate(params["broadcast_dimensions"]) if d in mine and
-                          xs[i] == shape[d]}
-            elif name in ("reshape", "squeeze"):
-                theirs = _squeezed(xs, shape, mine)
-            elif name == "transpose":
-                theirs = {params["permutation"][d]: r for d, r in mine.items()}
-            elif name == "iota":
-                theirs = {}
-            else:
-                raise Unfollowed(name)
-            if theirs is None:
-                raise Unfollowed(name)
+        for x in eqn.invars:  # each operand's dims followed back as the weights' side values are (_back)
+            theirs = (None, None) if isinstance(x, core.Literal) else _back(eqn, x, mine)
+            if name == "reshape" and any(m is not None and t is None for m, t in zip(mine, theirs)):
+                raise Unfollowed("a reshape that merges the queries' or keys' dim with another")
             ins.append(value(x, theirs, scope))
-        if squeeze and name == "iota" and params["dimension"] not in mine:
+        followed = {d: role for d, role in zip(mine, "qk") if d is not None}
+        if squeeze and name == "iota" and params["dimension"] not in followed:
             raise Unfollowed("an iota along a dim other than the queries' and keys'")
-        if name in _SHAPES and (mine or squeeze):
-            params[_SHAPES[name]] = tuple(at[mine[d]][1] if d in mine else 1 if squeeze else n
+        if name in _SHAPES and (followed or squeeze):
+            params[_SHAPES[name]] = tuple(at[followed[d]][1] if d in followed else 1 if squeeze else n
                                           for d, n in enumerate(params[_SHAPES[name]]))
         try:
             result = bind(eqn.primitive, params, ins)[0]
@@ -111,21 +101,12 @@ def compute_tile(recipe: Sequence[Any], v: Any, dims: tuple[int | None, int | No
             if not squeeze:
                 raise
             raise Unfollowed(str(err)) from None
-        if name == "iota" and params["dimension"] in mine:
-            result = result + jnp.asarray(at[mine[params["dimension"]]][0]).astype(result.dtype)
+        if name == "iota" and params["dimension"] in followed:
+            result = result + jnp.asarray(at[followed[params["dimension"]]][0]).astype(result.dtype)
         return result
 
     top = ({out: eqn for eqn in recipe for out in eqn.outvars}, {})
-    return value(v, {d: role for d, role in zip(dims, "qk") if d is not None}, top)
-
-
-def _squeezed(old: tuple, new: tuple, mine: dict) -> dict | None:
-    """The roles of ``old``'s dims where reshaping it to ``new`` adds or drops dims of 1 alone (else ``None``)."""
-    kept_old = [d for d, n in enumerate(old) if n != 1]
-    kept_new = [d for d, n in enumerate(new) if n != 1]
-    if [old[d] for d in kept_old] != [new[d] for d in kept_new]:
-        return None
-    return {o: mine[n] for o, n in zip(kept_old, kept_new) if n in mine}
+    return value(v, tuple(dims), top)
 
 
 def compute(recipe: Sequence[Any], v: Any, salt: Any = None) -> Any:
