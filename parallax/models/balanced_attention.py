@@ -60,6 +60,7 @@ from parallax.models.attention_tiles import Tiles, part_of
 from parallax.models.attention_weights import is_var
 from parallax.models.balanced_schedule import (
     identities,
+    piece,
     ring_schedule,
     ring_scheduled,
     scheduled,
@@ -196,10 +197,9 @@ class Balanced:
                     step = jax.checkpoint(lambda state, kb, vb, at: online.step(state, tile(kb, at, x, rows, stacked), vb))
                     if block == chunk:
                         return step(state, kc, vc, g * chunk)
-                    cut = lambda t, d, j: jax.lax.dynamic_slice_in_dim(t, j * block, block, axis=d)  # noqa: E731
-                    return jax.lax.scan(lambda state, j: (step(state, cut(kc, tiles.k_dim, j), cut(vc, tiles.v_dim, j),
-                                                               g * chunk + j * block), None),
-                                        state, jnp.arange(chunk // block))[0]
+                    return jax.lax.scan(lambda state, j: (step(state, piece(kc, tiles.k_dim, j, block),
+                                                               piece(vc, tiles.v_dim, j, block), g * chunk + j * block),
+                                                          None), state, jnp.arange(chunk // block))[0]
 
                 kc, vc = (jax.lax.slice_in_dim(x, 0, block, axis=d) for x, d in ((k, tiles.k_dim), (v, tiles.v_dim)))
                 start = online.start(lambda: tile(kc, 0, 0, rows, stacked), vc)
@@ -241,9 +241,7 @@ def _over_tiles(update: Callable, first: list, k: Any, v: Any, index: Any, chunk
     chunk, chunk of keys, row)``: taken from the gathered keys (a scan over the chunks) or round the ring
     (a scan over the turns, two chunks a turn: the source device's ``j`` and ``2 × size - 1 - j``)."""
     n = 2 * size
-
-    def cut(x, dim, at):
-        return jax.lax.dynamic_slice_in_dim(x, at * chunk, chunk, axis=dim)
+    cut = lambda x, dim, at: piece(x, dim, at, chunk)  # noqa: E731
 
     def add(totals, kc, vc, g):
         return [update(totals[x], kc, vc, g, x) for x in (0, 1)]

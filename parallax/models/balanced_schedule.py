@@ -100,20 +100,28 @@ def schedule(table: np.ndarray) -> np.ndarray | None:
     return np.stack([np.argwhere(mine) for mine in kept]).astype(np.int32)
 
 
+def piece(x: Any, dim: int, at: Any, length: int) -> Any:
+    """``x``'s ``at``-th piece of ``length`` along ``dim`` (a chunk of keys, a block of one)."""
+    return jax.lax.dynamic_slice_in_dim(x, at * length, length, axis=dim)
+
+
+def _fold_tile(update: Callable, totals: Any, kc: Any, vc: Any, g: Any, x: Any) -> Any:
+    """``totals`` (the two rows' states, stacked) with the tile of row ``x`` and chunk of keys ``g``
+    folded into row ``x``'s (both traced)."""
+    mine = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, x, 0, keepdims=False), totals)
+    now = update(mine, kc, vc, g, x)
+    return jax.tree.map(lambda t, new: jax.lax.dynamic_update_index_in_dim(t, new, x, 0), totals, now)
+
+
 def scheduled(update: Callable, first: Sequence[Any], k: Any, v: Any, order: Any, chunk: int, tiles: Tiles) -> list:
     """Each row of chunks' state (``first``: the two rows' before any tile) folded over the chunks of keys
     ``order`` (this device's pairs of :func:`schedule`) names, from the gathered keys:
     ``update(state, k chunk, v chunk, chunk of keys, row)`` (the row traced). The tiles the mask hides are
     not in the loop, so its FLOPs and bytes are the kept tiles' alone, in the order the loop with a branch
     per tile folds them."""
-    def cut(x, dim, at):
-        return jax.lax.dynamic_slice_in_dim(x, at * chunk, chunk, axis=dim)
-
     def step(totals, pair):
         x, g = pair[0], pair[1]
-        mine = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, x, 0, keepdims=False), totals)
-        now = update(mine, cut(k, tiles.k_dim, g), cut(v, tiles.v_dim, g), g, x)
-        return jax.tree.map(lambda t, n: jax.lax.dynamic_update_index_in_dim(t, n, x, 0), totals, now), None
+        return _fold_tile(update, totals, piece(k, tiles.k_dim, g, chunk), piece(v, tiles.v_dim, g, chunk), g, x), None
 
     totals = jax.lax.scan(step, jax.tree.map(lambda *rows: jnp.stack(rows), *first), order)[0]
     return [jax.tree.map(lambda t, x=x: t[x], totals) for x in (0, 1)]
@@ -152,11 +160,8 @@ def ring_scheduled(update: Callable, first: Sequence[Any], k: Any, v: Any, plan:
     def run(totals, kb, vb, source, slots):
         for j in range(slots.shape[0]):
             x, y = slots[j, 0], slots[j, 1]
-            mine = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, x, 0, keepdims=False), totals)
-            now = update(mine, jax.lax.dynamic_slice_in_dim(kb, y * chunk, chunk, axis=tiles.k_dim),
-                         jax.lax.dynamic_slice_in_dim(vb, y * chunk, chunk, axis=tiles.v_dim),
-                         jnp.where(y == 0, source, n - 1 - source), x)
-            totals = jax.tree.map(lambda t, new: jax.lax.dynamic_update_index_in_dim(t, new, x, 0), totals, now)
+            totals = _fold_tile(update, totals, piece(kb, tiles.k_dim, y, chunk), piece(vb, tiles.v_dim, y, chunk),
+                                jnp.where(y == 0, source, n - 1 - source), x)
         return totals
 
     totals = run(jax.tree.map(lambda *rows: jnp.stack(rows), *first), k, v, index, jnp.asarray(own)[index])
