@@ -120,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
-            print(markdown(json.load(f)))
+            print(markdown(json.load(f)["results"]))
         return
     results = []
     for run in (run for run in RUNS if run.name in args.runs.split(",")):
@@ -129,10 +129,9 @@ def main() -> None:
     text = markdown(results)
     print(text)
     if args.out:
-        with open(os.path.join(args.out, "published_context.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(args.out, "published_context.md"), "w") as f:
-            f.write(text)
+        from benchmarks import write_results
+
+        write_results(args.out, "published_context", {"source": SOURCE, "their_setup": THEIR_SETUP}, results, text)
 
 
 if __name__ == "__main__":
