@@ -7,6 +7,7 @@ devices (:func:`side_runner_args`) before JAX starts.
 import argparse
 import json
 import os
+from typing import Callable, Sequence
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -82,6 +83,30 @@ def write_results(out: str, name: str, meta: dict, results: list, text: str) -> 
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
+
+
+def published(description: str, name: str, runs: Sequence, predict: Callable, markdown: Callable,
+              meta: dict) -> None:
+    """The command line of a benchmark that plans runs someone published (``runs``, each with a ``name``):
+    ``--runs`` picks them by name, each ``predict(run)`` is printed as it ends, then ``markdown(results)``;
+    ``--out`` writes ``name.{json,md}`` (:func:`write_results`), ``--from-json`` renders such a file again."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=None, help=f"write {name}.{{json,md}} here")
+    parser.add_argument("--runs", default=",".join(run.name for run in runs))
+    parser.add_argument("--from-json", default=None, help=f"render a {name}.json again, planning nothing")
+    args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            print(markdown(json.load(f)["results"]))
+        return
+    results = []
+    for run in (run for run in runs if run.name in args.runs.split(",")):
+        results.append(predict(run))
+        print(json.dumps(results[-1], default=str), flush=True)
+    text = markdown(results)
+    print(text)
+    if args.out:
+        write_results(args.out, name, meta, results, text)
 
 
 def report(args: argparse.Namespace, name: str, results: list, markdown, **meta) -> None:

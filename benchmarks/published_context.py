@@ -18,8 +18,6 @@ context devices. Nothing is fitted to their numbers.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -113,25 +111,10 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="write published_context.{json,md} here")
-    parser.add_argument("--runs", default=",".join(run.name for run in RUNS))
-    parser.add_argument("--from-json", default=None, help="render a published_context.json again, planning nothing")
-    args = parser.parse_args()
-    if args.from_json:
-        with open(args.from_json) as f:
-            print(markdown(json.load(f)["results"]))
-        return
-    results = []
-    for run in (run for run in RUNS if run.name in args.runs.split(",")):
-        results.append(predict(run))
-        print(json.dumps(results[-1], default=str), flush=True)
-    text = markdown(results)
-    print(text)
-    if args.out:
-        from benchmarks import write_results
+    from benchmarks import published
 
-        write_results(args.out, "published_context", {"source": SOURCE, "their_setup": THEIR_SETUP}, results, text)
+    published(__doc__.splitlines()[0], "published_context", RUNS, predict, markdown,
+              {"source": SOURCE, "their_setup": THEIR_SETUP})
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ out (theirs overlap them).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -111,20 +109,9 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="write published_tpu.{json,md} here")
-    parser.add_argument("--runs", default=",".join(run.name for run in RUNS))
-    args = parser.parse_args()
-    results = []
-    for run in (run for run in RUNS if run.name in args.runs.split(",")):
-        results.append(predict(run))
-        print(json.dumps(results[-1], default=str), flush=True)
-    text = markdown(results)
-    print(text)
-    if args.out:
-        from benchmarks import write_results
+    from benchmarks import published
 
-        write_results(args.out, "published_tpu", {"source": SOURCE, "sequence": SEQUENCE}, results, text)
+    published(__doc__.splitlines()[0], "published_tpu", RUNS, predict, markdown, {"source": SOURCE, "sequence": SEQUENCE})
 
 
 if __name__ == "__main__":
