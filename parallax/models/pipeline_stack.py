@@ -35,6 +35,7 @@ from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_
 from parallax.models.rebind import bind_eqn
 from parallax.models.remat_policy import rematerialises
 from parallax.sharding.pipeline import NoStackError
+from parallax.sharding.stacked_blocks import restacked, unstacked
 from parallax.sharding.chains import CALLS, REMAT, Chain, call_body, find_chains, folded_constants, use_counts
 
 PARAMS, STATE = "params", "state"  # what a value is computed from (and BATCH, the batch)
@@ -52,6 +53,7 @@ class Stack:
     prove: Callable | None = None
     keep_layer_inputs: bool = False
     marked: bool = False
+    held: Any = None  # id of a slice of a stacked param → (that param, its row)
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
@@ -83,6 +85,8 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         ValueError: a stack cannot be pipelined (the message names what and the fix), or there is none.
     """
     def run(*args: Any) -> Any:
+        held: dict = {}  # a list of blocks the state holds stacked, as the model reads them: their slices' rows
+        args = tuple(unstacked(arg, held) if i == params_argnum else arg for i, arg in enumerate(args))
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         kinds = [frozenset({PARAMS} if i == params_argnum else {BATCH} if i in batch_argnums
                            else {STATE} if i in state_argnums else ()) for i, arg in enumerate(args)
@@ -93,7 +97,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         if len(rows) != 1 or min(rows) % count:
             raise ValueError(f"microbatches={count} must divide the batch, whose leaves have leading dims "
                              f"{sorted(rows)}: use one batch size, and a divisor of it.")
-        stack = Stack(mesh, axis, count, repeats, policy, prove, keep_layer_inputs, marked)
+        stack = Stack(mesh, axis, count, repeats, policy, prove, keep_layer_inputs, marked, held)
         # Shapes alone, traced with no mesh in context: the layer then records no mesh (its values'
         # types would name the mesh with the stage axis automatic, which the pipeline makes manual).
         def shape_of(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
@@ -315,7 +319,7 @@ def _run_chain(chain: Chain, calls: Sequence[Any], read: Callable, kind: Callabl
         raise ValueError("The blocks pass on a value that is not per example: a pipeline passes only the activations.")
     # Stepped over: each block's params, values that differ per block (a key; constants linen folds into keys).
     stepped = (*chain.weights, *chain.varying)
-    weights = [jax.numpy.stack([read(eqn.invars[p]) for eqn in calls]) for p in stepped]
+    weights = [restacked([read(eqn.invars[p]) for eqn in calls], stack.held) for p in stepped]
     if chain.folded:
         weights.append(jax.numpy.asarray([[folded_constants(call_body(eqn)[0])[i] for i in chain.folded]
                                           for eqn in calls], jax.numpy.uint32))

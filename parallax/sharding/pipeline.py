@@ -126,9 +126,14 @@ class PipelineParallel(Strategy):
         repeats: layer groups per stage (``1`` for GPipe, at least 2 for circular).
         axis: the mesh axis name.
         blocks: the class (or class name) of a model's blocks kept in a list and called in turn,
-            e.g. ``"FlaxGPT2Block"``; ``None``: the model stacks its blocks. Each block's params
-            stay in the model's own tree, split over the stage axis (each device holds 1/S of
-            the blocks' bytes, as with a stack); the step stacks them to run the pipeline.
+            e.g. ``"FlaxGPT2Block"``; ``None``: the model stacks its blocks.
+        stack_blocks: with ``blocks``, the state holds the list's params (and their optimizer
+            state) stacked by layer, the layer dim over the stage axis
+            (:mod:`parallax.sharding.stacked_blocks`): each stage's devices hold their own blocks
+            whole, and only activations cross the stage axis. ``False``, or where it cannot (an NNX
+            model, an optimizer that treats params by their shape: logged), each block's params
+            stay in the model's tree, split over the stage axis, and every step restacks them (their
+            bytes cross the stage axis each step).
         stacked: the stacked params' layer dims, by path (set when the state is planned).
         chained: the listed blocks' params, by path: the dim split over the stage axis (set
             when the state is planned).
@@ -158,6 +163,7 @@ class PipelineParallel(Strategy):
     axis: str = "stage"
     blocks: str | type | None = None
     remat: str = "iteration"
+    stack_blocks: bool = True
     stacked: Any = dataclasses.field(default=None, compare=False, repr=False)
     chained: Any = dataclasses.field(default=None, compare=False, repr=False)
     layers: int | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -186,6 +192,9 @@ class PipelineParallel(Strategy):
         if self.remat not in REMATS:
             raise ValueError(f"PipelineParallel(remat={self.remat!r}): use 'iteration' (each iteration keeps its input: "
                              "the least memory) or 'layer' (each block's input kept too: no block recomputed twice).")
+        if not isinstance(self.stack_blocks, bool):
+            raise ValueError(f"PipelineParallel(stack_blocks={self.stack_blocks!r}): use True (the state holds a list's "
+                             "blocks stacked by stage) or False (as the model writes them, restacked every step).")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or not isinstance(
                 self.microbatches, int) or self.microbatches < 1):
             raise ValueError(f"PipelineParallel(microbatches={self.microbatches!r}): use a positive number, or None "
@@ -204,7 +213,8 @@ class PipelineParallel(Strategy):
         options = [f"microbatches={self.microbatches}" if self.microbatches is not None else "",
                    f"schedule={self.schedule!r}, repeats={self.repeats}" if self.schedule != "gpipe" else "",
                    f"blocks={getattr(self.blocks, '__name__', self.blocks)!r}" if self.blocks is not None else "",
-                   f"remat={self.remat!r}" if self.remat != "iteration" else ""]
+                   f"remat={self.remat!r}" if self.remat != "iteration" else "",
+                   "stack_blocks=False" if not self.stack_blocks else ""]
         return "".join(f", {option}" for option in options if option)
 
     @property
@@ -225,7 +235,7 @@ class PipelineParallel(Strategy):
                     "model that stacks its blocks.")
             first = min(chain for chain, _ in chained.values())
             blocks = len({layer for chain, layer in chained.values() if chain == first})
-            return dataclasses.replace(self, chained=dict.fromkeys(chained), layers=blocks)
+            return dataclasses.replace(self, chained=dict(chained), layers=blocks)
         scanned = computation.scanned_dims()
         if not scanned:
             raise NoStackError(

@@ -178,12 +178,19 @@ def state_specs(abstract_state: Any, placers: Sequence[Placer], axis_sizes: Mapp
     param; the rest (step, counts, rng, ``batch_stats``, other collections) is replicated.
     """
     params = params_of(abstract_state)
+    placed = jax.tree_util.tree_map_with_path(
+        lambda key_path, leaf: place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf),
+        params, is_leaf=is_box)
+    return follow_params(abstract_state, placed)
+
+
+def follow_params(abstract_state: Any, param_specs: Any) -> Any:
+    """A whole train state's specs from its params' (``param_specs``, a tree like the params): every
+    other leaf whose path ends with a param's path and has its shape follows it, the rest replicated."""
     by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], PartitionSpec]] = {}
-    for key_path, leaf in _flatten(params):
-        by_suffix[_components(key_path)] = (
-            _shape(leaf),
-            place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf),
-        )
+    for (key_path, leaf), spec in zip(_flatten(params_of(abstract_state)),
+                                      jax.tree.leaves(param_specs, is_leaf=is_spec), strict=True):
+        by_suffix[_components(key_path)] = (_shape(leaf), spec)
     longest = max((len(k) for k in by_suffix), default=0)
 
     def spec(key_path, leaf):

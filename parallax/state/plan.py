@@ -16,15 +16,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._compat import mesh_context
 from parallax._errors import first_line
 from parallax._tree import is_box, path_str
-from parallax.models import LossFn, ModelAdapter, ModelRun, adapter_for
+from parallax.models import LinenModel, LossFn, ModelAdapter, ModelRun, adapter_for
 from parallax.sharding.computation import Computation
 from parallax.sharding.expert_parallel import NoExpertsError
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import dims_axes, is_spec
+from parallax.sharding.stacked_blocks import stacked, unstacked
 from parallax.sharding.strategy import Strategy
 from parallax.state.direct import build_directly
 from parallax.state.pretrained import place_params
+from parallax.state.stacking import stacking_groups, storage_specs
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.offload import check_offload, with_memory_kinds
@@ -145,13 +147,13 @@ def plan_state(
     pretrained = None if params is None else (params if isinstance(params, (str, os.PathLike))
                                               else adapter.pretrained(params))
 
-    def make(key, batch, boxed: bool, values=None, state=None, opt_state=None):
+    def make(key, batch, boxed: bool, values=None, state=None, opt_state=None, groups=()):
         init_key, stream_key, state_key = jax.random.split(key, 3)
         rngs = {"params": init_key, **model_rngs(stream_key, rng_streams)}
         initial, model_state = (values, state) if state is not None else adapter.init(rngs, batch, loss_fn,
                                                                                       mesh.axis_names)
         params = initial if values is None else values
-        plain_params = adapter.unbox(params)
+        plain_params = stacked(adapter.unbox(params), groups)  # a pipeline's listed blocks held stacked
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params if boxed else plain_params,
@@ -177,17 +179,23 @@ def plan_state(
             except NoExpertsError as err:
                 raise NoExpertsError(f"{err}{listed_experts_hint(model, example_batch, loss_fn)}") from None
         specs = fitted.state_specs(abstract, train_mesh)
+        groups = stacking_groups(fitted, adapter.unbox(abstract.params), optimizer, isinstance(adapter, LinenModel))
+        model_specs = specs.params  # as the model writes its params: where given ones are placed
+        if groups:
+            abstract = _abstract(lambda k, b: make(k, b, boxed=False, groups=groups), key, example_batch)
+            specs = storage_specs(abstract, specs, groups, fitted)
         changed = None if loss_fn is None else probe_loss(adapter, abstract, specs, example_batch, loss_fn,
                                                           train_mesh, fitted, rng_streams)
-        return abstract, fitted, specs, changed
+        return abstract, fitted, specs, changed, groups, model_specs
 
-    mesh, (abstract, strategy, specs, changed), note = planned_in_mode(attempt, mesh, sharding_mode)
+    mesh, (abstract, strategy, specs, changed, groups, model_specs), note = planned_in_mode(attempt, mesh,
+                                                                                            sharding_mode)
     if changed:
         warnings.warn(changed, UserWarning, stacklevel=3)
         note = f"{note} {changed}"
     shardings = with_memory_kinds(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec), offload)
-    plain = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
-                         adapter.unbox(abstract.params))
+    plain = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), jax.eval_shape(
+        unstacked, adapter.unbox(abstract.params)))  # as the model writes them
 
     def known_state(v, s):
         """The model state, where given params leave nothing of the init needed (nor traced): none besides them."""
@@ -196,7 +204,7 @@ def plan_state(
     def build_values(k, b, v, s, o):
         if v is not None:  # pretrained params in the model's dtypes
             v = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), v, plain)
-        return make(k, b, boxed=False, values=v, state=known_state(v, s), opt_state=o)
+        return make(k, b, boxed=False, values=v, state=known_state(v, s), opt_state=o, groups=groups)
 
     jitted = jax.jit(build_values, out_shardings=shardings)
 
@@ -206,7 +214,8 @@ def plan_state(
         values, state = (None, None) if given is None else jax.device_put(given, (shardings.params,
                                                                                   shardings.model_state))
         if pretrained is not None:
-            values = place_params(pretrained, plain, shardings.params)
+            values = place_params(pretrained, plain, jax.tree.map(lambda s: NamedSharding(mesh, s), model_specs,
+                                                                  is_leaf=is_spec))
         opt_state = None if given_opt_state is None else jax.device_put(given_opt_state, shardings.opt_state)
         return values, state, opt_state
 
@@ -217,8 +226,9 @@ def plan_state(
     def build():
         """The state: put together from the given values where it has nothing to compute, else the program's."""
         values, state, opt_state = placed()
-        built = build_directly(key, values, known_state(values, state), opt_state, plain=plain, abstract=abstract,
-                               shardings=shardings, optimizer=optimizer, given=(given, pretrained, given_opt_state))
+        built = None if groups else build_directly(
+            key, values, known_state(values, state), opt_state, plain=plain, abstract=abstract, shardings=shardings,
+            optimizer=optimizer, given=(given, pretrained, given_opt_state))
         if built is not None:
             return built
         with mesh_context(mesh):

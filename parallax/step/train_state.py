@@ -10,6 +10,7 @@ import optax
 from flax import struct
 
 from parallax.models import adapter_for
+from parallax.sharding.stacked_blocks import unstacked
 
 
 class TrainState(struct.PyTreeNode):
@@ -17,7 +18,9 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
         step: number of updates applied (int32 scalar).
-        params: the model's params, unboxed (plain arrays, sharded as the strategy says).
+        params: the model's params, unboxed (plain arrays, sharded as the strategy says); a
+            pipeline's list of blocks held stacked (:class:`parallax.sharding.stacked_blocks.StackedBlocks`,
+            which reads as the list's mapping).
         opt_state: the optimizer state; moments are sharded like their params.
         rng: base PRNG key; step ``t`` uses ``fold_in(rng, t)``, so a resumed run
             draws the same numbers as an uninterrupted one.
@@ -36,8 +39,9 @@ class TrainState(struct.PyTreeNode):
 
     @property
     def variables(self) -> dict:
-        """``{"params": ..., **model_state}``, ready for ``model.apply``."""
-        return {"params": self.params, **self.model_state}
+        """``{"params": ..., **model_state}``, ready for ``model.apply`` (a list of blocks held stacked
+        as the model writes it)."""
+        return {"params": unstacked(self.params), **self.model_state}
 
     def module(self) -> Any:
         """The model holding this state's values, callable outside a step: an NNX module
@@ -48,7 +52,7 @@ class TrainState(struct.PyTreeNode):
             >>> trained(batch["x"]).shape
             (32, 10)
         """
-        return adapter_for(self.model).bind(self.params, self.model_state)
+        return adapter_for(self.model).bind(unstacked(self.params), self.model_state)
 
 
 def as_key(rng: Any) -> jax.Array:

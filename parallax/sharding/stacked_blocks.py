@@ -1,0 +1,209 @@
+"""A list of blocks' params held stacked, as the state of a pipeline over them keeps them.
+
+A model that keeps its repeated blocks in a list (Hugging Face's Flax GPT-2 and Llama) has one
+subtree of params per block: ``h/0/attn/c_attn/kernel``, ``h/1/attn/c_attn/kernel``... A pipeline
+runs them on their params stacked by layer, each stage on its own. Held as the model writes
+them, every param would be split over the stages along another dim and restacked every step:
+each stage receiving the rest of its blocks' bytes, and sending their gradients back, across
+whatever link the stage axis spans. :class:`StackedBlocks` holds the list's params stacked
+instead (``h/0-3/attn/c_attn/kernel`` of ``[4, ...]``, its layer dim over the stage axis): each
+stage's devices hold their own blocks whole, and their optimizer state with them.
+
+It stands in the params tree where the list's parent mapping was, and reads as that mapping
+(``params["h"]["2"]`` is block 2's params, sliced out); :func:`unstacked` gives the tree the
+model reads, :func:`stacked` the one the state holds.
+
+Example:
+    >>> tree = {"h": {"0": {"w": jnp.zeros((2, 3))}, "1": {"w": jnp.ones((2, 3))}}, "head": jnp.zeros(3)}
+    >>> held = stacked(tree, [(("h",), ("0", "1"))])
+    >>> held["h"], held["h"]["1"]["w"].tolist()
+    (StackedBlocks(0-1: 2 blocks), [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    >>> jax.tree.map(jnp.shape, unstacked(held)) == jax.tree.map(jnp.shape, tree)
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Group = tuple[tuple[str, ...], tuple[str, ...]]  # the list's parent path, its blocks' keys in call order
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class StackedBlocks(Mapping):
+    """A list's blocks' params stacked along a new leading dim, in the order the model calls them.
+
+    Args:
+        stacked: one block's params tree, each leaf ``[len(keys), ...]``.
+        keys: the blocks' keys under their parent, in call order (``("0", "1", ...)``).
+    """
+
+    def __init__(self, stacked: Any, keys: Sequence[str]):
+        self.stacked, self.keys_ = stacked, tuple(keys)
+
+    @property
+    def name(self) -> str:
+        """The key its stacked leaves are found under: ``"0-3"``."""
+        return f"{self.keys_[0]}-{self.keys_[-1]}"
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.DictKey(self.name), self.stacked),), self.keys_
+
+    @classmethod
+    def tree_unflatten(cls, keys, children):
+        return cls(children[0], keys)
+
+    def __getitem__(self, key: str) -> Any:
+        row = self.keys_.index(key) if key in self.keys_ else None
+        if row is None:
+            raise KeyError(f"{key!r}: the stacked blocks are {', '.join(self.keys_)}")
+        return jax.tree.map(lambda leaf: leaf[row], self.stacked)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def __repr__(self) -> str:
+        return f"StackedBlocks({self.name}: {len(self.keys_)} blocks)"
+
+
+def _is_stacked(x: Any) -> bool:
+    return isinstance(x, StackedBlocks)
+
+
+def has_stacked(tree: Any) -> bool:
+    """Whether ``tree`` holds any :class:`StackedBlocks`."""
+    return any(_is_stacked(x) for x in jax.tree.leaves(tree, is_leaf=_is_stacked))
+
+
+def subtree(tree: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def with_subtree(tree: Any, path: Sequence[str], value: Any) -> Any:
+    if not path:
+        return value
+    copy = dict(tree)
+    copy[path[0]] = with_subtree(tree[path[0]], path[1:], value)
+    return type(tree)(copy) if not isinstance(tree, dict) else copy
+
+
+def stacked(tree: Any, groups: Sequence[Group]) -> Any:
+    """``tree`` with each group's blocks (a mapping's children, all of it) held stacked; arrays
+    or ``ShapeDtypeStruct`` s under ``jax.eval_shape``."""
+    for parent, keys in groups:
+        blocks = subtree(tree, parent)
+        leaves = jax.tree.map(lambda *rows: jnp.stack(rows), *[blocks[k] for k in keys])
+        tree = with_subtree(tree, parent, StackedBlocks(leaves, keys))
+    return tree
+
+
+def unstacked(tree: Any, rows: dict[int, tuple[Any, int]] | None = None) -> Any:
+    """``tree`` as the model writes it: each :class:`StackedBlocks` back to its blocks (slices of
+    its leaves). Where ``rows`` is given, each slice's ``id`` is recorded in it with its stacked
+    leaf and row (what :mod:`parallax.models.pipeline_stack` runs the pipeline on instead of
+    stacking the slices again)."""
+    if not has_stacked(tree):
+        return tree
+
+    def open_(x: Any) -> Any:
+        if not _is_stacked(x):
+            return x
+        blocks = {}
+        for row, key in enumerate(x.keys_):
+            def take(leaf: Any, row: int = row) -> Any:
+                piece = jax.lax.index_in_dim(leaf, row, keepdims=False)
+                if rows is not None:
+                    rows[id(piece)] = (leaf, row)
+                return piece
+            blocks[key] = jax.tree.map(take, x.stacked)
+        return blocks
+
+    return jax.tree.map(open_, tree, is_leaf=_is_stacked)
+
+
+def stacked_like(tree: Any, like: Any) -> Any:
+    """``tree`` (as the model writes its params, or a state holding them so) with its blocks held
+    stacked wherever ``like``, a tree of the same values held so, holds them stacked."""
+    if not has_stacked(like):
+        return tree
+    if _is_stacked(like):
+        leaves = jax.tree.map(lambda *rows: jnp.stack(rows), *[tree[k] for k in like.keys_])
+        return StackedBlocks(leaves, like.keys_)
+    children, treedef = jax.tree_util.tree_flatten(like, is_leaf=lambda x: x is not like)
+    if isinstance(like, Mapping):
+        return type(like)({k: stacked_like(tree[k], like[k]) for k in like}) if not isinstance(like, dict) \
+            else {k: stacked_like(tree[k], like[k]) for k in like}
+    return jax.tree_util.tree_unflatten(treedef, [stacked_like(t, c) for t, c in zip(
+        jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0], children, strict=True)])
+
+
+def restacked(values: Sequence[Any], rows: Mapping[int, tuple[Any, int]] | None) -> Any:
+    """``values`` stacked: the stacked leaf itself where they are all its rows in order (slices
+    :func:`unstacked` recorded in ``rows``), nothing moved; else ``jnp.stack(values)``."""
+    found = [(rows or {}).get(id(value)) for value in values]
+    if found and all(f is not None for f in found):
+        leaf = found[0][0]
+        if all(f[0] is leaf for f in found) and [f[1] for f in found] == list(range(len(values))) \
+                and leaf.shape[0] == len(values):
+            return leaf
+    return jnp.stack(values)
+
+
+def stacked_paths(groups: Sequence[Group], member_paths: Sequence[str]) -> dict[str, tuple[str, list[str]]]:
+    """Each stacked leaf's path (``"h/0-3/attn/kernel"``) → ``(its path within a block, the members' paths)``."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for parent, keys in groups:
+        prefix = "/".join(parent)
+        name = f"{keys[0]}-{keys[-1]}"
+        for path in member_paths:
+            head = f"{prefix}/{keys[0]}/" if prefix else f"{keys[0]}/"
+            if path.startswith(head):
+                inner = path[len(head):]
+                members = [f"{prefix}/{k}/{inner}" if prefix else f"{k}/{inner}" for k in keys]
+                out[f"{prefix}/{name}/{inner}" if prefix else f"{name}/{inner}"] = (inner, members)
+    return out
+
+
+def block_groups(chained: Mapping[str, tuple[int, int]], params: Any) -> list[Group] | str:
+    """The lists to hold stacked, from a pipeline's chained params (path → ``(chain, layer)``):
+    each chain's blocks, the children of one mapping, all of it, with the same params; or why not
+    (a sentence)."""
+    groups: list[Group] = []
+    for chain in sorted({c for c, _ in chained.values()}):
+        layers: dict[int, list[str]] = {}
+        for path, (c, layer) in chained.items():
+            if c == chain:
+                layers.setdefault(layer, []).append(path)
+        roots = []
+        for layer in sorted(layers):
+            split = [path.split("/") for path in layers[layer]]
+            common = 0
+            while all(len(s) > common + 1 for s in split) and len({s[common] for s in split}) == 1:
+                common += 1
+            roots.append(tuple(split[0][:common]))
+        parents = {root[:-1] for root in roots}
+        if len(parents) != 1 or any(not root for root in roots):
+            return "the blocks' params are not the children of one mapping"
+        parent = parents.pop()
+        keys = tuple(root[-1] for root in roots)
+        try:
+            holder = subtree(params, parent)
+        except (KeyError, TypeError):
+            return "the blocks' params are not the children of one mapping"
+        if not isinstance(holder, Mapping) or set(holder) != set(keys):
+            return (f"{'/'.join(parent) or 'the params'} holds more than the blocks "
+                    f"({', '.join(sorted(set(holder) - set(keys)))})" if isinstance(holder, Mapping)
+                    else "the blocks' params are not the children of one mapping")
+        shapes = [jax.tree.map(jnp.shape, holder[k]) for k in keys]
+        if any(jax.tree.structure(s) != jax.tree.structure(shapes[0]) or s != shapes[0] for s in shapes[1:]):
+            return "the blocks' params differ in shape"
+        groups.append((parent, keys))
+    return groups
