@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import parallax as px
 from parallax.models.pipeline import pipeline
 from parallax.models.pipeline_stack import pipelined
+from parallax.sharding.stacked_blocks import StackedBlocks
 from tests import tiers
 
 pytestmark = pytest.mark.core
@@ -643,20 +644,40 @@ def test_an_nnx_list_of_blocks_trains_like_one_device_and_each_stage_holds_its_s
     assert state.params["embed"]["kernel"].sharding.spec[0] != "stage"  # only the listed blocks go to the stages
 
 
-@pytest.mark.wide("the listed blocks' layout on a Hugging Face model; the NNX list's is in the core tier")
-def test_the_listed_blocks_are_split_over_the_stages_and_the_step_passes_activations():
+def test_the_state_holds_the_listed_blocks_stacked_by_stage_and_the_step_moves_only_activations(caplog):
+    """GPT-2's four listed blocks under PP 2 × DP 4: the state holds them stacked ``[4, ...]``, the layer
+    dim over the stages (each device two blocks whole, their Adam moments alike), and the compiled
+    step moves no params between stages (no all-to-all: the restack of ``stack_blocks=False``, kept
+    as it was, sends each stage the other half of its blocks every step). An optimizer that scales each
+    param by its own norm (LAMB) would update the stacked rows otherwise: the blocks then stay in
+    the model's tree, said in the log, and it still trains like one device."""
     from tests import third_party
 
     model, block = hugging_face("gpt2")
-    batch = third_party.batches("text", 1)[0]
+    batches = third_party.batches("text", 2)
     strategy = px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=block))
-    state = px.init_state(model, optax.sgd(0.1), batch, strategy=strategy, loss_fn=third_party.causal_lm_loss)
-    for layer in range(4):  # each block's params in the model's own tree, half of each on each stage
-        for leaf in jax.tree.leaves(state.params["transformer"]["h"][str(layer)]):
-            assert "stage" in leaf.sharding.spec and leaf.addressable_shards[0].data.size == leaf.size // 2
-    assert "stage" not in state.params["transformer"]["wte"]["embedding"].sharding.spec
+    state = px.init_state(model, optax.adamw(1e-2), batches[0], strategy=strategy, loss_fn=third_party.causal_lm_loss)
+    held = state.params["transformer"]["h"]
+    assert isinstance(held, StackedBlocks) and list(held) == ["0", "1", "2", "3"]
+    kernel = held.stacked["attn"]["c_attn"]["kernel"]
+    assert kernel.shape == (4, 96, 32) and kernel.sharding.spec[0] == "stage"
+    assert kernel.addressable_shards[0].data.shape == (2, 96, 32)  # two blocks, whole
+    mu = state.opt_state[0].mu["transformer"]["h"].stacked["attn"]["c_attn"]["kernel"]
+    assert mu.sharding.spec == kernel.sharding.spec
+    np.testing.assert_array_equal(held["2"]["attn"]["c_attn"]["kernel"], kernel[2])  # reads as the model's tree
+    assert state.module() is not None  # bound to the blocks as the model writes them
     step = px.make_train_step(third_party.causal_lm_loss, strategy)
-    assert "collective-permute" in step.lower(state, batch).compile().as_text()
+    text = step.lower(state, batches[0]).compile().as_text()
+    assert "collective-permute" in text and "all-to-all" not in text, "the blocks' params moved between stages"
+    restacking = px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=block, stack_blocks=False))
+    listed = px.init_state(model, optax.sgd(0.1), batches[0], strategy=restacking, loss_fn=third_party.causal_lm_loss)
+    for leaf in jax.tree.leaves(listed.params["transformer"]["h"]["1"]):  # the model's own tree, half on each stage
+        assert "stage" in leaf.sharding.spec and leaf.addressable_shards[0].data.size == leaf.size // 2
+    again = px.make_train_step(third_party.causal_lm_loss, restacking).lower(listed, batches[0]).compile().as_text()
+    assert "all-to-all" in again
+    with caplog.at_level(logging.WARNING, logger="parallax"):
+        px.testing.assert_equivalent(model, optax.lamb(1e-2), third_party.causal_lm_loss, batches, strategy)
+    assert "scales each by its own norm" in caplog.text, caplog.text[-2000:]
 
 
 @pytest.mark.parametrize("blocks, dropout, loss, message", [

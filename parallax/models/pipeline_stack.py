@@ -38,8 +38,7 @@ from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.stacked_blocks import restacked, unstacked
 from parallax.sharding.chains import CALLS, REMAT, Chain, call_body, find_chains, folded_constants, use_counts
 
-PARAMS, STATE = "params", "state"  # what a value is computed from (and BATCH, the batch)
-_INLINED = CALLS  # calls opened to reach a stack inside them
+PARAMS, STATE, _INLINED = "params", "state", CALLS  # what values come from (and BATCH); calls opened to a stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +84,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         ValueError: a stack cannot be pipelined (the message names what and the fix), or there is none.
     """
     def run(*args: Any) -> Any:
-        held: dict = {}  # a list of blocks the state holds stacked, as the model reads them: their slices' rows
+        held: dict = {}  # a list of blocks held stacked (parallax.sharding.stacked_blocks): its slices' rows
         args = tuple(unstacked(arg, held) if i == params_argnum else arg for i, arg in enumerate(args))
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         kinds = [frozenset({PARAMS} if i == params_argnum else {BATCH} if i in batch_argnums

@@ -28,21 +28,24 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Group = tuple[tuple[str, ...], tuple[str, ...]]  # the list's parent path, its blocks' keys in call order
 
 
 @jax.tree_util.register_pytree_with_keys_class
 class StackedBlocks(Mapping):
-    """A list's blocks' params stacked along a new leading dim, in the order the model calls them.
+    """A mapping whose listed blocks' params are held stacked along a new leading dim, in the order
+    the model calls them; its other children (a linen module's layers beside its blocks) as they are.
 
     Args:
         stacked: one block's params tree, each leaf ``[len(keys), ...]``.
-        keys: the blocks' keys under their parent, in call order (``("0", "1", ...)``).
+        keys: the blocks' keys in the mapping, in call order (``("0", "1", ...)``).
+        others: the mapping's other children, by key.
     """
 
-    def __init__(self, stacked: Any, keys: Sequence[str]):
-        self.stacked, self.keys_ = stacked, tuple(keys)
+    def __init__(self, stacked: Any, keys: Sequence[str], others: Mapping[str, Any] | None = None):
+        self.stacked, self.keys_, self.others = stacked, tuple(keys), dict(others or {})
 
     @property
     def name(self) -> str:
@@ -50,26 +53,32 @@ class StackedBlocks(Mapping):
         return f"{self.keys_[0]}-{self.keys_[-1]}"
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.DictKey(self.name), self.stacked),), self.keys_
+        others = sorted(self.others)
+        return (((jax.tree_util.DictKey(self.name), self.stacked),
+                 *((jax.tree_util.DictKey(k), self.others[k]) for k in others)), (self.keys_, tuple(others)))
 
     @classmethod
-    def tree_unflatten(cls, keys, children):
-        return cls(children[0], keys)
+    def tree_unflatten(cls, aux, children):
+        keys, others = aux
+        return cls(children[0], keys, dict(zip(others, children[1:])))
 
     def __getitem__(self, key: str) -> Any:
-        row = self.keys_.index(key) if key in self.keys_ else None
-        if row is None:
-            raise KeyError(f"{key!r}: the stacked blocks are {', '.join(self.keys_)}")
+        if key in self.others:
+            return self.others[key]
+        if key not in self.keys_:
+            raise KeyError(f"{key!r}: the mapping holds {', '.join((*self.keys_, *self.others))}")
+        row = self.keys_.index(key)
         return jax.tree.map(lambda leaf: leaf[row], self.stacked)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys_)
+        return iter((*self.keys_, *sorted(self.others)))
 
     def __len__(self) -> int:
-        return len(self.keys_)
+        return len(self.keys_) + len(self.others)
 
     def __repr__(self) -> str:
-        return f"StackedBlocks({self.name}: {len(self.keys_)} blocks)"
+        return f"StackedBlocks({self.name}: {len(self.keys_)} blocks" + (
+            f"; {', '.join(sorted(self.others))})" if self.others else ")")
 
 
 def _is_stacked(x: Any) -> bool:
@@ -101,7 +110,7 @@ def stacked(tree: Any, groups: Sequence[Group]) -> Any:
     for parent, keys in groups:
         blocks = subtree(tree, parent)
         leaves = jax.tree.map(lambda *rows: jnp.stack(rows), *[blocks[k] for k in keys])
-        tree = with_subtree(tree, parent, StackedBlocks(leaves, keys))
+        tree = with_subtree(tree, parent, StackedBlocks(leaves, keys, {k: v for k, v in blocks.items() if k not in keys}))
     return tree
 
 
@@ -119,14 +128,30 @@ def unstacked(tree: Any, rows: dict[int, tuple[Any, int]] | None = None) -> Any:
         blocks = {}
         for row, key in enumerate(x.keys_):
             def take(leaf: Any, row: int = row) -> Any:
-                piece = jax.lax.index_in_dim(leaf, row, keepdims=False)
+                if isinstance(leaf, jax.ShapeDtypeStruct):  # a restore target: a row laid out as the rest of its dims
+                    return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_row_sharding(leaf.sharding))
+                piece = leaf[row] if isinstance(leaf, np.ndarray) else jax.lax.index_in_dim(leaf, row, keepdims=False)
                 if rows is not None:
                     rows[id(piece)] = (leaf, row)
                 return piece
             blocks[key] = jax.tree.map(take, x.stacked)
-        return blocks
+        return {**blocks, **x.others}
 
     return jax.tree.map(open_, tree, is_leaf=_is_stacked)
+
+
+def _row_sharding(sharding: Any) -> Any:
+    """A stacked leaf's sharding without its layer dim: each row's, split as the rest of its dims."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]),
+                                      memory_kind=sharding.memory_kind)
+
+
+def as_written(tree: Any) -> Any:
+    """:func:`unstacked` of device arrays as one program (each block's slices laid out as the rest of
+    their dims), or ``tree`` itself where it holds nothing stacked."""
+    return jax.jit(unstacked)(tree) if has_stacked(tree) else tree
 
 
 def stacked_like(tree: Any, like: Any) -> Any:
@@ -134,9 +159,11 @@ def stacked_like(tree: Any, like: Any) -> Any:
     stacked wherever ``like``, a tree of the same values held so, holds them stacked."""
     if not has_stacked(like):
         return tree
-    if _is_stacked(like):
-        leaves = jax.tree.map(lambda *rows: jnp.stack(rows), *[tree[k] for k in like.keys_])
-        return StackedBlocks(leaves, like.keys_)
+    if _is_stacked(like):  # placed as ``like``'s leaves are, where they say
+        leaves = jax.tree.map(lambda held, *rows: jnp.stack(rows) if getattr(held, "sharding", None) is None
+                              else jax.device_put(jnp.stack(rows), held.sharding),
+                              like.stacked, *[tree[k] for k in like.keys_])
+        return StackedBlocks(leaves, like.keys_, {k: stacked_like(tree[k], v) for k, v in like.others.items()})
     children, treedef = jax.tree_util.tree_flatten(like, is_leaf=lambda x: x is not like)
     if isinstance(like, Mapping):
         return type(like)({k: stacked_like(tree[k], like[k]) for k in like}) if not isinstance(like, dict) \
@@ -157,38 +184,27 @@ def restacked(values: Sequence[Any], rows: Mapping[int, tuple[Any, int]] | None)
     return jnp.stack(values)
 
 
-def stacked_paths(groups: Sequence[Group], member_paths: Sequence[str]) -> dict[str, tuple[str, list[str]]]:
-    """Each stacked leaf's path (``"h/0-3/attn/kernel"``) → ``(its path within a block, the members' paths)``."""
-    out: dict[str, tuple[str, list[str]]] = {}
-    for parent, keys in groups:
-        prefix = "/".join(parent)
-        name = f"{keys[0]}-{keys[-1]}"
-        for path in member_paths:
-            head = f"{prefix}/{keys[0]}/" if prefix else f"{keys[0]}/"
-            if path.startswith(head):
-                inner = path[len(head):]
-                members = [f"{prefix}/{k}/{inner}" if prefix else f"{k}/{inner}" for k in keys]
-                out[f"{prefix}/{name}/{inner}" if prefix else f"{name}/{inner}"] = (inner, members)
-    return out
-
-
 def block_groups(chained: Mapping[str, tuple[int, int]], params: Any) -> list[Group] | str:
     """The lists to hold stacked, from a pipeline's chained params (path → ``(chain, layer)``):
-    each chain's blocks, the children of one mapping, all of it, with the same params; or why not
-    (a sentence)."""
+    each chain's blocks, children of one mapping, with the same params; or why not (a sentence)."""
     groups: list[Group] = []
     for chain in sorted({c for c, _ in chained.values()}):
         layers: dict[int, list[str]] = {}
         for path, (c, layer) in chained.items():
             if c == chain:
                 layers.setdefault(layer, []).append(path)
-        roots = []
-        for layer in sorted(layers):
-            split = [path.split("/") for path in layers[layer]]
-            common = 0
-            while all(len(s) > common + 1 for s in split) and len({s[common] for s in split}) == 1:
-                common += 1
-            roots.append(tuple(split[0][:common]))
+        order = sorted(layers)
+        split = {layer: sorted(path.split("/") for path in layers[layer]) for layer in order}
+        first, second = split[order[0]][0], split[order[-1]][0]
+        at = next((d for d, (a, b) in enumerate(zip(first, second)) if a != b), None)  # where the blocks' keys sit
+        if at is None:
+            return "the blocks' params are not the children of one mapping"
+        roots = [tuple(split[layer][0][:at + 1]) for layer in order]
+        if any(path[:at + 1] != list(root) or path[at + 1:] != base[at + 1:]
+               for layer, root in zip(order, roots)
+               for path, base in zip(split[layer], split[order[0]], strict=False)) \
+                or any(len(split[layer]) != len(split[order[0]]) for layer in order):
+            return "the blocks' params are not the children of one mapping"
         parents = {root[:-1] for root in roots}
         if len(parents) != 1 or any(not root for root in roots):
             return "the blocks' params are not the children of one mapping"
@@ -198,10 +214,8 @@ def block_groups(chained: Mapping[str, tuple[int, int]], params: Any) -> list[Gr
             holder = subtree(params, parent)
         except (KeyError, TypeError):
             return "the blocks' params are not the children of one mapping"
-        if not isinstance(holder, Mapping) or set(holder) != set(keys):
-            return (f"{'/'.join(parent) or 'the params'} holds more than the blocks "
-                    f"({', '.join(sorted(set(holder) - set(keys)))})" if isinstance(holder, Mapping)
-                    else "the blocks' params are not the children of one mapping")
+        if not isinstance(holder, Mapping) or not set(keys) <= set(holder):
+            return "the blocks' params are not the children of one mapping"
         shapes = [jax.tree.map(jnp.shape, holder[k]) for k in keys]
         if any(jax.tree.structure(s) != jax.tree.structure(shapes[0]) or s != shapes[0] for s in shapes[1:]):
             return "the blocks' params differ in shape"

@@ -179,7 +179,8 @@ def plan_state(
             except NoExpertsError as err:
                 raise NoExpertsError(f"{err}{listed_experts_hint(model, example_batch, loss_fn)}") from None
         specs = fitted.state_specs(abstract, train_mesh)
-        groups = stacking_groups(fitted, adapter.unbox(abstract.params), optimizer, isinstance(adapter, LinenModel))
+        groups = stacking_groups(fitted, adapter.unbox(abstract.params), optimizer, isinstance(adapter, LinenModel),
+                                 fitted.axis_sizes(train_mesh))
         model_specs = specs.params  # as the model writes its params: where given ones are placed
         if groups:
             abstract = _abstract(lambda k, b: make(k, b, boxed=False, groups=groups), key, example_batch)

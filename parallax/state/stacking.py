@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -30,16 +30,19 @@ from parallax.sharding.strategy import Strategy
 log = logging.getLogger("parallax")
 
 
-def stacking_groups(strategy: Strategy, params: Any, optimizer: Any, linen: bool) -> list[Group]:
-    """The lists of blocks ``strategy``'s pipeline holds stacked in the state (none where it has
-    no pipeline over listed blocks, or cannot: logged with the reason)."""
+def stacking_groups(strategy: Strategy, params: Any, optimizer: Any, linen: bool,
+                    axis_sizes: Mapping[str, int]) -> list[Group]:
+    """The lists of blocks ``strategy``'s pipeline holds stacked in the state (none where it has no
+    pipeline over listed blocks, or cannot: logged with the reason)."""
     part = next((p for p in strategy.parts if isinstance(p, PipelineParallel) and p.chained), None)
     if part is None or not part.stack_blocks:
         return []
-    why = "the model is an NNX module (its state is the model's own)" if not linen else None
+    stages = axis_sizes[part.axis]
+    why = ("the model is an NNX module (its state is the model's own)" if not linen else
+           f"its {part.layers} blocks are not a multiple of the {stages} stages × repeats={part.repeats}"
+           if part.layers % (stages * part.repeats) else None)
     groups = block_groups(part.chained, params) if why is None else why
-    if isinstance(groups, list):
-        why = optimizer_differs(optimizer, params, groups)
+    why = groups if isinstance(groups, str) else optimizer_differs(optimizer, params, groups)
     if why is not None:
         log.warning("%s: the blocks' params stay in the model's tree, each split over the stages and restacked "
                     "by every step (their bytes cross the stage axis each step), because %s.",
@@ -91,9 +94,12 @@ def storage_specs(abstract: Any, specs: Any, groups: Sequence[Group], strategy: 
         blocks = subtree(held, parent)
         first = jax.tree.leaves(blocks[keys[0]], is_leaf=is_spec)
         if any(jax.tree.leaves(blocks[k], is_leaf=is_spec) != first for k in keys):
-            raise ValueError(f"The blocks under {'/'.join(parent)} are placed differently: they cannot be held stacked.")
+            raise ValueError(f"The blocks under {'/'.join(parent) or 'the params'} are placed differently from one "
+                             "another, so they cannot be held stacked: give their params the same placement, or "
+                             "pass PipelineParallel(stack_blocks=False) to keep them as the model writes them.")
         held = with_subtree(held, parent, StackedBlocks(
-            jax.tree.map(lambda s: PartitionSpec(axis, *s), blocks[keys[0]], is_leaf=is_spec), keys))
+            jax.tree.map(lambda s: PartitionSpec(axis, *s), blocks[keys[0]], is_leaf=is_spec), keys,
+            {k: v for k, v in blocks.items() if k not in keys}))
     return follow_params(abstract, held)
 
 

@@ -10,7 +10,7 @@ import optax
 from flax import struct
 
 from parallax.models import adapter_for
-from parallax.sharding.stacked_blocks import unstacked
+from parallax.sharding.stacked_blocks import as_written
 
 
 class TrainState(struct.PyTreeNode):
@@ -41,7 +41,7 @@ class TrainState(struct.PyTreeNode):
     def variables(self) -> dict:
         """``{"params": ..., **model_state}``, ready for ``model.apply`` (a list of blocks held stacked
         as the model writes it)."""
-        return {"params": unstacked(self.params), **self.model_state}
+        return {"params": as_written(self.params), **self.model_state}
 
     def module(self) -> Any:
         """The model holding this state's values, callable outside a step: an NNX module
@@ -52,7 +52,7 @@ class TrainState(struct.PyTreeNode):
             >>> trained(batch["x"]).shape
             (32, 10)
         """
-        return adapter_for(self.model).bind(unstacked(self.params), self.model_state)
+        return adapter_for(self.model).bind(as_written(self.params), self.model_state)
 
 
 def as_key(rng: Any) -> jax.Array:

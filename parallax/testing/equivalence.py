@@ -199,7 +199,7 @@ def assert_equivalent(
     state = init_state(model, optimizer, batches[0], strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
                        devices=devices if strategy == AUTO else None, rng_streams=options.rng_streams,
                        options=options, params=params)
-    initial = jax.device_get(unstacked(state))  # the reference trains the model's own tree (a list's blocks as written)
+    initial = unstacked(jax.device_get(state))  # the reference trains the model's own tree (a list's blocks as written)
     mesh_of = jax.tree.leaves(state.params)[0].sharding.mesh
     if strategy == AUTO:
         strategy = from_mesh(mesh_of)  # what the search chose (the step reads it from the state too)
@@ -208,7 +208,7 @@ def assert_equivalent(
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    final = jax.device_get(unstacked(state))
+    final = unstacked(jax.device_get(state))
     mode = step.mode()  # known once the step has compiled: the cost model may pick it
     data_shards = int(np.prod([mesh_of.shape[a] for a in strategy.data_axes]))
     reference = Reference(adapter_for(state.model), state.tx, loss_fn, options, data_shards,
@@ -244,8 +244,9 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
     allowance, and the placed run's drift beyond those allowances (losses, state) is the floor.
     """
     # the sharded run's layout, in device memory (its offloaded parts are placed on the devices here)
-    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"),
-                             unstacked((state.params, state.model_state, state.opt_state)))
+    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), unstacked(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        (state.params, state.model_state, state.opt_state))))
     batch_sharding = NamedSharding(mesh, strategy.batch_spec())
 
     def place(tree, kind):
@@ -292,7 +293,7 @@ def _gradient_diffs(loss_fn, strategy, options, initial, batch, reference, layou
                            model_state=put(initial.model_state, layout.model_state), opt_state=sgd.init(params), tx=sgd)
     stepped, _ = probe(start, batch)
     sharded = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), initial.params,
-                           jax.device_get(unstacked(stepped.params)))
+                           unstacked(jax.device_get(stepped.params)))
     ones = jax.device_get(reference.grads(initial.params, initial.model_state, batch,
                                           jax.random.fold_in(initial.rng, 0))[0])
     rows = {}

@@ -3,10 +3,10 @@
 A checkpoint holds the state's arrays (``step``, ``params``, ``opt_state``, ``rng``,
 ``model_state``: plain arrays, no flax boxes) and a JSON record: the step, the data
 position, the strategy and mesh it was written under, the config, and the shape and
-dtype of every array. Restoring checks that record against the model at hand before
-reading any array, and lays each array out with the sharding the *current* strategy
-wants, so a checkpoint written under FSDP on 8 devices restores under DP or on 4.
-"""
+dtype of every array. Params are saved as the model writes them (a pipeline's list of blocks,
+held stacked, as the list). Restoring checks that record against the model at hand before
+reading any array, and lays each array out as the *current* strategy wants: a checkpoint
+written under FSDP on 8 devices restores under DP, on 4, or under a pipeline."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import orbax.checkpoint as ocp
 
 from parallax import _multihost
+from parallax.sharding.stacked_blocks import as_written, stacked_like, unstacked
 from parallax.train.state_record import describe_optimizer_change, differences, signature, state_arrays, structure
 
 
@@ -110,8 +111,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint_every={every!r}; use a positive number of steps or None.")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep_checkpoints={keep!r}; keep at least 1.")
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.every = every
+        self.directory, self.every = os.path.abspath(os.fspath(directory)), every
         self._ocp = ocp = _orbax()  # the module, for the saves and restores below
         # The checksums go into the step's temporary folder just before orbax renames it into
         # place, so a committed checkpoint is verifiable however the process ends afterwards.
@@ -179,7 +179,7 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.wait_until_finished()  # the previous save is committed: record it
             self._record_checksums()
-        arrays = state_arrays(state)
+        arrays = as_written(state_arrays(state))  # as the model writes its params (a pipeline's list too)
         record = {**metadata, "step": step, "signature": signature(arrays), "structure": structure(arrays)}
         self._unrecorded.append(step)
         args = self._ocp.args
@@ -300,7 +300,7 @@ class Checkpointer:
                 "resume from an older step (fit(..., resume=True) picks the newest one that verifies)."
             )
         metadata = self.read_metadata(step)
-        target_arrays = state_arrays(target)
+        held, target_arrays = state_arrays(target), unstacked(state_arrays(target))  # saved as the model writes it
         saved_structure, expected = metadata.get("structure", {}), structure(target_arrays)
         changed = [name for name in expected if name in saved_structure and saved_structure[name] != expected[name]]
         if "opt_state" in changed and "params" not in changed:
@@ -325,7 +325,7 @@ class Checkpointer:
                 f"Checkpoint step {step} in {self.directory} cannot be restored ({type(err).__name__}: {err}). "
                 "It was left in place."
             ) from err
-        return dict(restored["state"]), metadata
+        return stacked_like(dict(restored["state"]), held), metadata
 
     def wait(self) -> None:
         """Blocks until background saves have finished, then records their checksums."""
