@@ -512,6 +512,9 @@ def test_pipeline_parallel_trains_an_nnx_scan_model_like_one_device(strategy, op
 CHECKPOINTED = {  # the model, and the pipelines its first and last runs train under
     "stack": (lambda: Stacked(8), lambda: px.combine(px.DataParallel(2), px.PipelineParallel(4)),
               lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0))),
+    "linen-list": (lambda: LinenListed(), lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks="ListedDense")),
+                   lambda: px.combine(px.PipelineParallel(2, schedule="circular", repeats=2, blocks="ListedDense"),
+                                      px.FSDP(4, min_weight_size=0))),
     "list": (lambda: (lambda: NnxListed(nnx.Rngs(0))),
              lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=ListedLayer)),
              lambda: px.combine(px.PipelineParallel(2, schedule="circular", repeats=2, blocks="ListedLayer"),
@@ -524,8 +527,8 @@ CHECKPOINTED = {  # the model, and the pipelines its first and last runs train u
 @pytest.mark.parametrize("kind", sorted(CHECKPOINTED))
 def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_stages(tmp_path, kind):
     """The Trainer's checkpoints hold the stack in the model's own layout ([layers, ...]; a list of
-    blocks as the list): a pipeline for 2 steps → DataParallel(8) for 2 → another pipeline × FSDP(4)
-    for 2, against one device for 6."""
+    blocks as the list, a linen list held stacked by the pipelines too): a pipeline for 2 steps →
+    DataParallel(8) for 2 → another pipeline × FSDP(4) for 2, against one device for 6."""
     rng = np.random.default_rng(3)
     data = {"x": rng.normal(size=(96, 3)).astype(np.float32), "y": rng.normal(size=(96, 2)).astype(np.float32)}
     model, first, last = CHECKPOINTED[kind]
@@ -541,7 +544,20 @@ def test_a_checkpoint_written_under_a_pipeline_resumes_without_it_and_on_other_s
     losses = [h["loss"] for run in runs for h in run.history.train]
     np.testing.assert_allclose(losses, [h["loss"] for h in one.history.train], atol=1e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
-                 jax.device_get(runs[-1].state.params), jax.device_get(one.state.params))
+                 jax.device_get(runs[-1].state.variables["params"]), jax.device_get(one.state.params))
+    if kind == "linen-list":  # held stacked under both pipelines
+        assert isinstance(runs[0].state.params, StackedBlocks) and isinstance(runs[-1].state.params, StackedBlocks)
+
+
+class LinenListed(nn.Module):
+    """Four blocks listed beside the layers before and after them (a linen module's own children)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH)(x)
+        for _ in range(4):
+            h = ListedDense()(h)
+        return nn.Dense(2)(h)
 
 
 # A list of identical blocks called in turn (no scan in the trace): Hugging Face's Flax GPT-2 and
