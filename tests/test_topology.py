@@ -272,3 +272,39 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_stack_across_them(quiet_sp
     outside = sum(leaf.nbytes for name, part in state.params.items() if name != "blocks" for leaf in jax.tree.leaves(part))
     others = sum(stat.bytes for kind, stat in across.items() if kind != "collective-permute")
     assert 0 < others <= outside < sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)) // 100, (others, outside)
+
+
+@pytest.mark.wide("strategy='auto' over hosts for a list of blocks (about 20 s cold)")
+def test_auto_over_hosts_with_a_slow_link_pipelines_a_list_of_blocks_held_stacked(quiet_speeds):
+    """Hugging Face's GPT-2, its blocks a list: across a slow link the pipeline over them, held stacked
+    by stage, is picked, its stage axis across the hosts; only activations and the gradients of the
+    params outside the blocks cross them (restacked every step, the blocks' params cross too, and data
+    parallelism is picked over it)."""
+    from tests import third_party
+
+    model, batch = third_party.gpt2(layers=4), third_party.batches("text", 1)[0]
+    slow = px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
+    pipeline = lambda stack: px.combine(  # noqa: E731
+        px.PipelineParallel(2, blocks="FlaxGPT2Block", stack_blocks=stack), px.DataParallel(4))
+    among = [px.DataParallel(8), px.combine(px.DataParallel(2), px.TensorParallel(4)), pipeline(True)]
+    found = resolve(model, optax.adamw(1e-3), batch, "auto", loss_fn=third_party.causal_lm_loss, among=among,
+                    topology=slow, options=px.StepOptions(timed_candidates=0))
+    assert found.choice.picked.startswith("PipelineParallel(stage=2, blocks='FlaxGPT2Block') × DataParallel(data=4)"), \
+        found.choice.describe()
+    assert crossing_axes(found.mesh, slow) == ("stage",)
+    program = {path: compiled for (_, path), (_, compiled) in found.step._compiled.items()}[found.compile]
+    across = inspect.collective_bytes_by_link(program.as_text(), hosts_of(list(found.mesh.devices.flat), slow))["across"]
+    state = px.init_state(model, optax.adamw(1e-3), batch, strategy=found.strategy, mesh=found.mesh,
+                          loss_fn=third_party.causal_lm_loss)
+    blocks = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params["transformer"]["h"]))
+    outside = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)) - blocks
+    others = sum(stat.bytes for kind, stat in across.items() if kind != "collective-permute")
+    assert across["collective-permute"].bytes > 0 and across["all-to-all"].bytes == 0, across
+    # The rest: the gradients of the params outside the blocks summed over the stages (GPT-2's tied embedding's
+    # twice, as the table and as the head: 18.7 KB for 10.5 KB of params), and the pipeline's output handed from
+    # the last stage and its gradient back (4 KB each); none of the blocks' 203 KB.
+    assert others < 3 * outside < blocks / 4, (others, outside, blocks)
+    restacked = resolve(model, optax.adamw(1e-3), batch, "auto", loss_fn=third_party.causal_lm_loss,
+                        among=[px.DataParallel(8), pipeline(False)], topology=slow,
+                        options=px.StepOptions(timed_candidates=0))
+    assert restacked.choice.picked.startswith("DataParallel(data=8)"), restacked.choice.describe()
