@@ -512,7 +512,8 @@ def test_pipeline_parallel_trains_an_nnx_scan_model_like_one_device(strategy, op
 CHECKPOINTED = {  # the model, and the pipelines its first and last runs train under
     "stack": (lambda: Stacked(8), lambda: px.combine(px.DataParallel(2), px.PipelineParallel(4)),
               lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0))),
-    "linen-list": (lambda: LinenListed(), lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks="ListedDense")),
+    "linen-list": (lambda: LinenListed(),
+                   lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks="ListedDense")),
                    lambda: px.combine(px.PipelineParallel(2, schedule="circular", repeats=2, blocks="ListedDense"),
                                       px.FSDP(4, min_weight_size=0))),
     "list": (lambda: (lambda: NnxListed(nnx.Rngs(0))),

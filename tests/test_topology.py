@@ -289,11 +289,12 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_list_of_blocks_held_stacke
     among = [px.DataParallel(8), px.combine(px.DataParallel(2), px.TensorParallel(4)), pipeline(True)]
     found = resolve(model, optax.adamw(1e-3), batch, "auto", loss_fn=third_party.causal_lm_loss, among=among,
                     topology=slow, options=px.StepOptions(timed_candidates=0))
-    assert found.choice.picked.startswith("PipelineParallel(stage=2, blocks='FlaxGPT2Block') × DataParallel(data=4)"), \
-        found.choice.describe()
+    picked = "PipelineParallel(stage=2, blocks='FlaxGPT2Block') × DataParallel(data=4)"
+    assert found.choice.picked.startswith(picked), found.choice.describe()
     assert crossing_axes(found.mesh, slow) == ("stage",)
     program = {path: compiled for (_, path), (_, compiled) in found.step._compiled.items()}[found.compile]
-    across = inspect.collective_bytes_by_link(program.as_text(), hosts_of(list(found.mesh.devices.flat), slow))["across"]
+    hosts = hosts_of(list(found.mesh.devices.flat), slow)
+    across = inspect.collective_bytes_by_link(program.as_text(), hosts)["across"]
     state = px.init_state(model, optax.adamw(1e-3), batch, strategy=found.strategy, mesh=found.mesh,
                           loss_fn=third_party.causal_lm_loss)
     blocks = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params["transformer"]["h"]))

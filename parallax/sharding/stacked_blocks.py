@@ -91,12 +91,14 @@ def has_stacked(tree: Any) -> bool:
 
 
 def subtree(tree: Any, path: Sequence[str]) -> Any:
+    """``tree[path[0]][path[1]]...``."""
     for key in path:
         tree = tree[key]
     return tree
 
 
 def with_subtree(tree: Any, path: Sequence[str], value: Any) -> Any:
+    """A copy of ``tree`` with ``value`` at ``path`` (the mappings on the way copied, nothing else)."""
     if not path:
         return value
     copy = dict(tree)
@@ -105,12 +107,13 @@ def with_subtree(tree: Any, path: Sequence[str], value: Any) -> Any:
 
 
 def stacked(tree: Any, groups: Sequence[Group]) -> Any:
-    """``tree`` with each group's blocks (a mapping's children, all of it) held stacked; arrays
-    or ``ShapeDtypeStruct`` s under ``jax.eval_shape``."""
+    """``tree`` with each group's blocks held stacked, their mapping's other children beside them;
+    arrays, or ``ShapeDtypeStruct`` s under ``jax.eval_shape``."""
     for parent, keys in groups:
         blocks = subtree(tree, parent)
         leaves = jax.tree.map(lambda *rows: jnp.stack(rows), *[blocks[k] for k in keys])
-        tree = with_subtree(tree, parent, StackedBlocks(leaves, keys, {k: v for k, v in blocks.items() if k not in keys}))
+        others = {k: v for k, v in blocks.items() if k not in keys}
+        tree = with_subtree(tree, parent, StackedBlocks(leaves, keys, others))
     return tree
 
 
@@ -128,8 +131,9 @@ def unstacked(tree: Any, rows: dict[int, tuple[Any, int]] | None = None) -> Any:
         blocks = {}
         for row, key in enumerate(x.keys_):
             def take(leaf: Any, row: int = row) -> Any:
-                if isinstance(leaf, jax.ShapeDtypeStruct):  # a restore target: a row laid out as the rest of its dims
-                    return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_row_sharding(leaf.sharding))
+                if isinstance(leaf, jax.ShapeDtypeStruct):  # a restore target: a row split as the model's tree would be
+                    return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype,
+                                                sharding=_row_sharding(leaf.sharding, leaf.shape[1:]))
                 piece = leaf[row] if isinstance(leaf, np.ndarray) else jax.lax.index_in_dim(leaf, row, keepdims=False)
                 if rows is not None:
                     rows[id(piece)] = (leaf, row)
@@ -140,17 +144,27 @@ def unstacked(tree: Any, rows: dict[int, tuple[Any, int]] | None = None) -> Any:
     return jax.tree.map(open_, tree, is_leaf=_is_stacked)
 
 
-def _row_sharding(sharding: Any) -> Any:
-    """A stacked leaf's sharding without its layer dim: each row's, split as the rest of its dims."""
-    if not isinstance(sharding, jax.sharding.NamedSharding):
+def _row_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
+    """A stacked leaf's sharding for one of its rows (``shape``): its other dims' axes kept, and the
+    layer dim's moved to the row's largest dim they divide, where the blocks, as the model writes
+    them, would be split over the stages; whole along them where none does."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
         return sharding
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]),
-                                      memory_kind=sharding.memory_kind)
+    entries = [tuple(e) if isinstance(e, tuple) else (e,) if e is not None else () for e in sharding.spec]
+    entries += [()] * (len(shape) + 1 - len(entries))
+    moved, rest = entries[0], entries[1:]
+    size = lambda axes: int(np.prod([sharding.mesh.shape[a] for a in axes]))  # noqa: E731
+    fits = [d for d in range(len(shape)) if moved and shape[d] % (size(rest[d]) * size(moved)) == 0]
+    if fits:
+        d = max(fits, key=lambda d: (shape[d], -d))
+        rest[d] = (*rest[d], *moved)
+    spec = jax.sharding.PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in rest])
+    return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
 def as_written(tree: Any) -> Any:
-    """:func:`unstacked` of device arrays as one program (each block's slices laid out as the rest of
-    their dims), or ``tree`` itself where it holds nothing stacked."""
+    """:func:`unstacked` of device arrays as one program, or ``tree`` itself where it holds nothing
+    stacked."""
     return jax.jit(unstacked)(tree) if has_stacked(tree) else tree
 
 
@@ -164,10 +178,10 @@ def stacked_like(tree: Any, like: Any) -> Any:
                               else jax.device_put(jnp.stack(rows), held.sharding),
                               like.stacked, *[tree[k] for k in like.keys_])
         return StackedBlocks(leaves, like.keys_, {k: stacked_like(tree[k], v) for k, v in like.others.items()})
-    children, treedef = jax.tree_util.tree_flatten(like, is_leaf=lambda x: x is not like)
     if isinstance(like, Mapping):
-        return type(like)({k: stacked_like(tree[k], like[k]) for k in like}) if not isinstance(like, dict) \
-            else {k: stacked_like(tree[k], like[k]) for k in like}
+        held = {k: stacked_like(tree[k], like[k]) for k in like}
+        return held if isinstance(like, dict) else type(like)(held)
+    children, treedef = jax.tree_util.tree_flatten(like, is_leaf=lambda x: x is not like)  # its children, one level
     return jax.tree_util.tree_unflatten(treedef, [stacked_like(t, c) for t, c in zip(
         jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0], children, strict=True)])
 

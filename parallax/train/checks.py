@@ -11,6 +11,7 @@ import optax
 
 from parallax import _multihost
 from parallax.models import LossFn, ModelAdapter, ModelRun
+from parallax.sharding.stacked_blocks import unstacked
 from parallax.state.plan import StatePlan
 from parallax.state.summary import summarize
 from parallax.step.train_state import TrainState, model_rngs
@@ -53,8 +54,8 @@ def check_eval_batch(adapter: ModelAdapter, abstract: TrainState, batch: Any, ev
     """Runs the eval loss on one eval batch abstractly (shapes only); a clear error if it does not fit."""
 
     def run(params, model_state, batch, key):
-        return adapter.apply(params, model_state, batch, rngs=model_rngs(key, rng_streams), loss_fn=eval_loss_fn,
-                             run=ModelRun(train=True))
+        return adapter.apply(unstacked(params), model_state, batch, rngs=model_rngs(key, rng_streams),
+                             loss_fn=eval_loss_fn, run=ModelRun(train=True))
 
     try:
         jax.eval_shape(run, adapter.unbox(abstract.params), abstract.model_state, batch, abstract.rng)
