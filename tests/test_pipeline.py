@@ -664,8 +664,9 @@ def test_an_nnx_list_of_blocks_trains_like_one_device_and_each_stage_holds_its_s
 def test_the_state_holds_the_listed_blocks_stacked_by_stage_and_the_step_moves_only_activations(caplog):
     """GPT-2's four listed blocks under PP 2 × DP 4: the state holds them stacked ``[4, ...]``, the layer
     dim over the stages (each device two blocks whole, their Adam moments alike), and the compiled
-    step moves no params between stages (no all-to-all: the restack of ``stack_blocks=False``, kept
-    as it was, sends each stage the other half of its blocks every step). An optimizer that scales each
+    step moves no params between stages (no all-to-all, with the params cast to bfloat16 too: the
+    restack of ``stack_blocks=False``, kept as it was, sends each stage the other half of its blocks
+    every step). An optimizer that scales each
     param by its own norm (LAMB) would update the stacked rows otherwise: the blocks then stay in
     the model's tree, said in the log, and it still trains like one device."""
     from tests import third_party
@@ -686,6 +687,8 @@ def test_the_state_holds_the_listed_blocks_stacked_by_stage_and_the_step_moves_o
     step = px.make_train_step(third_party.causal_lm_loss, strategy)
     text = step.lower(state, batches[0]).compile().as_text()
     assert "collective-permute" in text and "all-to-all" not in text, "the blocks' params moved between stages"
+    bf16 = px.make_train_step(third_party.causal_lm_loss, strategy, precision="bf16")  # the rows cast, still in place
+    assert "all-to-all" not in bf16.lower(state, batches[0]).compile().as_text()
     restacking = px.combine(px.DataParallel(4), px.PipelineParallel(2, blocks=block, stack_blocks=False))
     listed = px.init_state(model, optax.sgd(0.1), batches[0], strategy=restacking, loss_fn=third_party.causal_lm_loss)
     for leaf in jax.tree.leaves(listed.params["transformer"]["h"]["1"]):  # the model's own tree, half on each stage

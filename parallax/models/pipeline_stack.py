@@ -35,8 +35,8 @@ from parallax.models.pipeline_rows import BATCH, check_per_example, per_example_
 from parallax.models.rebind import bind_eqn
 from parallax.models.remat_policy import rematerialises
 from parallax.sharding.pipeline import NoStackError
-from parallax.sharding.stacked_blocks import restacked, unstacked
 from parallax.sharding.chains import CALLS, REMAT, Chain, call_body, find_chains, folded_constants, use_counts
+from parallax.sharding.stacked_blocks import cast_rows, restacked, unstacked
 
 PARAMS, STATE, _INLINED = "params", "state", CALLS  # what values come from (and BATCH); calls opened to a stack
 
@@ -52,7 +52,7 @@ class Stack:
     prove: Callable | None = None
     keep_layer_inputs: bool = False
     marked: bool = False
-    held: Any = None  # id of a slice of a stacked param → (that param, its row)
+    held: Any = None  # id of a slice of a stacked param → (that param, its row, the slice)
 
 
 def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callable[[int], int], repeats: int = 1,
@@ -209,7 +209,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Seq
         else:
             # Bound in the context it runs in (not the one recorded at tracing: inside the pipeline's
             # shard_map the stage axis is manual, where the layer was traced with it automatic).
-            outs = bind_eqn(eqn, ins)
+            outs = cast_rows(stack.held, eqn, ins, bind_eqn(eqn, ins))
             out_kinds = [frozenset().union(*in_kinds)] * len(outs)
         for var, value, k in zip(eqn.outvars, outs, out_kinds):
             values[var], kind_of[var] = value, k

@@ -117,10 +117,10 @@ def stacked(tree: Any, groups: Sequence[Group]) -> Any:
     return tree
 
 
-def unstacked(tree: Any, rows: dict[int, tuple[Any, int]] | None = None) -> Any:
+def unstacked(tree: Any, rows: dict | None = None) -> Any:
     """``tree`` as the model writes it: each :class:`StackedBlocks` back to its blocks (slices of
     its leaves). Where ``rows`` is given, each slice's ``id`` is recorded in it with its stacked
-    leaf and row (what :mod:`parallax.models.pipeline_stack` runs the pipeline on instead of
+    leaf, row and itself (what :mod:`parallax.models.pipeline_stack` runs the pipeline on instead of
     stacking the slices again)."""
     if not has_stacked(tree):
         return tree
@@ -135,8 +135,8 @@ def unstacked(tree: Any, rows: dict[int, tuple[Any, int]] | None = None) -> Any:
                     return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype,
                                                 sharding=_row_sharding(leaf.sharding, leaf.shape[1:]))
                 piece = leaf[row] if isinstance(leaf, np.ndarray) else jax.lax.index_in_dim(leaf, row, keepdims=False)
-                if rows is not None:
-                    rows[id(piece)] = (leaf, row)
+                if rows is not None:  # the slice itself kept: its id stays its own
+                    rows[id(piece)] = (leaf, row, piece)
                 return piece
             blocks[key] = jax.tree.map(take, x.stacked)
         return {**blocks, **x.others}
@@ -186,14 +186,26 @@ def stacked_like(tree: Any, like: Any) -> Any:
         jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0], children, strict=True)])
 
 
-def restacked(values: Sequence[Any], rows: Mapping[int, tuple[Any, int]] | None) -> Any:
+def cast_rows(rows: dict | None, eqn: Any, ins: Sequence[Any], outs: list) -> list:
+    """``outs``, and where ``eqn`` casts a row of a stacked leaf (mixed precision's params in
+    ``bfloat16``), its output recorded in ``rows`` as that row of the whole leaf cast once."""
+    if rows and eqn.primitive.name == "convert_element_type" and id(ins[0]) in rows:
+        leaf, row, _ = rows[id(ins[0])]
+        key = (id(leaf), str(eqn.params["new_dtype"]))
+        if key not in rows:
+            rows[key] = jax.lax.convert_element_type(leaf, eqn.params["new_dtype"])
+        rows[id(outs[0])] = (rows[key], row, outs[0])
+    return outs
+
+
+def restacked(values: Sequence[Any], rows: Mapping | None) -> Any:
     """``values`` stacked: the stacked leaf itself where they are all its rows in order (slices
     :func:`unstacked` recorded in ``rows``), nothing moved; else ``jnp.stack(values)``."""
     found = [(rows or {}).get(id(value)) for value in values]
     if found and all(f is not None for f in found):
         leaf = found[0][0]
-        if all(f[0] is leaf for f in found) and [f[1] for f in found] == list(range(len(values))) \
-                and leaf.shape[0] == len(values):
+        if all(f[0] is leaf and f[2] is value for f, value in zip(found, values)) \
+                and [f[1] for f in found] == list(range(len(values))) and leaf.shape[0] == len(values):
             return leaf
     return jnp.stack(values)
 

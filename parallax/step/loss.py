@@ -19,8 +19,8 @@ def loss_closure(adapter: ModelAdapter, loss_fn: LossFn, rng_streams: Sequence[s
     """
 
     def loss(params: Any, model_state: dict, batch: Any, key: Any):
-        output, new_model_state = adapter.apply(unstacked(params), model_state, batch, rngs=model_rngs(key, rng_streams),
-                                                loss_fn=loss_fn, run=run)
+        output, new_model_state = adapter.apply(unstacked(params), model_state, batch,  # a list held stacked, as written
+                                                rngs=model_rngs(key, rng_streams), loss_fn=loss_fn, run=run)
         value, metrics = metric_lib.split_loss_output(output)
         sums = metric_lib.to_sums(value, metrics, leading_dims(batch)[0][1])
         return value, (sums, new_model_state)
