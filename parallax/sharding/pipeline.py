@@ -135,8 +135,8 @@ class PipelineParallel(Strategy):
             stay in the model's tree, split over the stage axis, and every step restacks them (their
             bytes cross the stage axis each step).
         stacked: the stacked params' layer dims, by path (set when the state is planned).
-        chained: the listed blocks' params, by path: the dim split over the stage axis (set
-            when the state is planned).
+        chained: the listed blocks' params, by path: ``(chain, layer)``, which run of calls and
+            which block of it (set when the state is planned).
         remat: what the backward pass recomputes. ``"iteration"``: each pipeline iteration keeps
             only its input and is recomputed from it: the least memory (one input per iteration);
             a stack's blocks that checkpoint themselves (``nn.remat``) are then recomputed once
