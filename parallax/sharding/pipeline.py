@@ -54,6 +54,30 @@ def describe_split(count: int, stages: int, repeats: int) -> str:
             f"{100 * (slots - count) / slots:.1f}%, idle besides the bubble)")
 
 
+def stage_split(shape: tuple[int, ...], dims: list, axis: str, axis_sizes: Mapping[str, int],
+                layer: int | None = None) -> list:
+    """``dims`` with the stage ``axis`` added where a param split over the stages along another dim than
+    its layers' has it: its largest free dim the stages divide, else beside the axes already on a dim
+    (FSDP's first) whose shards the stages divide, else nowhere (whole on each stage); never ``layer``.
+
+    Example:
+        >>> stage_split((8, 6), [None, "fsdp"], "stage", {"stage": 2, "fsdp": 2})
+        ['stage', 'fsdp']
+    """
+    stages = axis_sizes[axis]
+    free = [d for d in range(len(shape)) if dims[d] is None and d != layer and shape[d] % stages == 0]
+    if free:
+        d = max(free, key=lambda d: (shape[d], -d))
+        return [*dims[:d], axis, *dims[d + 1:]]
+    taken = [d for d in range(len(shape)) if dims[d] is not None and d != layer
+             and shape[d] % (entry_size(dims[d], axis_sizes) * stages) == 0]
+    if not taken:
+        return dims
+    d = max(taken, key=lambda d: ("fsdp" in dims_axes([dims[d]]), shape[d], -d))
+    entry = dims[d] if isinstance(dims[d], tuple) else (dims[d],)
+    return [*dims[:d], (*entry, axis), *dims[d + 1:]]
+
+
 class NoStackError(ValueError):
     """A :class:`PipelineParallel` with no ``blocks=`` found no stack in the model (the planner adds
     which repeated block class to name, where the model has one)."""
@@ -275,18 +299,7 @@ class PipelineParallel(Strategy):
         already on a dim (FSDP's first) whose shards the stages divide, else nowhere (whole on each stage)."""
         if not self._regrouped(path, shape, axis_sizes):
             return dims
-        stages, layer = axis_sizes[self.axis], (self.stacked or {}).get(path)
-        free = [d for d in range(len(shape)) if dims[d] is None and d != layer and shape[d] % stages == 0]
-        if free:
-            d = max(free, key=lambda d: (shape[d], -d))
-            return [*dims[:d], self.axis, *dims[d + 1:]]
-        taken = [d for d in range(len(shape)) if dims[d] is not None and d != layer
-                 and shape[d] % (entry_size(dims[d], axis_sizes) * stages) == 0]
-        if not taken:
-            return dims
-        d = max(taken, key=lambda d: ("fsdp" in dims_axes([dims[d]]), shape[d], -d))
-        entry = dims[d] if isinstance(dims[d], tuple) else (dims[d],)
-        return [*dims[:d], (*entry, self.axis), *dims[d + 1:]]
+        return stage_split(shape, dims, self.axis, axis_sizes, (self.stacked or {}).get(path))
 
     def why_whole(self, path, shape, axis_sizes) -> str:
         if self.chained is not None:

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parallax.sharding.pipeline import stage_split
+
 Group = tuple[tuple[str, ...], tuple[str, ...]]  # the list's parent path, its blocks' keys in call order
 
 
@@ -146,20 +148,14 @@ def unstacked(tree: Any, rows: dict | None = None) -> Any:
 
 def _row_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
     """A stacked leaf's sharding for one of its rows (``shape``): its other dims' axes kept, and the
-    layer dim's moved to the row's largest dim they divide, where the blocks, as the model writes
-    them, would be split over the stages; whole along them where none does."""
+    stage axis of its layer dim placed as on the blocks the model writes
+    (:func:`parallax.sharding.pipeline.stage_split`)."""
     if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
         return sharding
-    entries = [tuple(e) if isinstance(e, tuple) else (e,) if e is not None else () for e in sharding.spec]
-    entries += [()] * (len(shape) + 1 - len(entries))
-    moved, rest = entries[0], entries[1:]
-    size = lambda axes: int(np.prod([sharding.mesh.shape[a] for a in axes]))  # noqa: E731
-    fits = [d for d in range(len(shape)) if moved and shape[d] % (size(rest[d]) * size(moved)) == 0]
-    if fits:
-        d = max(fits, key=lambda d: (shape[d], -d))
-        rest[d] = (*rest[d], *moved)
-    spec = jax.sharding.PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in rest])
-    return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+    stage, *rest = (*sharding.spec, *(None,) * (len(shape) + 1 - len(sharding.spec)))
+    dims = stage_split(shape, rest, stage, dict(sharding.mesh.shape)) if isinstance(stage, str) else rest
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*dims),
+                                      memory_kind=sharding.memory_kind)
 
 
 def as_written(tree: Any) -> Any:

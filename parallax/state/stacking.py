@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from parallax.sharding.pipeline import PipelineParallel
-from parallax.sharding.specs import follow_params, is_spec, without_axes
+from parallax.sharding.specs import dims_axes, follow_params, is_spec, without_axes
 from parallax.sharding.stacked_blocks import Group, StackedBlocks, block_groups, stacked, subtree, with_subtree
 from parallax.sharding.strategy import Strategy
 
@@ -89,7 +89,7 @@ def storage_specs(abstract: Any, specs: Any, groups: Sequence[Group], strategy: 
     the pipeline's axis on its layer dim, its other dims as its blocks' (without that axis), the
     optimizer's leaves following their params."""
     axis = next(p.axis for p in strategy.parts if isinstance(p, PipelineParallel) and p.chained)
-    held = jax.tree.map(lambda s: without_axes(s, _axes(s) - {axis}), specs.params, is_leaf=is_spec)
+    held = jax.tree.map(lambda s: without_axes(s, dims_axes(s) - {axis}), specs.params, is_leaf=is_spec)
     for parent, keys in groups:
         blocks = subtree(held, parent)
         first = jax.tree.leaves(blocks[keys[0]], is_leaf=is_spec)
@@ -102,6 +102,3 @@ def storage_specs(abstract: Any, specs: Any, groups: Sequence[Group], strategy: 
             {k: v for k, v in blocks.items() if k not in keys}))
     return follow_params(abstract, held)
 
-
-def _axes(spec: PartitionSpec) -> set[str]:
-    return {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None}
