@@ -74,24 +74,16 @@ def _filled(aval: Any, value: np.ndarray, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(aval.shape, sharding, lambda _: shard)
 
 
-def _own_copy(tree: Any, given: Any, shardings: Any) -> Any:
-    """``tree`` placed on ``shardings``, each leaf a buffer of its own: a leaf that is the given
-    array itself (already on its shards) is copied, so that a step donating the state leaves the
-    caller's array alive."""
-    given_ids = {id(leaf) for leaf in jax.tree.leaves(given)}
-    return jax.tree.map(lambda leaf, sharding: jax.device_put(leaf, sharding, may_alias=False)
-                        if id(leaf) in given_ids or not isinstance(leaf, jax.Array) else leaf, tree, shardings)
-
-
 def build_directly(key: Any, values: Any, model_state: Any, opt_state: Any, *, plain: Any, abstract: TrainState,
-                   shardings: TrainState, optimizer: Any, given: Any) -> TrainState | None:
+                   shardings: TrainState, optimizer: Any) -> TrainState | None:
     """The train state the state's program would compute from given ``values`` (params on their
     shards, in the model's dtypes), put together on the host side without compiling it; ``None``
     where it needs the program (see the module's docstring).
 
     Args:
         key: the state's raw PRNG key (host array).
-        values: the given params, already on ``shardings.params``; ``None``: not given.
+        values: the given params, already on ``shardings.params`` in buffers of their own (never the
+            caller's arrays: the state's step donates them); ``None``: not given.
         model_state: the model state on its shards (given, or the empty one of a model that has none);
             ``None``: only the model's init makes it.
         opt_state: the given optimizer state on its shards, ``None`` where not given.
@@ -99,7 +91,6 @@ def build_directly(key: Any, values: Any, model_state: Any, opt_state: Any, *, p
         abstract: the state's shapes (its model, for the state).
         shardings: the state's ``NamedSharding`` tree.
         optimizer: the optax transformation.
-        given: the caller's own arrays (never handed to the state as they are).
     """
     if values is None or model_state is None:  # the model's init makes the params, or its other state
         return None
@@ -118,10 +109,10 @@ def build_directly(key: Any, values: Any, model_state: Any, opt_state: Any, *, p
     state_key = np.asarray(jax.random.split(jnp.asarray(key), 3)[2])  # a host value: placed as the program's argument
     return TrainState(
         step=_filled(jax.ShapeDtypeStruct((), jnp.int32), np.zeros((), np.int32), shardings.step),
-        params=_own_copy(values, given, shardings.params),
-        opt_state=_own_copy(opt_state, given, shardings.opt_state),
+        params=values,
+        opt_state=opt_state,
         rng=jax.device_put(state_key, shardings.rng),
-        model_state=_own_copy(model_state, given, shardings.model_state),
+        model_state=model_state,
         model=abstract.model,
         tx=optimizer,
     )

@@ -25,13 +25,13 @@ from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.stacked_blocks import stacked, unstacked
 from parallax.sharding.strategy import Strategy
 from parallax.state.direct import build_directly
-from parallax.state.pretrained import place_params
+from parallax.state.pretrained import place_params, put_own
 from parallax.state.stacking import stacking_groups, storage_specs
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.offload import check_offload, with_memory_kinds
 from parallax.step.run_changes import listed_experts_hint, pipelined_blocks, with_blocks_marked
-from parallax.step.train_state import TrainState, as_key, model_rngs
+from parallax.step.train_state import TrainState, as_key, key_struct, model_rngs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,13 +211,14 @@ def plan_state(
 
     def placed():
         """Values the model or optimizer already holds, or pretrained params, put straight onto their
-        shards (arguments of the build, never constants compiled into it)."""
-        values, state = (None, None) if given is None else jax.device_put(given, (shardings.params,
-                                                                                  shardings.model_state))
+        shards (arguments of the build, never constants compiled into it), each a copy of its own: a step
+        donates the state, and the caller's arrays (an NNX module's, an ``nnx.Optimizer``'s) stay theirs
+        (:func:`parallax.state.pretrained.put_own`)."""
+        values, state = (None, None) if given is None else put_own(given, (shardings.params, shardings.model_state))
         if pretrained is not None:
             values = place_params(pretrained, plain, jax.tree.map(lambda s: NamedSharding(mesh, s), model_specs,
                                                                   is_leaf=is_spec))
-        opt_state = None if given_opt_state is None else jax.device_put(given_opt_state, shardings.opt_state)
+        opt_state = None if given_opt_state is None else put_own(given_opt_state, shardings.opt_state)
         return values, state, opt_state
 
     def run(method):
@@ -229,7 +230,7 @@ def plan_state(
         values, state, opt_state = placed()
         built = None if groups else build_directly(
             key, values, known_state(values, state), opt_state, plain=plain, abstract=abstract, shardings=shardings,
-            optimizer=optimizer, given=(given, pretrained, given_opt_state))
+            optimizer=optimizer)
         if built is not None:
             return built
         with mesh_context(mesh):
@@ -319,7 +320,7 @@ def probe_loss(adapter: ModelAdapter, abstract: TrainState, specs: Any, example_
                                     sharding=NamedSharding(mesh, batch_spec if divisible else PartitionSpec()))
 
     batch = jax.tree.map(batch_leaf, example_batch)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    key = key_struct()
     run = ModelRun(train=True, constraint_axes=tuple(mesh.axis_names))
     said: list[str] = []
     loss = jit_loss(adapter, loss_fn, rng_streams, run, mesh, strategy, specs.params,  # as the train step runs it
@@ -342,7 +343,7 @@ def trace_computation(adapter: ModelAdapter, abstract: TrainState, example_batch
         return adapter.apply(jax.tree.unflatten(treedef, param_leaves), model_state, batch,
                              rngs=model_rngs(key, rng_streams), loss_fn=loss_fn, run=run)
 
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    key = key_struct()
     closed = jax.make_jaxpr(loss)(plain_leaves, abstract.model_state, example_batch, key)
     first_batch = len(plain_leaves) + len(state_leaves)
     return Computation(

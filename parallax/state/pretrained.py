@@ -117,6 +117,48 @@ def _fits(tree: Any, expected: Any) -> bool:
     return True
 
 
+def _buffers(leaf: Any) -> set[int]:
+    try:
+        return {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
+    except Exception:  # noqa: BLE001 - a leaf whose buffers cannot be read (deleted, a typed key): compare nothing
+        return set()
+
+
+def _copies(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Each leaf copied into new buffers on its own sharding (memory kind included)."""
+    copy = jax.jit(lambda xs: [x.copy() for x in xs], out_shardings=[leaf.sharding for leaf in leaves])
+    return copy(leaves)
+
+
+def put_own(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` in buffers none of ``tree``'s own arrays share: what a
+    train state is built from, since its step donates them and the caller's arrays (an NNX module's,
+    params passed in) must stay alive.
+
+    ``device_put(..., may_alias=False)`` alone does not ensure that: measured on jax 0.10.2 and 0.12,
+    an array on one device put on a sharding that replicates it keeps that device's buffer as its
+    first shard, and a step donating the result deletes the caller's array. A leaf that shares a
+    buffer so is copied once more on its shards.
+
+    Example:
+        >>> mesh = px.DataParallel().make_mesh()
+        >>> given = {"w": jnp.ones((4,))}
+        >>> placed = put_own(given, {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())})
+        >>> jax.jit(lambda t: t, donate_argnums=0)(placed) and given["w"].is_deleted()
+        False
+    """
+    placed = jax.device_put(tree, shardings, may_alias=False)
+    leaves, treedef = jax.tree.flatten(placed)
+    sources = jax.tree.leaves(jax.tree.map(lambda leaf, _: leaf, tree, placed))
+    shared = [i for i, (source, leaf) in enumerate(zip(sources, leaves, strict=True))
+              if isinstance(source, jax.Array) and isinstance(leaf, jax.Array) and _buffers(source) & _buffers(leaf)]
+    if shared:
+        copies = _copies([leaves[i] for i in shared])
+        for i, copy in zip(shared, copies):
+            leaves[i] = copy
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def place_params(given: Any, expected: Any, shardings: Any) -> Any:
     """``given`` params (a pytree of arrays, or an orbax checkpoint path) checked against the
     model's (``expected``, ``ShapeDtypeStruct`` s) and put on ``shardings``, one shard per device.
@@ -133,4 +175,4 @@ def place_params(given: Any, expected: Any, shardings: Any) -> Any:
         return read_params(given, expected, shardings)
     check_params(given, expected)
     given = jax.tree.map(lambda value, _: value, given, expected)  # the model's tree structure, the given leaves
-    return jax.device_put(given, shardings)
+    return put_own(given, shardings)  # the state's own buffers: a step donating them leaves the caller's arrays alive

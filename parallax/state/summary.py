@@ -271,7 +271,7 @@ def _replicated_params(rows, strategy, sizes) -> list[Replicated]:
 def _rows(tree: Any) -> list[LeafRow]:
     rows = []
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape, dtype = tuple(int(d) for d in leaf.shape), jax.numpy.dtype(leaf.dtype)
+        shape, dtype = tuple(int(d) for d in leaf.shape), leaf.dtype  # a typed PRNG key's dtype too (key<fry>)
         sharding = leaf.sharding
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         rows.append(LeafRow(path_str(key_path), shape, dtype.name, spec, math.prod(shape) * dtype.itemsize,

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -55,18 +56,54 @@ class TrainState(struct.PyTreeNode):
         return adapter_for(self.model).bind(as_written(self.params), self.model_state)
 
 
+def key_struct() -> jax.ShapeDtypeStruct:
+    """The shape and dtype of a raw PRNG key of JAX's default implementation: ``uint32[2]`` under
+    threefry (JAX's default), ``uint32[4]`` under ``rbg`` and ``unsafe_rbg`` (MaxText's default,
+    ``jax.config.update("jax_default_prng_impl", ...)``). The train state's key has this form.
+
+    Example:
+        >>> key_struct()
+        ShapeDtypeStruct(shape=(2,), dtype=uint32)
+    """
+    return jax.eval_shape(lambda: jax.random.PRNGKey(0))
+
+
 def as_key(rng: Any) -> jax.Array:
-    """A raw ``uint32[2]`` PRNG key from a seed, a raw key or a typed key.
+    """A raw PRNG key of JAX's default implementation (:func:`key_struct`) from a seed, a raw key or a
+    typed key (``jax.random.key``).
+
+    A typed key of the default implementation gives its own data; a typed key of another one (say
+    ``jax.random.key(0, impl="rbg")`` under threefry) gives a key of the default implementation drawn
+    from it, the same for the same key. A raw key of another implementation's shape is refused: its
+    bits cannot be read as the default implementation's.
 
     Example:
         >>> as_key(0).shape
         (2,)
+        >>> bool((as_key(jax.random.key(0)) == jax.random.PRNGKey(0)).all())
+        True
     """
-    if isinstance(rng, int):
-        return jax.random.PRNGKey(rng)
-    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+    expected = key_struct()
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        return jax.random.PRNGKey(int(rng))
+    if not isinstance(rng, (jax.Array, np.ndarray, jax.core.Tracer)):
+        try:
+            rng = jnp.asarray(rng)
+        except TypeError:
+            raise TypeError(f"rng must be a seed (an int), a raw PRNG key or a typed key (jax.random.key), "
+                            f"got {type(rng).__name__}: {rng!r}") from None
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape:
+            raise ValueError(f"rng must be one key, got an array of {rng.shape} typed keys ({rng.dtype}).")
+        if jax.random.key_impl(rng) != jax.random.key_impl(jax.random.key(0)):  # drawn from it, in the default impl
+            return jax.random.bits(rng, expected.shape, expected.dtype)
         return jax.random.key_data(rng)
+    if tuple(rng.shape) != tuple(expected.shape) or not jnp.issubdtype(rng.dtype, jnp.unsignedinteger):
+        impl = jax.config.jax_default_prng_impl
+        raise ValueError(
+            f"rng={rng!r} is not a raw PRNG key of JAX's default implementation ({impl}: "
+            f"{expected.dtype}{list(expected.shape)}); got {rng.dtype}{list(rng.shape)}. Pass a seed (rng=0), a typed "
+            f"key (jax.random.key(0)), or a raw key made under the same jax_default_prng_impl.")
     return rng
 
 

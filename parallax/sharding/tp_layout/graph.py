@@ -6,7 +6,6 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-import numpy as np
 from jax.extend import core
 
 _REDUCTIONS = {
@@ -41,11 +40,7 @@ def _shape(val: Any) -> tuple[int, ...] | None:
 def _nbytes(val: Any) -> int:
     if not isinstance(val, _Val):
         return 0
-    try:
-        itemsize = np.dtype(val.dtype).itemsize
-    except TypeError:
-        itemsize = 4
-    return math.prod(val.shape) * itemsize
+    return math.prod(val.shape) * getattr(val.dtype, "itemsize", 4)  # a typed PRNG key's dtype has one too
 
 
 def _is_var(x: Any) -> bool:
