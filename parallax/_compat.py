@@ -10,8 +10,9 @@ Known differences:
 
 * The compiled HLO text prints a collective's ``replica_groups`` as an explicit list
   (``{{0,1},{2,3}}``) or an iota (``[4,2]<=[8]``) on jaxlib 0.10, and, on jaxlib 0.12, for
-  collectives that ``shard_map`` emits, as mesh axes (``mesh['data'=2,'fsdp'=4] {'fsdp'}``).
-  :func:`replica_group_size` reads all three.
+  collectives that ``shard_map`` emits, as mesh axes (``mesh['data'=2,'fsdp'=4] {'fsdp'}``), with
+  the mesh's devices in another order where they are (``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0))
+  {'a'}``, jaxlib 0.10 too). :func:`replica_group_size` and :func:`replica_groups` read them all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from jax.sharding import AxisType, Mesh
 
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<over>[^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?"
+                          r"\s*\{(?P<over>[^}]*)\}")
+_IDS_IOTA = re.compile(r"^\[(?P<shape>[\d,]+)\](?:<=\[(?P<dims>[\d,]+)\])?(?:T\((?P<perm>[\d,]+)\))?$")
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 
 
@@ -41,6 +44,8 @@ def replica_group_size(hlo_line: str) -> int:
         4
         >>> replica_group_size("x = reduce-scatter(y), replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}")
         4
+        >>> replica_group_size("x = all-gather(y), replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}")
+        2
     """
     listed = _GROUPS_LIST.search(hlo_line)
     if listed:
@@ -75,6 +80,8 @@ def replica_groups(hlo_line: str, devices: int) -> list[tuple[int, ...]]:
         [(0, 2, 4, 6), (1, 3, 5, 7)]
         >>> replica_groups("x = reduce-scatter(y), replica_groups=mesh['data'=2,'fsdp'=4] {'data'}", 8)
         [(0, 4), (1, 5), (2, 6), (3, 7)]
+        >>> replica_groups("x = all-gather(y), replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}", 8)
+        [(0, 1), (2, 3), (4, 5), (6, 7)]
         >>> replica_groups("x = collective-permute(y), source_target_pairs={{0,1},{1,0}}", 2)
         [(0, 1), (1, 0)]
     """
@@ -97,9 +104,31 @@ def replica_groups(hlo_line: str, devices: int) -> list[tuple[int, ...]]:
         axes = _MESH_AXIS.findall(by_mesh.group("axes"))
         names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
         over = [names.index(name) for name in re.findall(r"'([^']+)'", by_mesh.group("over"))]
-        ids = np.moveaxis(np.arange(int(np.prod(sizes))).reshape(sizes), over, range(len(sizes) - len(over), len(sizes)))
+        ids = _mesh_device_ids(by_mesh.group("ids"), int(np.prod(sizes))).reshape(sizes)
+        ids = np.moveaxis(ids, over, range(len(sizes) - len(over), len(sizes)))
         return [tuple(int(v) for v in row) for row in ids.reshape(-1, int(np.prod([sizes[i] for i in over], dtype=int)))]
     return [tuple(range(devices))]
+
+
+def _mesh_device_ids(printed: str | None, count: int) -> np.ndarray:
+    """The partition ids of a mesh-axes replica group's devices, in the mesh's order: ``device_ids=``'s
+    iota (``[4,2]T(1,0)``, ``[2,4]<=[8]``) or list (``0,4,1,5``); ``0..count-1`` where none is printed.
+
+    Example:
+        >>> _mesh_device_ids("[4,2]T(1,0)", 8).tolist()
+        [0, 2, 4, 6, 1, 3, 5, 7]
+    """
+    if not printed:
+        return np.arange(count)
+    iota = _IDS_IOTA.match(printed.strip())
+    if iota is None:
+        return np.array([int(v) for v in re.findall(r"\d+", printed)])
+    shape = [int(v) for v in iota.group("shape").split(",")]
+    dims = [int(v) for v in iota.group("dims").split(",")] if iota.group("dims") else shape
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota.group("perm"):
+        ids = ids.transpose([int(v) for v in iota.group("perm").split(",")])
+    return ids.reshape(-1)
 
 
 def auto_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[Any]) -> Mesh:

@@ -48,25 +48,45 @@ def check_batch(batch: Any, strategy: Strategy, mesh: Mesh, grad_accum: int = 1)
     return batch_size
 
 
-def check_batch_devices(batch: Any, mesh: Mesh | Sequence[jax.Device]) -> None:
+def check_batch_devices(batch: Any, mesh: Mesh | Sequence[jax.Device], taken: NamedSharding | None = None) -> None:
     """Raises ``ValueError`` for a batch array placed on other devices than the state's mesh (a
-    committed array on a subset of them too: ``jit`` would refuse it); ``mesh`` may be the devices
-    a search lays its meshes over, checked before it compiles anything."""
+    committed array on a subset of them too: ``jit`` would refuse it), or, given the sharding the step
+    ``taken`` takes its batch with, one laid out otherwise on those devices (another mesh's shape or
+    device order: ``jit`` would refuse it, or move it on every call); ``mesh`` may be the devices a
+    search lays its meshes over, checked before it compiles anything.
+
+    Example:
+        >>> mesh = px.FSDP().make_mesh()
+        >>> other = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("rows", "cols"))
+        >>> P = jax.sharding.PartitionSpec
+        >>> batch = {"x": jax.device_put(np.zeros((8, 3)), NamedSharding(other, P("rows")))}
+        >>> check_batch_devices(batch, mesh, NamedSharding(mesh, P("fsdp")))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch['x'] is laid out on a mesh with axes {'rows': 4, 'cols': 2} (P('rows',)), not as the step takes it ...
+    """
     mesh_devices = set(mesh.devices.flat) if isinstance(mesh, Mesh) else set(mesh)
     target = f"the state's mesh {dict(mesh.shape)}" if isinstance(mesh, Mesh) else (
         f"the {len(mesh_devices)} devices the state is laid out over")
+    fix = ("Pass host (numpy) arrays, or place the batch on the state's mesh: "
+           "px.data.to_global(batch, NamedSharding(mesh, strategy.batch_spec())).")
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         sharding = getattr(leaf, "sharding", None)
         devices = set(getattr(sharding, "device_set", ()))
-        if isinstance(leaf, jax.Array) and sharding is not None and (
-                not devices <= mesh_devices or (leaf.committed and devices != mesh_devices)):
-            where = (f"a mesh with axes {dict(sharding.mesh.shape)}" if isinstance(sharding, NamedSharding)
-                     else f"{len(sharding.device_set)} device(s)")
+        if not isinstance(leaf, jax.Array) or sharding is None:
+            continue
+        where = (f"a mesh with axes {dict(sharding.mesh.shape)}" if isinstance(sharding, NamedSharding)
+                 else f"{len(sharding.device_set)} device(s)")
+        if not devices <= mesh_devices or (leaf.committed and devices != mesh_devices):
+            raise ValueError(f"batch{jax.tree_util.keystr(key_path)} is placed on {where}, other devices than "
+                             f"{target}. {fix}")
+        if taken is not None and leaf.committed and leaf.ndim and not sharding.is_equivalent_to(taken, leaf.ndim):
+            spec = f" ({sharding.spec})" if isinstance(sharding, NamedSharding) else ""
+            if isinstance(sharding, NamedSharding) and sharding.mesh.shape == taken.mesh.shape:
+                spec += ", its devices in another order than the state's mesh's"
             raise ValueError(
-                f"batch{jax.tree_util.keystr(key_path)} is placed on {where}, other devices than {target}. "
-                "Pass host (numpy) arrays, or place the batch on the state's mesh: "
-                "px.data.to_global(batch, NamedSharding(mesh, strategy.batch_spec()))."
-            )
+                f"batch{jax.tree_util.keystr(key_path)} is laid out on {where}{spec}, not as the step takes it "
+                f"(the state's mesh {dict(taken.mesh.shape)}, {taken.spec}). {fix}")
 
 
 def state_specs_of(state: Any) -> tuple[Mesh, Any]:

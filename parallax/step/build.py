@@ -212,7 +212,8 @@ class Step(CompiledPaths):
             self.strategy = from_mesh(mesh)
         self.strategy.check_mesh(mesh)
         self._check_mode(mesh)
-        check_batch_devices(batch, mesh)
+        check_batch_devices(batch, mesh, NamedSharding(mesh, PartitionSpec() if self.replicated_batch
+                                                       else self.strategy.batch_spec()))  # before anything compiles
         if self.replicated_batch:
             leading_dims(batch)
         else:
