@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._compat import mesh_context
 from parallax._errors import first_line
 from parallax._tree import is_box, path_str
-from parallax.models import LinenModel, LossFn, ModelAdapter, ModelRun, adapter_for
+from parallax.models import LinenModel, LossFn, ModelAdapter, ModelRun, adapter_for, unwrap_pretrained
 from parallax.sharding.computation import Computation
 from parallax.sharding.expert_parallel import NoExpertsError
 from parallax.sharding.mesh import is_explicit
@@ -131,6 +131,7 @@ def plan_state(
         >>> tuple(plan.specs.params["Dense_1"]["kernel"])  # (64, 64): both dims divide by 8, the first is split
         ('fsdp',)
     """
+    model, params = unwrap_pretrained(model, params)  # a Hugging Face model object: its module and params
     adapter = adapter_for(model)
     optimizer, given_opt_state = adapter.optimizer(optimizer)
     given = adapter.values()
