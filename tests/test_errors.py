@@ -237,3 +237,25 @@ def test_a_batch_placed_on_another_mesh_is_named():
                                          r"than the state's mesh"):
         px.testing.assert_equivalent(MLP(), optax.sgd(0.1), classifier_loss, [placed], px.FSDP(4, min_weight_size=0),
                                      devices=jax.devices()[:4])
+
+
+def test_a_batch_laid_out_on_another_mesh_of_the_same_devices_is_named_before_compiling(caplog):
+    """jit would refuse it (another mesh's shape: "Sharding passed to jit does not match") or move it on every
+    call (the devices in another order); said by the step, in well under a second, nothing compiled."""
+    import logging
+
+    from jax.sharding import Mesh, NamedSharding
+
+    strategy = px.FSDP(min_weight_size=0, split="largest")
+    batch = batches("mlp", 1)[0]
+    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=strategy, loss_fn=classifier_loss)
+    step = px.make_train_step(classifier_loss, strategy)
+    devices = np.array(jax.devices())
+    for mesh, said in ((Mesh(devices.reshape(4, 2), ("rows", "cols")), r"a mesh with axes \{'rows': 4, 'cols': 2\}"),
+                       (Mesh(devices[::-1], ("fsdp",)), "its devices in another order than the state's mesh's")):
+        placed = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names[0])))
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level(logging.WARNING), pytest.raises(
+                ValueError, match=rf"batch\['x'\] is laid out on .*{said}.*not as the step takes it.*px\.data\.to_global"):
+            step(state, placed)
+        assert "Compiling" not in caplog.text, caplog.text  # nothing compiled

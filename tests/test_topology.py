@@ -309,3 +309,17 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_list_of_blocks_held_stacke
                         among=[px.DataParallel(8), pipeline(False)], topology=slow,
                         options=px.StepOptions(timed_candidates=0))
     assert restacked.choice.picked.startswith("DataParallel(data=8)"), restacked.choice.describe()
+
+
+def test_the_host_layout_is_the_same_whatever_order_the_parts_are_listed_in():
+    """``combine(FSDP(2), TP(4))`` and ``combine(TP(4), FSDP(2))`` over 2 hosts of 4 devices: one layout, one
+    count of the bytes across hosts. Before, jaxlib's mesh-axes replica groups with ``device_ids=`` (printed for
+    the mesh whose axes are listed the other way) were read as one group of every device, so the second
+    listing priced the layouts otherwise and kept the tensor axis inside where the first put it across."""
+    fsdp = dict(min_weight_size=0, split="largest")
+    listings = [px.combine(px.FSDP(2, **fsdp), px.TensorParallel(4)), px.combine(px.TensorParallel(4), px.FSDP(2, **fsdp))]
+    rows = px.plan(MLP(), optax.adamw(3e-3), batches("mlp", 1)[0], loss_fn=classifier_loss, strategies=listings,
+                   topology=px.Topology(2, 4), compile="jit").rows
+    links = [row["links"] for row in rows]
+    assert links[0] == links[1], links
+    assert links[0]["across"] < links[0]["inside"] + links[0]["across"]  # a real split of the bytes by link
