@@ -249,3 +249,29 @@ def test_what_you_hand_in_stays_yours_and_trains_like_one_device(kind, entry, st
         assert max_diff(params, ref_params) <= TOL
         trained = params if kind == "nnx" and entry in ("fit", "auto") else None
     assert_unchanged(given, before, batch_arrays, batch_before, trained)
+
+
+@pytest.mark.parametrize("strategy_name", tiers.cases(["fsdp", "fsdp+tp"], ["fsdp+tp"],
+                                                      "FSDP alone: the core tier runs FSDP x TP on the same model"))
+def test_an_nnx_module_built_inside_your_explicit_set_mesh_trains_like_one_device(strategy_name):
+    """A module made inside ``jax.set_mesh`` of an Explicit mesh holds arrays typed with that mesh (Flax's
+    current examples do this); before, FSDP and FSDP x TP refused it ("JAX refuses this model's sharding on
+    the mesh (fsdp=8 Explicit): with Auto axes: For primitive gather ... should match the aval mesh")."""
+    shape = {"fsdp": (8, 1), "fsdp+tp": (4, 2)}[strategy_name]
+    mesh = jax.make_mesh(shape, ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    strategy = px.combine(px.FSDP(shape[0], min_weight_size=0), px.TensorParallel(shape[1]))
+    tx = TX["adamw"]()
+    with jax.set_mesh(mesh):
+        model = NnxLM(nnx.Rngs(0))
+        assert model.embed.embedding.get_value().sharding.mesh.axis_types[0] == jax.sharding.AxisType.Explicit
+        before = snapshot(nnx.state(model))
+        state = px.init_state(model, tx, batches()[0], strategy=strategy, loss_fn=lm_loss)
+        step, losses = px.make_train_step(lm_loss, strategy), []
+        for batch in batches():
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    ref_losses, ref_params = Given("nnx").reference(tx)  # the same values, built outside any mesh
+    assert np.abs(np.array(losses) - ref_losses).max() <= TOL, (losses, ref_losses)
+    assert max_diff(jax.device_get(state.params), ref_params) <= TOL
+    for a, b in zip(snapshot(nnx.state(model)), before, strict=True):  # the user's module untouched
+        np.testing.assert_array_equal(a, b)

@@ -37,6 +37,7 @@ from parallax.models.adapter import LossFn, ModelRun, ParamGather
 from parallax.models.precision import Float32Outputs, cast_floating
 from parallax.models.nnx_remat import rematerialise
 from parallax.sharding.gather import all_gather_mean_grad, gather_dim
+from parallax.sharding.mesh import is_explicit
 
 __all__ = ["NNXModel"]
 
@@ -138,7 +139,8 @@ class NNXModel:
             raise ValueError("This NNX adapter holds only a graph definition; build the state from the module "
                              "or from a function that builds it.")
         module = self.source if isinstance(self.source, nnx.Module) else _build(self.source)
-        return _annotated_params(module), _split(module)[2]
+        values = _annotated_params(module), _split(module)[2]
+        return _without_explicit_types(values) if module is self.source else values
 
     def unbox(self, params: Any) -> Any:
         return unbox(params)
@@ -207,6 +209,27 @@ class NNXModel:
         if not run.train:
             new_state = model_state  # evaluation changes nothing
         return output, new_state
+
+
+def _without_explicit_types(tree: Any) -> Any:
+    """An instance's values with the Explicit mesh types they were made with dropped (host copies of
+    those arrays alone): a module built inside ``jax.set_mesh`` of an Explicit mesh holds arrays whose
+    type names that mesh, and traced as the model's values on parallax's mesh (Auto axes for an
+    ordinary model) JAX refused their first gather ("context mesh ... Auto should match the aval mesh
+    ... Explicit"). The values are the same; where they go is the state's plan."""
+
+    def untyped(leaf: Any) -> Any:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer) or not is_explicit(
+                getattr(sharding, "mesh", None)):
+            return leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            with jax.ensure_compile_time_eval():  # the key's data, not a traced op on it, inside a trace too
+                data = np.asarray(jax.random.key_data(leaf))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+        return np.asarray(leaf)
+
+    return jax.tree.map(untyped, tree)
 
 
 def _call(module: Any, batch: Any, loss_fn: LossFn | None) -> Any:
