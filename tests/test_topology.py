@@ -95,13 +95,20 @@ def _groups(line: str, devices: int) -> list[list[int]]:
         if iota.group(4):
             ids = ids.transpose([int(v) for v in iota.group(4).split(",")])
         return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-    by_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if by_mesh:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: the ids of the mesh's positions, grouped over those axes
+    by_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                        r"\s*\{([^}]*)\}", line)
+    if by_mesh:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: the ids of the mesh's positions, grouped over those axes;
+        # with device_ids=([4,2]T(1,0)), the mesh's positions hold those ids (an iota, transposed)
         axes = re.findall(r"'([^']+)'=(\d+)", by_mesh.group(1))
         names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        over = [names.index(a) for a in re.findall(r"'([^']+)'", by_mesh.group(2))]
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", by_mesh.group(4))]
         rest = [i for i in range(len(names)) if i not in over]
-        ids = np.arange(devices).reshape(sizes).transpose(rest + over)
+        ids = np.arange(devices)
+        if by_mesh.group(2):
+            ids = ids.reshape([int(v) for v in by_mesh.group(2).split(",")])
+            if by_mesh.group(3):
+                ids = ids.transpose([int(v) for v in by_mesh.group(3).split(",")])
+        ids = ids.reshape(sizes).transpose(rest + over)
         return ids.reshape(-1, int(np.prod([sizes[i] for i in over]))).tolist()
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
     if pairs:
