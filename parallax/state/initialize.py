@@ -40,7 +40,10 @@ def init_state(
     """Builds the sharded train state from shapes (``eval_shape`` → specs → ``jit``).
 
     Each device computes only its own shard of every param and moment; no param is
-    ever whole on one device under FSDP.
+    ever whole on one device under FSDP. What you hand in stays yours: an NNX instance's
+    values, ``params`` and an ``nnx.Optimizer``'s state are copied onto their shards, so the
+    train step (which donates the state) never deletes or changes them; the trained module is
+    ``state.module()`` (``Trainer.fit``, by NNX's convention, updates an NNX instance in place).
 
     Args:
         model: an unmodified flax linen module; an NNX module (its values are kept, e.g.
