@@ -11,6 +11,7 @@ device receives only its own shards: ``jax.device_put`` of a host array to a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -124,10 +125,16 @@ def _buffers(leaf: Any) -> set[int]:
         return set()
 
 
+@functools.lru_cache(maxsize=64)
+def _copier(shardings: tuple) -> Any:
+    """One jitted copy per layout: a search builds each candidate's state from the same values, and a
+    new ``jax.jit`` per call would trace and compile the copy again every time."""
+    return jax.jit(lambda xs: [x.copy() for x in xs], out_shardings=list(shardings))
+
+
 def _copies(leaves: list[jax.Array]) -> list[jax.Array]:
     """Each leaf copied into new buffers on its own sharding (memory kind included)."""
-    copy = jax.jit(lambda xs: [x.copy() for x in xs], out_shardings=[leaf.sharding for leaf in leaves])
-    return copy(leaves)
+    return _copier(tuple(leaf.sharding for leaf in leaves))(leaves)
 
 
 def put_own(tree: Any, shardings: Any) -> Any:
