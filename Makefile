@@ -4,8 +4,9 @@
 #   make test-all      the core and the wide tier (the second optimizer over the grids, the launches of
 #                      several processes, the fault runs, the docs' code, the examples, the benchmarks'
 #                      smoke runs), same stack: at most 30 minutes
-#   make test-latest   the core tier and the launches of several processes, Python >= 3.12 with the
-#                      newest jax/flax/optax/orbax pip resolves, in .venv-latest
+#   make test-latest   the core tier, the launches of several processes and the model libraries' own models
+#                      (MaxText, Tunix: the `libraries` extra), Python >= 3.12 with the newest
+#                      jax/flax/optax/orbax pip resolves, in .venv-latest
 # Point either at another interpreter with e.g. `make test-latest PYTHON_LATEST=/opt/py3.13/bin/python3`;
 # by default .ci/python-latest finds one (python3.12 on PATH, or pyenv's 3.12/3.13).
 PYTHON ?= python3
@@ -25,22 +26,24 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 
 # `parallax` was this distribution's name before 0.2 (now `parallax-flax`): a stale install of it, or
 # the parallax.egg-info its setuptools build left here, would be a second provider of `parallax`.
+comma := ,
+# install_venv VENV PYTHON EXTRAS: the venv, parallax installed editable with EXTRAS (comma-separated).
 define install_venv
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
 	$(1)/bin/python -m pip uninstall --quiet --yes parallax 2>/dev/null || true
 	rm -rf parallax.egg-info
-	$(1)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	$(1)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(3)]'
 	bash .ci/flax-examples $(1)
 	touch $(1)/.installed
 endef
 
 $(STAMP): pyproject.toml
-	$(call install_venv,$(VENV),$(PYTHON))
+	$(call install_venv,$(VENV),$(PYTHON),test)
 
 $(STAMP_LATEST): pyproject.toml
 	@test -n "$(PYTHON_LATEST)" || { echo "no Python >= 3.12 found: set PYTHON_LATEST=/path/to/python3.12"; exit 1; }
-	$(call install_venv,$(VENV_LATEST),$(PYTHON_LATEST))
+	$(call install_venv,$(VENV_LATEST),$(PYTHON_LATEST),test$(comma)libraries)
 
 setup: $(STAMP)
 
@@ -61,7 +64,7 @@ test-all: $(STAMP) $(TARGETS_STAMP)
 	$(PY) -m pytest --tier all $(PYTEST_ARGS)
 
 test-latest: $(STAMP_LATEST)
-	$(PY_LATEST) -m pytest --tier core,launch $(PYTEST_ARGS)
+	$(PY_LATEST) -m pytest --tier core,launch,libraries $(PYTEST_ARGS)
 
 # The documentation site into docs/_build/html; any warning fails the build.
 docs: $(STAMP)

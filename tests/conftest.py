@@ -90,6 +90,8 @@ FILE_SECONDS = {
     },
     # The tests marked launch, by file (in the whole suite's run).
     "launch": {"test_multiprocess.py": 409, "test_docs_pages.py": 26, "test_grain.py": 15},
+    # the newest stack only (`make test-latest`; jax 0.12, warm: the whole file in one worker)
+    "libraries": {"test_model_libraries.py": 230},
     "core": {
         "test_pipeline.py": 128, "test_context_parallel.py": 84, "test_step.py": 70, "test_expert_parallel.py": 67,
         "test_microbatches.py": 70, "test_hardware.py": 62, "test_batch_pins.py": 25, "test_list_scan.py": 35,
@@ -131,19 +133,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "wide(why): the wide tier, which `make test-all` adds, because `why`")
     config.addinivalue_line("markers", "launch: starts several jax.distributed processes (`make test-latest` "
                                        "runs these beside the core tier)")
+    config.addinivalue_line("markers", "libraries: trains a model library's own model (MaxText, Tunix), installed on "
+                                       "the newest stack only (`make test-latest` runs these whatever their tier)")
 
 
 # The two tiers (tests/README.md). Every test declares its tier: a file's ``pytestmark`` (``pytest.mark.core``
 # or ``pytest.mark.wide(why)``), which a test or a parameter overrides with the other marker; the closest wins.
 TIERS = ("core", "wide")
-SELECTIONS = {"core", "wide", "launch", "all"}
+SELECTIONS = {"core", "wide", "launch", "libraries", "all"}
 
 
 def pytest_addoption(parser):
     parser.addoption("--tier", default="all", metavar="core|wide|all[,launch]",
                      help="the tiers to run, a comma-separated union: core (`make test`), wide, all (`make "
-                          "test-all`), launch (the tests marked launch, whatever their tier: `make test-latest` "
-                          "runs core,launch). Default: all")
+                          "test-all`), launch (the tests marked launch, whatever their tier), libraries (the tests "
+                          "marked libraries, whatever their tier: `make test-latest` runs core,launch,libraries). "
+                          "Default: all")
 
 
 def tier_of(item) -> str:
@@ -169,8 +174,8 @@ def check_budget(item, tier: str) -> None:
 
 def selected(item, chosen: set[str]) -> bool:
     """Whether the union of tiers ``chosen`` holds ``item``."""
-    launch = "launch" in chosen and item.get_closest_marker("launch") is not None
-    return "all" in chosen or tier_of(item) in chosen or launch
+    marked = any(name in chosen and item.get_closest_marker(name) is not None for name in ("launch", "libraries"))
+    return "all" in chosen or tier_of(item) in chosen or marked
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -189,7 +194,8 @@ def pytest_collection_modifyitems(config, items):
     if chosen & {"all", "wide"}:
         seconds = FILE_SECONDS["all"]
     else:
-        extra = FILE_SECONDS["launch"] if "launch" in chosen else {}
+        extra = {name: seconds for marker in ("launch", "libraries") if marker in chosen
+                 for name, seconds in FILE_SECONDS.get(marker, {}).items()}
         seconds = {name: FILE_SECONDS["core"].get(name, 0) + extra.get(name, 0)
                    for name in {*FILE_SECONDS["core"], *extra}}
     items[:] = sorted(kept, key=lambda item: -seconds.get(item.path.name, 0))

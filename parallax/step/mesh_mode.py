@@ -38,6 +38,10 @@ SHARDING_MODES = (DETECT, AUTO, EXPLICIT)
 T = TypeVar("T")
 
 _UNKNOWN_AXIS = re.compile(r"Resource axis: (?P<axis>\S+) of (?P<spec>.*?) is not found in mesh: (?P<mesh>\(.*?\))")
+# What JAX says when the model names a mesh of its own (one it was built against: MaxText's models take theirs) in
+# a sharding that an op's result type carries (dropout's ``bernoulli(..., out_sharding=typeof(x).sharding)``).
+_FOREIGN_MESH = re.compile(r"Context mesh (?P<ours>\S*Mesh\(.*?\)) must match the mesh passed to shardings "
+                           r"(?P<theirs>\S*Mesh\(.*?\))\.")
 # What JAX says when code written for one mode runs in the other (jax 0.10 and 0.12 alike).
 _MODE_ERRORS = ("of type Auto", "refer to Auto axes", "ShardingTypeError", "out_sharding",
                 "Explicit", "should match the mesh", "context mesh")
@@ -102,6 +106,9 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
                                 found.group("axis"))
                     train_mesh = with_unit_axis(train_mesh, found.group("axis"))
                     continue
+                foreign = _FOREIGN_MESH.search(str(err))
+                if foreign:
+                    raise ValueError(_foreign_mesh_message(foreign.group("ours"), foreign.group("theirs"))) from err
                 if not is_mode_error(err):
                     raise
                 refused.append((tried, err))
@@ -115,6 +122,29 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
         "axes, and then the loss must say how to shard what it gathers (e.g. logits.at[...].get(out_sharding=...), "
         "or a one-hot cross-entropy instead of take_along_axis)."
     ) from refused[-1][1]
+
+
+def _axes(mesh_repr: str) -> str:
+    """``'fsdp': 8, 'tensor': 2`` of an ``AbstractMesh(...)``'s repr: its axes, those of size 1 left out."""
+    sizes = re.findall(r"'([^']+)': (\d+)", mesh_repr)
+    kept = [f"{name}={size}" for name, size in sizes if size != "1"] or [f"{name}={size}" for name, size in sizes]
+    return ", ".join(kept) + (f" (and {len(sizes) - len(kept)} axes of size 1)" if len(kept) < len(sizes) else "")
+
+
+def _foreign_mesh_message(ours: str, theirs: str) -> str:
+    """The fix for a model whose shardings name a mesh it was built against, not the one it is trained on.
+
+    Example:
+        >>> print(_foreign_mesh_message("AbstractMesh('data': 8, axis_types=(Auto,))",
+        ...                             "AbstractMesh('data': 1, 'fsdp': 8, axis_types=(Auto, Auto))"))  # doctest: +ELLIPSIS
+        The model's own shardings name the mesh it was built against (fsdp=8 (and 1 axes of size 1)), ...
+    """
+    return (f"The model's own shardings name the mesh it was built against ({_axes(theirs)}), and JAX runs them only "
+            f"under that mesh, not under the mesh parallax trains on here ({_axes(ours)}). Train on the model's "
+            "mesh: `with jax.set_mesh(mesh):` around the call (or mesh=mesh) with a strategy laid out on its axes "
+            "(px.FSDP() for an fsdp axis, px.combine(px.FSDP(4), px.TensorParallel(2)) for fsdp=4 x tensor=2; "
+            "a model library's config sets that mesh, e.g. MaxText's ici_*_parallelism); or build the model "
+            "against the mesh of the strategy (strategy.make_mesh()).")
 
 
 def _note(given: Mesh, used: Mesh, mode: str, refused: list) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
+import jax.numpy as jnp
 from jax.extend import core
 
 from parallax._compat import scan_counts
@@ -84,7 +84,7 @@ def _visit(graph: _Graph, eqn: Any, env: dict, weight: int) -> None:
         graph.add(v)
     if any(id(v) in graph.needs_grad for v in ins):
         for v in outs:
-            if np.issubdtype(v.dtype, np.floating):
+            if jnp.issubdtype(v.dtype, jnp.floating):  # jnp: a key<fry> value is not a NumPy dtype
                 graph.needs_grad.add(id(v))
     reduced: set = set()
     params = eqn.params
