@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.core, pytest.mark.libraries]
 
 VOCAB, SEQ, ROWS, STEPS = 128, 16, 16, 3
 TX = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
-OPTIMIZER = {"dp": "sgd", "fsdp": "adamw", "fsdp+tp": "adamw", "auto": "adamw"}
+OPTIMIZER = {"dp": "sgd", "fsdp": "adamw", "fsdp+tp": "adamw", "auto": "adamw", "pp": "adamw", "cp": "adamw"}
 
 
 def data() -> dict:
@@ -65,7 +65,8 @@ def batches() -> list[dict]:
 
 # MaxText: its config (the mesh it builds its model against is part of it), its model, its call.
 MAXTEXT_MESH = {"dp": {"ici_data_parallelism": 8, "ici_fsdp_parallelism": 1},  # fsdp: its default (-1: every device)
-                "fsdp+tp": {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2}}
+                "fsdp+tp": {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2},
+                "cp": {"ici_fsdp_parallelism": 4, "ici_context_parallelism": 2}}
 
 
 @functools.cache
@@ -111,10 +112,14 @@ def tunix_loss(model, batch):
 
 
 def strategy_for(kind: str, name: str):
-    """The strategy a user of the library writes: Tunix names its tensor axis ``tp``."""
-    tensor = px.TensorParallel(2, axis="tp") if kind.startswith("tunix") else px.TensorParallel(2)
+    """The strategy a user of the library writes: Tunix names its tensor axis ``tp`` and keeps its decoder layers in
+    a list (a pipeline names their class); MaxText's context split sits beside FSDP on its mesh."""
+    tunix = kind.startswith("tunix")
+    tensor = px.TensorParallel(2, axis="tp") if tunix else px.TensorParallel(2)
     return {"dp": px.DataParallel(), "fsdp": px.FSDP(), "auto": "auto",
-            "fsdp+tp": px.combine(px.FSDP(4, min_weight_size=0), tensor)}[name]
+            "fsdp+tp": px.combine(px.FSDP(4, min_weight_size=0), tensor),
+            "pp": px.combine(px.PipelineParallel(2, blocks="DecoderLayer"), px.DataParallel(4)),
+            "cp": px.combine(px.ContextParallel(2), px.DataParallel(4) if tunix else px.FSDP(4))}[name]
 
 
 @contextlib.contextmanager
@@ -239,7 +244,11 @@ ENTRIES = ["fit", "init_state", "plan", "assert_equivalent"]
 GRID = [(kind, entry, strategy) for kind in ("maxtext", "tunix-llama3") for entry in ENTRIES
         for strategy in ("dp", "fsdp", "fsdp+tp")]
 GRID += [("maxtext", "auto", "auto"), ("tunix-llama3", "auto", "auto"), ("tunix-qwen3", "fit", "fsdp+tp"),
-         ("tunix-gemma3", "fit", "fsdp+tp")]
+         ("tunix-gemma3", "fit", "fsdp+tp"), ("tunix-llama3", "fit", "pp"), ("tunix-llama3", "fit", "cp"),
+         ("maxtext", "fit", "cp")]
+# Not here: parallax's pipeline over MaxText's decoder. A MaxText config with a stage axis (ici_pipeline_parallelism)
+# builds MaxText's own pipeline into the model, and one without has no stage axis on the mesh the model is built
+# against, so PipelineParallel is refused there ("does not fit the strategy"): MaxText pipelines itself.
 CORE = [("maxtext", "fit", "fsdp+tp"), ("maxtext", "init_state", "fsdp"), ("tunix-llama3", "plan", "fsdp"),
         ("maxtext", "assert_equivalent", "dp"), ("maxtext", "auto", "auto"), ("tunix-llama3", "init_state", "fsdp+tp")]
 
@@ -295,11 +304,15 @@ def test_a_model_librarys_own_model_trains_like_one_device(kind, entry, strategy
 def test_a_model_built_against_another_mesh_is_refused_naming_the_mesh_to_train_on():
     """MaxText's decoder (built against its fsdp=8 mesh, dropout on) trained on a mesh of parallax's own
     (``DataParallel(8)``'s data=8, no ``jax.set_mesh``): refused with the fix, not JAX's "Context mesh ... must
-    match the mesh passed to shardings ..."."""
+    match the mesh passed to shardings ...". A pipeline on its mesh, which has no stage axis: refused naming it."""
     with prng_impl("unsafe_rbg"):
         library = Library("maxtext", "fsdp")
         with nn.logical_axis_rules(library.config.logical_axis_rules), pytest.raises(ValueError) as raised:
             px.init_state(library.model, TX["sgd"](), batches()[0], strategy=px.DataParallel(), loss_fn=maxtext_loss)
+        with library.context(), pytest.raises(ValueError) as pipelined:  # MaxText's mesh has no stage axis to pipeline
+            px.init_state(library.model, TX["sgd"](), batches()[0], loss_fn=maxtext_loss,
+                          strategy=px.combine(px.PipelineParallel(2), px.FSDP(4)))
     message = str(raised.value)
     assert "the mesh it was built against (fsdp=8" in message and "jax.set_mesh" in message, message
     assert "(data=8)" in message and "Context mesh" not in message, message
+    assert "Mesh axis 'stage' has size 1 but the strategy asks for 2" in str(pipelined.value), pipelined.value
