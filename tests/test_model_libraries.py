@@ -316,3 +316,17 @@ def test_a_model_built_against_another_mesh_is_refused_naming_the_mesh_to_train_
     assert "the mesh it was built against (fsdp=8" in message and "jax.set_mesh" in message, message
     assert "(data=8)" in message and "Context mesh" not in message, message
     assert "Mesh axis 'stage' has size 1 but the strategy asks for 2" in str(pipelined.value), pipelined.value
+
+
+def test_the_docs_maxtext_example_runs():
+    """docs/guides/models.md's MaxText block, as written, on this file's config, loss and data."""
+    import re
+    import textwrap
+
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "guides", "models.md")).read()
+    (block,) = re.findall(r"```python maxtext\n(.*?)```", page, re.S)
+    scope = {"jax": jax, "nnx": nnx, "nn": nn, "optax": optax, "px": px, "config": maxtext_config(),
+             "loss_fn": maxtext_loss, "data": data()}
+    with prng_impl("unsafe_rbg"):
+        exec(compile(textwrap.dedent(block), "docs/guides/models.md", "exec"), scope)  # noqa: S102
+    assert len(scope["history"].train) >= 1 and np.isfinite(scope["history"].train[-1]["loss"])
