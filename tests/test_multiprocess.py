@@ -283,9 +283,10 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
     assert reference.pop("summary hosts") is None
     cannot_fit = "mesh tensor4 across, iterable"
     for index, record in enumerate(json.load(open(tmp_path / f"layouts{i}.json")) for i in (0, 1)):
-        # parallax's meshes keep the tensor axis inside a process, however the parts were combined, and the
-        # batch-splitting axis across them (so each process's iterable part fits); a user mesh whose tensor axis
-        # spans the processes where another layout would not is warned about, and taken as it is.
+        # parallax's meshes are laid out over the processes as px.plan lays out 2 hosts of 4 devices (by the bytes
+        # each layout moves across them, the same whatever order the parts are listed in), the batch-splitting axis
+        # across them where each process's iterable part must fit; a user mesh whose tensor axis spans the
+        # processes where another layout would not is warned about, and taken as it is.
         crossing, warned = record.pop("crossing"), record.pop("warned")
         inside, across = ("tensor", "fsdp") if planned["tp4+fsdp2"] == ["fsdp"] else ("fsdp", "tensor")
         hosts = record.pop("summary hosts")  # px.summarize: the mesh by host (process 1's device ids are JAX's)
