@@ -86,7 +86,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     ``crossing`` axes."""
     row = {"strategy": strategy.describe(), "devices": len(devices), "backend": devices[0].platform}
     try:  # a jax.set_mesh's mesh where it fits; laid out over the topology's hosts where one is given
-        mesh = mesh_on(strategy, devices) if topology is None else strategy.make_mesh(devices, topology)
+        mesh = mesh_on(strategy, devices, topology)
         row["mesh"] = {name: int(size) for name, size in mesh.shape.items()}
         strategy.check_batch_size(int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0]), mesh,
                                   multiple=options.grad_accum)

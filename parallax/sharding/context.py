@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from parallax.sharding.auto import AUTO
 from parallax.sharding.mesh import describe_axis_types
 from parallax.sharding.strategy import Strategy
+from parallax.sharding.topology import Topology
 
 
 def mesh_in_context() -> Mesh | None:
@@ -58,9 +59,13 @@ def mesh_or_context(strategy: Strategy | str, mesh: Mesh | None,
     return found, None
 
 
-def mesh_on(strategy: Strategy, devices: Sequence[jax.Device]) -> Mesh:
+def mesh_on(strategy: Strategy, devices: Sequence[jax.Device], topology: Topology | None = None) -> Mesh:
     """The mesh set with ``jax.set_mesh`` where it holds exactly ``devices`` (in its order) and fits
-    ``strategy``; else ``strategy.make_mesh(devices)`` (``px.plan`` plans each candidate so)."""
+    ``strategy`` (a model built against that mesh, as MaxText's are, runs only on it); else
+    ``strategy.make_mesh(devices)``, laid out over ``topology``'s hosts where one is given. ``px.plan``,
+    ``strategy="auto"`` and FSDP's split search lay each candidate out so."""
+    if topology is not None:
+        return strategy.make_mesh(devices, topology)
     found = mesh_in_context()
     if found is not None and list(found.devices.flat) == list(devices):
         try:

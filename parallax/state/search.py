@@ -164,8 +164,7 @@ def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
             devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
             options: StepOptions | None = None, rng: Any = 0, rng_streams: Sequence[str] = ("dropout",),
-            among: Sequence[Strategy] | None = None, steps: int | None = None,
-            topology: Topology | None = None) -> Resolved:
+            among: Sequence[Strategy] | None = None, steps: int | None = None, topology: Topology | None = None) -> Resolved:
     """The concrete strategy for ``strategy``: itself unless it is ``"auto"`` or has ``FSDP(split="auto")``.
 
     Args:
@@ -187,7 +186,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             processes, at calibrated speeds): each candidate laid out and priced on them (never timed here).
     """
     if not is_auto(strategy):
-        return Resolved(strategy, mesh if mesh is not None else _mesh_for(strategy, devices, topology))
+        return Resolved(strategy, mesh if mesh is not None else mesh_on(strategy, devices, topology))
     if loss_fn is None and strategy != AUTO:  # nothing to compile: the split that needs no pricing
         log.info("FSDP(split='auto') prices each split by compiling the train step, which needs loss_fn=; "
                  "without it each param is split along its largest dim (split='largest').")
@@ -252,7 +251,7 @@ def _largest(strategy: Strategy, mesh: Mesh | None, devices: Sequence[jax.Device
              skipped: dict[str, str] | None = None, topology: Topology | None = None) -> Resolved:
     """An open split settled without pricing: each param split along its largest dim."""
     largest = with_split(strategy, "largest")
-    return Resolved(largest, mesh if mesh is not None else _mesh_for(largest, devices, topology), skipped=dict(skipped or {}))
+    return Resolved(largest, mesh if mesh is not None else mesh_on(largest, devices, topology), skipped=dict(skipped or {}))
 
 
 def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Strategy, str | None, bool]]:
@@ -298,13 +297,6 @@ def describe_changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in changes.items())
 
 
-def _mesh_for(candidate: Strategy, devices: Sequence[jax.Device], topology: Topology | None) -> Mesh:
-    """A candidate's mesh: the one set with ``jax.set_mesh`` where it holds ``devices`` and fits the candidate (a
-    model built against that mesh, as MaxText's are, runs only on it), else one of its own (laid out over
-    ``topology``'s hosts where one is given), as ``px.plan`` makes each candidate's."""
-    return candidate.make_mesh(devices, topology) if topology is not None else mesh_on(candidate, devices)
-
-
 def _pool_label(candidate: Strategy, splitting: bool, split_open: bool, path: str | None) -> str:
     """A candidate's label before its mesh is made (``split=output, jit``)."""
     return _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
@@ -326,7 +318,7 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             skipped[label] = stop
             continue
         try:
-            candidate_mesh = mesh if mesh is not None else _mesh_for(candidate, devices, topology)
+            candidate_mesh = mesh if mesh is not None else mesh_on(candidate, devices, topology)
             base = _label(candidate, candidate_mesh, splitting, split_open)
             label = base + (f", {path}" if path else "")
             candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
