@@ -107,7 +107,7 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
                     train_mesh = with_unit_axis(train_mesh, found.group("axis"))
                     continue
                 foreign = _FOREIGN_MESH.search(str(err))
-                if foreign:
+                if foreign and _sizes(foreign.group("ours")) != _sizes(foreign.group("theirs")):  # not just the types
                     raise ValueError(_foreign_mesh_message(foreign.group("ours"), foreign.group("theirs"))) from err
                 if not is_mode_error(err):
                     raise
@@ -124,11 +124,21 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
     ) from refused[-1][1]
 
 
+def _sizes(mesh_repr: str) -> list[tuple[str, str]]:
+    """The ``(axis, size)`` pairs of an ``AbstractMesh(...)``'s repr, in order."""
+    return re.findall(r"'([^']+)': (\d+)", mesh_repr)
+
+
 def _axes(mesh_repr: str) -> str:
-    """``'fsdp': 8, 'tensor': 2`` of an ``AbstractMesh(...)``'s repr: its axes, those of size 1 left out."""
-    sizes = re.findall(r"'([^']+)': (\d+)", mesh_repr)
+    """``fsdp=8, tensor=2`` of an ``AbstractMesh(...)``'s repr: its axes, those of size 1 only counted.
+
+    Example:
+        >>> _axes("AbstractMesh('data': 1, 'fsdp': 8, 'tensor': 1, axis_types=(Auto, Auto, Auto))")
+        'fsdp=8 (and 2 more of size 1)'
+    """
+    sizes = _sizes(mesh_repr)
     kept = [f"{name}={size}" for name, size in sizes if size != "1"] or [f"{name}={size}" for name, size in sizes]
-    return ", ".join(kept) + (f" (and {len(sizes) - len(kept)} axes of size 1)" if len(kept) < len(sizes) else "")
+    return ", ".join(kept) + (f" (and {len(sizes) - len(kept)} more of size 1)" if len(kept) < len(sizes) else "")
 
 
 def _foreign_mesh_message(ours: str, theirs: str) -> str:
@@ -137,7 +147,7 @@ def _foreign_mesh_message(ours: str, theirs: str) -> str:
     Example:
         >>> print(_foreign_mesh_message("AbstractMesh('data': 8, axis_types=(Auto,))",
         ...                             "AbstractMesh('data': 1, 'fsdp': 8, axis_types=(Auto, Auto))"))  # doctest: +ELLIPSIS
-        The model's own shardings name the mesh it was built against (fsdp=8 (and 1 axes of size 1)), ...
+        The model's own shardings name the mesh it was built against (fsdp=8 (and 1 more of size 1)), ...
     """
     return (f"The model's own shardings name the mesh it was built against ({_axes(theirs)}), and JAX runs them only "
             f"under that mesh, not under the mesh parallax trains on here ({_axes(ours)}). Train on the model's "
