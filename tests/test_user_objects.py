@@ -28,7 +28,7 @@ from flax import nnx
 
 import parallax as px
 from tests import tiers
-from tests.reference import TOL, max_diff
+from tests.reference import TOL, max_diff, snapshot
 from tests.third_party import VOCAB
 
 pytestmark = pytest.mark.core
@@ -155,13 +155,6 @@ class Given:
                                            self.rest)
             losses.append(float(value))
         return np.array(losses), jax.device_get(params)
-
-
-def snapshot(tree) -> list:
-    """Host copies of the leaves: copies, since a NumPy view of a CPU array holds its buffer, and a buffer
-    held so is not donated (a view kept here hid the deletion this file exists to catch)."""
-    return [np.array(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, copy=True)
-            for x in jax.tree.leaves(tree)]
 
 
 def assert_unchanged(given: Given, before: list, batch_arrays: list, batch_before: list, trained=None) -> None:
