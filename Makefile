@@ -22,7 +22,7 @@ PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 STAMP := $(VENV)/.installed
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: setup setup-latest test test-all test-latest demo docs bench bench-peers clean
+.PHONY: setup setup-latest test test-all test-latest lint demo docs bench bench-peers clean
 
 # `parallax` was this distribution's name before 0.2 (now `parallax-flax`): a stale install of it, or
 # the parallax.egg-info its setuptools build left here, would be a second provider of `parallax`.
@@ -65,6 +65,10 @@ test-all: $(STAMP) $(TARGETS_STAMP)
 
 test-latest: $(STAMP_LATEST)
 	$(PY_LATEST) -m pytest --tier core,launch,libraries $(PYTEST_ARGS)
+
+# ruff as pyproject.toml configures it ([tool.ruff]), over the package, tests, benchmarks, examples and docs.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The documentation site into docs/_build/html; any warning fails the build.
 docs: $(STAMP)

@@ -7,7 +7,7 @@ devices (:func:`side_runner_args`) before JAX starts.
 import argparse
 import json
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

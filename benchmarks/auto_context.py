@@ -27,7 +27,7 @@ def main() -> None:
     from benchmarks import report, time_interleaved
     from benchmarks.context_speed import LMSteps
     from benchmarks.models import TransformerLM, lm_loss
-    from parallax.sharding.auto import context_candidates, from_mesh
+    from parallax.parallel.candidates import context_candidates, from_mesh
     from parallax.state.search import resolve
 
     results = []

@@ -26,7 +26,7 @@ def main() -> None:
     from benchmarks import TimedSteps, report, time_interleaved
     from benchmarks.models import ListedSwitch, lm_loss
     from parallax import inspect
-    from parallax.sharding.auto import candidates, expert_candidates, layout_family
+    from parallax.parallel.candidates import candidates, expert_candidates, layout_family
     from parallax.state.search import resolve
 
     width, hidden = (32, 64) if args.smoke else (128, 512)
@@ -71,14 +71,16 @@ def main() -> None:
 
     def markdown(rows, meta):
         lines = [f"Search: {meta['search']}", "",
-                 "| strategy | est. step | timed in the search | step ms (min / median / max) | pick ÷ (min / median / max) "
-                 "| peak per device | collectives per device |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                 "| strategy | est. step | timed in the search | step ms (min / median / max) "
+                 "| pick ÷ (min / median / max) | peak per device | collectives per device |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in rows:
             low, mid, high = (1e3 * t for t in r["seconds"])
             over = "**picked**" if r["picked"] else " / ".join(f"{x:.2f}" for x in r["pick_over"])
             timed = "—" if r["timed_in_search"] is None else f"{1e3 * r['timed_in_search']:.1f} ms"
-            lines.append(f"| {r['strategy']} | {1e3 * r['estimate']:.1f} ms | {timed} | {low:.1f} / {mid:.1f} / {high:.1f} "
-                         f"| {over} | {r['peak'] / 2**20:.1f} MiB | {r['moved'] / 2**10:,.0f} KiB |")
+            lines.append(f"| {r['strategy']} | {1e3 * r['estimate']:.1f} ms | {timed} "
+                         f"| {low:.1f} / {mid:.1f} / {high:.1f} | {over} | {r['peak'] / 2**20:.1f} MiB "
+                         f"| {r['moved'] / 2**10:,.0f} KiB |")
         return "\n".join(lines)
 
     report(args, "auto_experts", results, markdown, batch=16, width=width, hidden=hidden, search=found.describe())

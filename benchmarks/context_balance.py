@@ -7,11 +7,12 @@ of 8 sequences on 8 devices under ``ContextParallel(c) × DataParallel(8 / c)``,
 with ``load_balance`` off (every tile of the scores computed: the causal mask's hidden half too) and
 on (the hidden tiles skipped, the sequence in zig-zag order inside each attention). Per device, the
 tiles of scores each attention computes are counted by running the balanced attention itself
-(``parallax.models.balanced_attention.tiles_computed``, of ``4 × c``); the unbalanced one computes all of them. Step times in interleaved rounds (each the mean
-of 3 steps); ``balanced ÷ unbalanced`` is the ratio of the two step times within each round (min /
-median / max over rounds). On 8 simulated devices sharing 2 CPU cores every device's work runs on
-the same cores, so the time saved is the work skipped summed over the devices, not the busiest
-device's; the per-device tile counts say how a GPU's devices would share it.
+(``parallax.parallel.context.attention.tiles_computed``, of ``4 × c``); the unbalanced one computes
+all of them. Step times in interleaved rounds (each the mean of 3 steps); ``balanced ÷ unbalanced``
+is the ratio of the two step times within each round (min / median / max over rounds). On 8 simulated
+devices sharing 2 CPU cores every device's work runs on the same cores, so the time saved is the work
+skipped summed over the devices, not the busiest device's; the per-device tile counts say how a GPU's
+devices would share it.
 """
 
 from benchmarks import side_runner_args
@@ -29,7 +30,7 @@ def main() -> None:
     import parallax as px
     from benchmarks import report, time_interleaved
     from benchmarks.context_speed import LMSteps
-    from parallax.models.balanced_attention import tiles_computed
+    from parallax.parallel.context.attention import tiles_computed
 
     class Runner(LMSteps):
         def __init__(self, length: int, context: int, method: str, balanced: bool):

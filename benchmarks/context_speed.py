@@ -7,12 +7,13 @@ sequences on the 8 devices
 under ``DataParallel(8)`` (one sequence per device), ``ContextParallel(2) × DataParallel(4)``,
 ``ContextParallel(4) × DataParallel(2)`` and ``ContextParallel(8)`` (one sequence over all
 devices), each context axis by both methods (``all_gather``: keys and values gathered whole;
-``ring``: passed round the axis a block at a time), at several sequence lengths. Step times are measured in interleaved rounds (each a mean
-of 3 steps); the table gives tokens/s (median over rounds, with min and max), the per-device peak
-of the compiled step (``memory_analysis()``), the bytes its collectives move per device (from
-its HLO) and the FLOPs each device runs (``cost_analysis()`` with each loop's turns after its first
-added: the step is one program that every device runs, so every device of the axis runs these). On 8 simulated devices sharing 2 CPU cores the times say what the extra work and data
-movement of context parallelism cost, not what a GPU would gain.
+``ring``: passed round the axis a block at a time), at several sequence lengths. Step times are
+measured in interleaved rounds (each a mean of 3 steps); the table gives tokens/s (median over rounds,
+with min and max), the per-device peak of the compiled step (``memory_analysis()``), the bytes its
+collectives move per device (from its HLO) and the FLOPs each device runs (``cost_analysis()`` with each
+loop's turns after its first added: the step is one program that every device runs, so every device of
+the axis runs these). On 8 simulated devices sharing 2 CPU cores the times say what the extra work and
+data movement of context parallelism cost, not what a GPU would gain.
 """
 
 from benchmarks import TimedSteps, side_runner_args
@@ -85,13 +86,14 @@ def main() -> None:
                         "moved": runner.moved, "flops": runner.flops})
 
     def markdown(rows, meta):
-        lines = ["| tokens | strategy | method | tokens/s (min / median / max) | peak per device | collectives per device "
-                 "| GFLOP per device |", "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+        lines = ["| tokens | strategy | method | tokens/s (min / median / max) | peak per device "
+                 "| collectives per device | GFLOP per device |", "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in rows:
             low, mid, high = r["tokens_per_s"]
             method = r["method"] if r["context"] > 1 else ""
             lines.append(f"| {r['length']} | {r['strategy']} | {method} | {low:,.0f} / {mid:,.0f} / {high:,.0f} | "
-                         f"{r['peak'] / 2**20:.1f} MiB | {r['moved'] / 2**20:.2f} MiB | {r.get('flops', 0) / 1e9:.2f} |")
+                         f"{r['peak'] / 2**20:.1f} MiB | {r['moved'] / 2**20:.2f} MiB | "
+                         f"{r.get('flops', 0) / 1e9:.2f} |")
         return "\n".join(lines)
 
     report(args, "context_speed", results, markdown, batch=8)

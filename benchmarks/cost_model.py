@@ -6,7 +6,7 @@
 
 For each model (``benchmarks/models.py``, Adam, the loss marked ``px.per_example_loss`` so that
 both compile paths are exact): every DP × FSDP × TP mesh of the devices
-(``parallax.sharding.auto.candidates``, FSDP splitting params above 2**14 elements as in the
+(``parallax.parallel.candidates.candidates``, FSDP splitting params above 2**14 elements as in the
 other benchmarks), each compile path (``jit``, and ``shard_map`` where the batch is split),
 and, on meshes with an FSDP axis, each ``FSDP(split=...)``. Each candidate is compiled once,
 priced by the cost model (``parallax.pricing.cost``, speeds calibrated on these devices) and
@@ -43,14 +43,14 @@ import parallax as px  # noqa: E402
 from benchmarks.models import build, make_batch  # noqa: E402
 from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, default_path, round_ratios  # noqa: E402
 from parallax.inspect import state_bytes_per_device  # noqa: E402
+from parallax.parallel.candidates import candidates, split_candidates  # noqa: E402
 from parallax.pricing import cost  # noqa: E402
 from parallax.pricing.choice import rank  # noqa: E402
-from parallax.sharding.auto import candidates, split_candidates  # noqa: E402
 from parallax.state.search import resolve  # noqa: E402
 
 
 def spearman(a, b) -> float:
-    ranks = lambda v: np.argsort(np.argsort(np.asarray(v)))  # noqa: E731
+    ranks = lambda v: np.argsort(np.argsort(np.asarray(v)))
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1]) if len(a) > 2 else float("nan")
 
 
@@ -113,14 +113,15 @@ def bench(kind: str, rounds: int, scale: float) -> dict:
                        "vs_fastest": round_ratios(configs[picked], fastest) if picked in configs else None,
                        "timed_ms": {label: 1e3 * t for label, t in searched.timed.items()},
                        "cost_model_pick": by_model,
-                       "cost_model_vs_fastest": round_ratios(configs[by_model], fastest) if by_model in configs else None}
+                       "cost_model_vs_fastest": (round_ratios(configs[by_model], fastest) if by_model in configs
+                                                 else None)}
     results = []
     for label, config in configs.items():
         est = rows[label]["estimate"]
         same_mesh = [c for lab, c in configs.items() if meshes[lab] == meshes[label]]
         entry = {"model": kind, "config": label, "mesh": meshes[label], "measured_ms": 1e3 * config.median_s,
                  "predicted_ms": 1e3 * est.seconds, "error": est.seconds / config.median_s - 1,
-                 "estimate": {k: v for k, v in vars(est).items()}, "state_bytes": rows[label]["state_bytes"],
+                 "estimate": dict(vars(est).items()), "state_bytes": rows[label]["state_bytes"],
                  "compile_s": config.compile_s}
         if "defaults" in rows[label]:
             fastest = min(same_mesh, key=lambda c: c.median_s)
@@ -159,8 +160,9 @@ def markdown(results: list[dict], meta: dict) -> str:
                   "transposed MB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in sorted(model["rows"], key=lambda r: r["measured_ms"]):
             e = r["estimate"]
-            lines.append(f"| {r['config']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {100 * r['error']:+.0f}% "
-                         f"| {r['state_bytes'] / MB:.2f} | {e['peak'] / MB:.1f} | {e['moved'] / MB:.1f} "
+            lines.append(f"| {r['config']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} "
+                         f"| {100 * r['error']:+.0f}% | {r['state_bytes'] / MB:.2f} | {e['peak'] / MB:.1f} "
+                         f"| {e['moved'] / MB:.1f} "
                          f"| {e['transposed'] / MB:.1f} |")
         lines += ["", "Defaults on each mesh (split `largest`, `compile=\"auto\"`) against that mesh's fastest "
                   "configuration, round by round:", "",

@@ -35,6 +35,7 @@ from benchmarks.models import build, make_batch  # noqa: E402
 from benchmarks.run import BATCH, MB, MIN_WEIGHT_SIZE, Config, default_path, round_ratios  # noqa: E402
 from parallax.inspect import state_bytes_per_device  # noqa: E402
 
+
 def bench(kind: str, splits: list[str], rounds: int, scale: float) -> list[dict]:
     model, loss_fn, _ = build(kind, scale)
     tx = optax.adamw(1e-3)
@@ -56,7 +57,8 @@ def bench(kind: str, splits: list[str], rounds: int, scale: float) -> list[dict]
     time_interleaved(order, rounds)
     default = configs[default_label]
     return [{
-        "model": kind, "config": label, "default": default_label, "ms": 1e3 * config.median_s, "vs_default": round_ratios(config, default),
+        "model": kind, "config": label, "default": default_label, "ms": 1e3 * config.median_s,
+        "vs_default": round_ratios(config, default),
         "state_bytes": state_bytes_per_device(config.state), "temp_bytes": config.memory["temporaries"],
         "collective_bytes": config.collective_total(),
         "collectives": {k: vars(v) for k, v in config.collectives.items() if v.count},
@@ -74,8 +76,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     for r in results:
         v = r["vs_default"]
         kinds = ", ".join(f"{k} {s['bytes'] / MB:.1f}" for k, s in r["collectives"].items())
-        lines.append(f"| {r['model']} | {r['config']} | {r['ms']:.1f} | {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) "
-                     f"| {r['state_bytes'] / MB:.2f} | {r['temp_bytes'] / MB:.1f} | {r['collective_bytes'] / MB:.1f} "
+        lines.append(f"| {r['model']} | {r['config']} | {r['ms']:.1f} "
+                     f"| {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) | {r['state_bytes'] / MB:.2f} "
+                     f"| {r['temp_bytes'] / MB:.1f} | {r['collective_bytes'] / MB:.1f} "
                      f"| {kinds} |")
     return "\n".join(lines) + "\n"
 

@@ -149,26 +149,29 @@ def markdown(result: dict) -> str:
         lines += [f"## Speed: {speed_part['device']}, jax {speed_part['jax']}", "",
                   f"Transformer LM {shape}; AdamW; {flops / 1e12:.2f} TFLOP per step (model FLOPs); "
                   f"{speed_part['steps_per_round']} steps per round, interleaved.", "",
-                  "| precision | parallax step s | plain step s | plain ÷ parallax, median (min–max) | MFU parallax | MFU plain "
-                  "| Trainer.fit s/step | plain loop s/step | first loss parallax − plain |", "| --- " * 9 + "|"]
+                  "| precision | parallax step s | plain step s | plain ÷ parallax, median (min–max) "
+                  "| MFU parallax | MFU plain | Trainer.fit s/step | plain loop s/step | first loss parallax − plain |",
+                  "| --- " * 9 + "|"]
         for run in speed_part["runs"]:
             low, mid, high = run["plain_over_parallax"]
             px_s, plain_s = float(np.median(run["parallax_s"])), float(np.median(run["plain_s"]))
             peak = peaks.get(run["precision"])
-            mfu = (lambda t: f"{flops / t / peak:.1%}") if peak else (lambda t: "-")
+            mfu = (lambda t, peak=peak: f"{flops / t / peak:.1%}") if peak else (lambda t: "-")
             first = run["first_loss_plain_parallax"]
             lines.append(f"| {run['precision']} | {px_s:.4f} | {plain_s:.4f} | {mid:.3f} ({low:.3f}–{high:.3f}) | "
-                         f"{mfu(px_s)} | {mfu(plain_s)} | {run['fit_s_per_step']:.4f} | {run['plain_loop_s_per_step']:.4f} "
-                         f"| {first[1] - first[0]:.1e} |")
+                         f"{mfu(px_s)} | {mfu(plain_s)} | {run['fit_s_per_step']:.4f} "
+                         f"| {run['plain_loop_s_per_step']:.4f} | {first[1] - first[0]:.1e} |")
         lines.append("")
     if isinstance(result.get("memory"), list):
         lines += ["## Peak device memory: px.plan against the allocator", "",
-                  "| configuration | measured peak | px.plan on this GPU | error | px.plan on CPU (target gpu) | error | step s |",
+                  "| configuration | measured peak | px.plan on this GPU | error | px.plan on CPU (target gpu) "
+                  "| error | step s |",
                   "| --- " * 7 + "|"]
         for row in result["memory"]:
             measured = row["measured"].get("peak_bytes_in_use")
             here, cpu = row["plan_here"].get("peak"), row["plan_on_cpu"].get("peak")
-            error = (lambda planned: f"{planned / measured - 1:+.2%}" if measured and planned else "-")
+            error = (lambda planned, measured=measured:
+                     f"{planned / measured - 1:+.2%}" if measured and planned else "-")
             step = row["measured"].get("step_s")
             lines.append(f"| {row['config']} | {measured / 2**30:.3f} GiB | {here / 2**30:.3f} GiB | {error(here)} | "
                          f"{cpu / 2**30:.3f} GiB | {error(cpu)} | {f'{step:.4f}' if step else '-'} |")

@@ -12,7 +12,7 @@ AdamW. Three steps train it from the same params, timed in interleaved rounds in
 - **parallax**: the Trainer's step with its default strategy;
 - **parallax EP**: the Trainer's step under ``ExpertParallel(1)``, so the traced loss is
   re-evaluated with every matmul over the experts pinned along the experts dim
-  (:mod:`parallax.models.expert_dispatch`): on one device the pins place nothing, and any
+  (:mod:`parallax.parallel.experts.dispatch`): on one device the pins place nothing, and any
   difference in time is what re-binding the model's equations costs the compiler.
 
 MFU counts the useful FLOPs: each token through its one expert (not the capacity's empty
@@ -232,8 +232,8 @@ def markdown(result: dict) -> str:
             mfu = f"{run['mfu']:.1%}" if run["mfu"] else "-"
             lines.append(f"| {run['step']} | {float(np.median(run['seconds'])):.4f} | {mid:.3f} ({low:.3f}–{high:.3f}) "
                          f"| {mfu} | {run['first_loss_minus_plain']:.1e} |")
-        lines += ["", f"`Trainer.fit` under ExpertParallel(1): {part['fit_ep_s_per_step']:.4f} s per step; a plain loop "
-                      f"over the same batches: {part['plain_loop_s_per_step']:.4f}.", ""]
+        lines += ["", f"`Trainer.fit` under ExpertParallel(1): {part['fit_ep_s_per_step']:.4f} s per step; "
+                      f"a plain loop over the same batches: {part['plain_loop_s_per_step']:.4f}.", ""]
     mem = result.get("memory") or {}
     if "measured" in mem:
         measured = mem["measured"].get("peak_bytes_in_use")

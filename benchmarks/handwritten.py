@@ -192,6 +192,7 @@ def gspmd(model, tx, loss_fn, batch, mesh: Mesh, param_specs: Any, opt_specs: An
     state = (params, others, opt_state)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
-    jitted = jax.jit(_plain_step(model, tx, loss_fn), out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
+    jitted = jax.jit(_plain_step(model, tx, loss_fn), out_shardings=(state_shardings, NamedSharding(mesh, P())),
+                     donate_argnums=(0,))
     return jitted, state, jax.device_put(batch, NamedSharding(mesh, batch_spec))
 

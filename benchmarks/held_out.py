@@ -109,11 +109,12 @@ def next_token(model, batch):
 def build(kind: str, scale: float):
     """The model, its loss and one batch (``scale`` shrinks widths and batch for ``--smoke``)."""
     rng = np.random.default_rng(0)
-    shrink = lambda n: max(8, int(n * scale))  # noqa: E731
+    shrink = lambda n: max(8, int(n * scale))
     if kind == "square_mlp":
         rows = shrink(192) // 8 * 8
         return (SquareMLP(width=shrink(1536)), classify,
-                {"x": rng.normal(size=(rows, 512)).astype(np.float32), "y": rng.integers(0, 100, rows).astype(np.int32)})
+                {"x": rng.normal(size=(rows, 512)).astype(np.float32),
+                 "y": rng.integers(0, 100, rows).astype(np.int32)})
     if kind == "square_transformer":
         rows = max(8, shrink(32) // 8 * 8)
         return (SquareTransformer(width=shrink(512)), next_token,
@@ -135,7 +136,8 @@ def configs(kind: str, scale: float) -> tuple[dict, dict]:
         placed = px.data.to_global(batch, jax.sharding.NamedSharding(mesh, strategy.batch_spec()))
         out[label] = Config(label, step, state, placed)
 
-    for name, asked in (("FSDP() as the Trainer resolves it", px.FSDP()), ('"auto" as the Trainer resolves it', "auto")):
+    for name, asked in (("FSDP() as the Trainer resolves it", px.FSDP()),
+                        ('"auto" as the Trainer resolves it', "auto")):
         found = resolve(model, tx, batch, asked, loss_fn=loss_fn, steps=STEPS)
         chosen[name] = found.describe()
         add(name, found.strategy, found.mesh, found.train_step(loss_fn, px.StepOptions()))
@@ -161,13 +163,15 @@ def bench(kind: str, rounds: int, scale: float) -> list[dict]:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    lines = [f"# The Trainer's pick on held-out models ({meta['devices']} {meta['platform']} devices, jax {meta['jax']}, "
-             f"{meta['rounds']} rounds, AdamW)", "",
+    lines = [f"# The Trainer's pick on held-out models ({meta['devices']} {meta['platform']} devices, "
+             f"jax {meta['jax']}, {meta['rounds']} rounds, AdamW)", "",
              "Step time over the fastest configuration of the same model, round by round: median (min–max).", "",
-             "| model | configuration | ms | vs fastest | temp MB | collective MB |", "| --- | --- | ---: | --- | ---: | ---: |"]
+             "| model | configuration | ms | vs fastest | temp MB | collective MB |",
+             "| --- | --- | ---: | --- | ---: | ---: |"]
     for r in results:
         v = r["vs_fastest"]
-        lines.append(f"| {r['model']} | {r['config']} | {r['ms']:.1f} | {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) "
+        lines.append(f"| {r['model']} | {r['config']} | {r['ms']:.1f} "
+                     f"| {v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f}) "
                      f"| {r['temp_bytes'] / MB:.1f} | {r['collective_bytes'] / MB:.1f} |")
     lines += ["", "What the searches chose:", ""]
     lines += [f"- {r['model']}, {r['config']}: {r['chosen']}" for r in results if r["chosen"]]

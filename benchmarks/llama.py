@@ -32,7 +32,8 @@ class Shape(NamedTuple):
     vocab: int = 128_256
     chunk: int = 0  # attention over query chunks of this many tokens (memory-efficient, as flash attention); 0: whole
     flash: str = ""  # attention by jax's Pallas flash-attention kernel for "gpu" or "tpu" (flash_attention); over chunk
-    saved: tuple = ()  # what each remat'd block keeps for its backward, by name (TORCHTITAN_SELECTIVE...); () recomputes all
+    saved: tuple = ()  # what each remat'd block keeps for its backward, by name (TORCHTITAN_SELECTIVE...);
+    # () recomputes all
     offloaded: bool = False  # the saved values kept in the host's memory (as MaxText offloads them), not the device's
     dtype: str = "bfloat16"  # the compute dtype (params stay float32); "float32" for runs on a CPU
 
@@ -140,7 +141,7 @@ class Block(nn.Module):
     def __call__(self, x):
         s, head = self.shape, self.shape.dim // self.shape.heads
         x = _kept(x, "layer_input", s)
-        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.dtype(s.dtype), name=name)  # noqa: E731
+        dense = lambda features, name: nn.DenseGeneral(features, use_bias=False, dtype=jnp.dtype(s.dtype), name=name)
         h = RMSNorm(name="attention_norm")(x)
         q = _kept(dense((s.heads, head), "wq")(h), "wq", s)
         k = _kept(dense((s.kv_heads, head), "wk")(h), "wk", s)

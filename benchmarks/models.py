@@ -85,12 +85,14 @@ class ListedSwitch(nn.Module):
         capacity = max(1, int(1.25 * h.shape[1] / self.experts))
         chosen = jax.nn.one_hot(jnp.argmax(probs, -1), self.experts)
         slot = (jnp.cumsum(chosen, axis=1) - 1) * chosen
-        combine = (probs * chosen * (slot < capacity))[..., None] * jax.nn.one_hot(slot, capacity)  # row, token, e, slot
+        # row, token, e, slot
+        combine = (probs * chosen * (slot < capacity))[..., None] * jax.nn.one_hot(slot, capacity)
         mask = (combine > 0).astype(h.dtype)
         y = 0
         for i in range(self.experts):
             slots = jnp.einsum("gtc,gtd->gcd", mask[:, :, i], h)
-            y = y + jnp.einsum("gcd,gtc->gtd", Expert(self.width, self.hidden, name=f"expert_{i}")(slots), combine[:, :, i])
+            y = y + jnp.einsum("gcd,gtc->gtd", Expert(self.width, self.hidden, name=f"expert_{i}")(slots),
+                               combine[:, :, i])
         return nn.Dense(64, name="head")(nn.LayerNorm()(x + y))
 
 

@@ -36,7 +36,6 @@ ARGS = side_runner_args(__doc__, models="mlp,lm", strategies="dp,fsdp,fsdp+tp") 
 import re  # noqa: E402
 
 import flax  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -7,10 +7,10 @@
 For the benchmark transformer LM (``benchmarks/models.py``: width features, width / 64 heads,
 vocabulary 512) in two regimes (``REGIMES``: width 256 with 16 sequences of 64 tokens per step,
 where the state and the gathered weights fill the devices; width 128 with 32 sequences of 256
-tokens, where the activations do) under FSDP with AdamW on 8 devices, each option is given the largest layer count whose compiled train step
-peaks within ``--budget`` per device, by the step's own ``memory_analysis()`` (device memory;
-the state offloaded to host memory apart, see :func:`parallax.inspect.memory_bytes`): exact
-bytes, no run needed. The options:
+tokens, where the activations do) under FSDP with AdamW on 8 devices, each option is given the
+largest layer count whose compiled train step peaks within ``--budget`` per device, by the step's
+own ``memory_analysis()`` (device memory; the state offloaded to host memory apart, see
+:func:`parallax.inspect.memory_bytes`): exact bytes, no run needed. The options:
 
 * ``none``: all state on the devices;
 * ``offload='optimizer'``: the AdamW moments in host memory;
@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import RESULTS, simulate_cpu_devices, write_results  # noqa: E402
+from benchmarks import RESULTS, simulate_cpu_devices, write_results
 
 POLICIES = ("nothing", "dots", "dots_no_batch", "offload_dots")
 # Two regimes: short sequences, where the state and the gathered weights fill the devices, and

@@ -179,7 +179,7 @@ def keras_model(keras, kind: str, scale: float):
     if kind == "lm":
         width = max(32, int(256 * scale))
         heads, length = (8 if width >= 64 else 4), int(64 * scale)
-        gelu = lambda t: keras.activations.gelu(t, approximate=True)  # noqa: E731 (flax's default)
+        gelu = lambda t: keras.activations.gelu(t, approximate=True)  # flax's default
         tokens = keras.Input((length,), dtype="int32", name="tokens")
         x = layers.Embedding(512, width, name="embed")(tokens)
         for index in range(2):
@@ -290,7 +290,8 @@ class Keras(Runner):
             self.compile_s = time.perf_counter() - start
             model = self.model
             # What make_train_function jits (keras/src/backend/jax/trainer.py).
-            self.step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, model._get_state_sharding_spec()))
+            self.step = jax.jit(model.train_step, donate_argnums=0,
+                                out_shardings=(None, model._get_state_sharding_spec()))
             self.state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
                                               optimizer_variables=True, metrics_variables=True)
             from keras.src.backend.jax.trainer import _distribute_data
@@ -334,7 +335,8 @@ def import_google_parallax():
     home, deps = os.path.join(PEERS_DIR, "google_parallax"), os.path.join(PEERS_DIR, "deps")
     if not os.path.isfile(os.path.join(home, "parallax", "__init__.py")):
         return None, f"google-parallax not installed in {home}; run `make bench-peers`"
-    ours = {name: sys.modules.pop(name) for name in list(sys.modules) if name == "parallax" or name.startswith("parallax.")}
+    ours = {name: sys.modules.pop(name) for name in list(sys.modules)
+            if name == "parallax" or name.startswith("parallax.")}
     # parallax-flax's import guard refuses any other `parallax`: stand it aside for this one import.
     guards = [finder for finder in sys.meta_path if type(finder).__name__ == "ParallaxGuard"]
     for finder in guards:
@@ -346,7 +348,7 @@ def import_google_parallax():
         if getattr(module, "__distribution__", None) == "parallax-flax":
             raise ImportError("found parallax-flax again, not google-parallax")
         error = None
-    except Exception as exc:  # noqa: BLE001 (any failure is reported in the results)
+    except Exception as exc:
         module, error = None, f"google-parallax did not import: {type(exc).__name__}: {exc}"
     finally:
         theirs = {name: sys.modules.pop(name) for name in list(sys.modules)
@@ -364,7 +366,8 @@ class NNXCNN(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs):
         widths = (3, 32, 64, 128)
-        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), use_bias=False, rngs=rngs) for a, b in itertools.pairwise(widths)])
+        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), use_bias=False, rngs=rngs)
+                               for a, b in itertools.pairwise(widths)])
         self.norms = nnx.List([nnx.BatchNorm(b, momentum=0.9, rngs=rngs) for b in widths[1:]])
         self.head = nnx.Linear(128, 10, rngs=rngs)
 
@@ -413,8 +416,9 @@ class Google(Runner):
                         if any(leaf.sharding.spec))
             self.notes = f"{split} params split"
             try:
-                self.collectives = collectives_of(step.lower(self.model, self.optimizer, self.batch).compile().as_text())
-            except Exception as exc:  # noqa: BLE001
+                self.collectives = collectives_of(
+                    step.lower(self.model, self.optimizer, self.batch).compile().as_text())
+            except Exception as exc:
                 self.notes += f"; no HLO ({type(exc).__name__})"
             start = time.perf_counter()
             self.first_loss = float(step(self.model, self.optimizer, self.batch))
@@ -442,7 +446,7 @@ def bench(kind: str, kinds: list[str], peers: dict, rounds: int, scale: float) -
     def attempt(what: str, make, *args):
         try:
             runners.append(make(*args))
-        except Exception as exc:  # noqa: BLE001 (a peer that cannot run a layout is a result too)
+        except Exception as exc:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             where = f"{os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else frame.filename}" \
                     f":{frame.lineno} ({frame.name})"
@@ -476,7 +480,8 @@ def bench(kind: str, kinds: list[str], peers: dict, rounds: int, scale: float) -
             "ms": 1e3 * runner.median_s, "times_ms": [1e3 * t for t in runner.times],
             "vs_parallax": round_ratios(runner, ref) if ref is not None else None,
             "state_bytes": runner.state_bytes(),
-            "collective_bytes": None if runner.collectives is None else sum(s["bytes"] for s in runner.collectives.values()),
+            "collective_bytes": (None if runner.collectives is None
+                                 else sum(s["bytes"] for s in runner.collectives.values())),
             "collectives": runner.collectives, "first_loss": runner.first_loss, "compile_s": runner.compile_s,
             "notes": runner.notes,
         })

@@ -47,7 +47,8 @@ def main() -> None:
         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
     rng = np.random.default_rng(0)
-    batch = {"x": rng.normal(size=(rows, width)).astype(np.float32), "y": rng.normal(size=(rows, width)).astype(np.float32)}
+    batch = {"x": rng.normal(size=(rows, width)).astype(np.float32),
+             "y": rng.normal(size=(rows, width)).astype(np.float32)}
     make, blocks, what = Deep, None, f"Deep MLP stack ({layers} blocks of width {width}, {rows} rows)"
     if lm:  # the benchmark LM: its blocks in a list, named for the pipeline
         from benchmarks.models import TransformerLM
@@ -57,7 +58,7 @@ def main() -> None:
         what = f"Benchmark LM ({layers} blocks in a list of width {width}, {rows} rows of {sequence} tokens)"
         batch = {"tokens": rng.integers(0, 256, size=(rows, sequence + 1)).astype(np.int32)}
 
-        def loss_fn(model, batch):  # noqa: F811 (the LM's next-token loss)
+        def loss_fn(model, batch):
             logits = model(batch["tokens"][:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
 
@@ -66,8 +67,9 @@ def main() -> None:
             self.label, self.times = f"{schedule} R={repeats} M={microbatches}", []
             self.factor = (repeats * microbatches + 3) / (repeats * microbatches)  # S = 4
             self.schedule, self.repeats, self.microbatches = schedule, repeats, microbatches
-            strategy = px.combine(px.DataParallel(2), px.PipelineParallel(4, microbatches=microbatches, schedule=schedule,
-                                                                          repeats=repeats, blocks=blocks))
+            strategy = px.combine(px.DataParallel(2), px.PipelineParallel(4, microbatches=microbatches,
+                                                                          schedule=schedule, repeats=repeats,
+                                                                          blocks=blocks))
             self.state = px.init_state(make(), optax.sgd(1e-3), batch, strategy=strategy, loss_fn=loss_fn)
             self.step = px.make_train_step(loss_fn, strategy, compile="jit")
             mesh = strategy.make_mesh()
@@ -84,8 +86,8 @@ def main() -> None:
         predicted = runner.factor / reference.factor
         results.append({"config": runner.label, "schedule": runner.schedule, "repeats": runner.repeats,
                         "microbatches": runner.microbatches, "iterations": runner.repeats * runner.microbatches + 3,
-                        "step_s": float(np.median(runner.times)), "measured_ratio": [ratios[0], float(np.median(ratios)),
-                                                                                     ratios[-1]],
+                        "step_s": float(np.median(runner.times)),
+                        "measured_ratio": [ratios[0], float(np.median(ratios)), ratios[-1]],
                         "predicted_ratio": predicted, "measured_over_predicted": float(np.median(ratios)) / predicted})
 
     # Time per step = a × iterations × layers per iteration (a fixed cost per layer step of the loop,
@@ -105,15 +107,15 @@ def main() -> None:
                  "measured ÷ predicted | measured ÷ fitted |", "| --- " * 7 + "|"]
         for row in results:
             low, mid, high = row["measured_ratio"]
-            lines.append(f"| {row['config']} | {row['iterations']} | {row['step_s']:.4f} | {mid:.3f} ({low:.3f}–{high:.3f}) "
-                         f"| {row['predicted_ratio']:.3f} | {row['measured_over_predicted']:.3f} "
-                         f"| {row['measured_over_fitted']:.3f} |")
+            lines.append(f"| {row['config']} | {row['iterations']} | {row['step_s']:.4f} "
+                         f"| {mid:.3f} ({low:.3f}–{high:.3f}) | {row['predicted_ratio']:.3f} "
+                         f"| {row['measured_over_predicted']:.3f} | {row['measured_over_fitted']:.3f} |")
         lines += ["", f"Fitted: {1e3 * meta['per_iteration_s']:.1f} ms per layer step of the loop + "
                       f"{1e3 * meta['per_pass_s']:.1f} ms per pass of the whole batch through a stage's layers."]
         return "\n".join(lines) + "\n"
 
-    report(args, "pipeline_bubble_lm" if lm else "pipeline_bubble", results, markdown, model=args.models, width=width, layers=layers, rows=rows,
-           per_iteration_s=float(per_iteration), per_pass_s=float(per_pass))
+    report(args, "pipeline_bubble_lm" if lm else "pipeline_bubble", results, markdown, model=args.models, width=width,
+           layers=layers, rows=rows, per_iteration_s=float(per_iteration), per_pass_s=float(per_pass))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ Hugging Face–style list (``layers_0``, ``layers_1``, ...). A pipeline over eit
 same: the same layers, the same schedule. This runner builds the Llama-shaped model of
 ``benchmarks/llama.py`` both ways (float32, each block ``nn.remat``'d, as large runs are), with the
 same initial params, and compares, under ``PipelineParallel(2) × FSDP(4)`` (by default, each
-iteration's input kept; and with ``remat="layer"``, each block's) and with ``FSDP(8)`` beside it: the compiled step's peak per device (``memory_analysis()``), its matmul FLOPs per device
-(read from the step's jaxpr, as ``px.plan`` prices them: the compiler's count sees a loop body
-once), and the step time, timed in interleaved rounds; each ratio (listed ÷ stacked, and each
-over FSDP(8) stacked) per round, median (min–max). Goal: listed within 10% of stacked, peak and time.
+iteration's input kept; and with ``remat="layer"``, each block's) and with ``FSDP(8)`` beside it:
+the compiled step's peak per device (``memory_analysis()``), its matmul FLOPs per device (read from
+the step's jaxpr, as ``px.plan`` prices them: the compiler's count sees a loop body once), and the
+step time, timed in interleaved rounds; each ratio (listed ÷ stacked, and each over FSDP(8) stacked)
+per round, median (min–max). Goal: listed within 10% of stacked, peak and time.
 """
 
 from benchmarks import side_runner_args
@@ -22,7 +23,7 @@ def main() -> None:
 
     import parallax as px
     from benchmarks import TimedSteps, report, time_interleaved
-    from benchmarks.llama import Llama, ListedLlama, Shape, listed_params, loss_fn
+    from benchmarks.llama import ListedLlama, Llama, Shape, listed_params, loss_fn
     from parallax.pricing.fused_bytes import dot_flops
 
     shape = Shape(layers=8, dim=128, ffn=256, heads=4, kv_heads=2, vocab=256, dtype="float32")
@@ -64,7 +65,7 @@ def main() -> None:
     results = []
     for runner in runners:
         twin = next(r for r in runners if r.strategy_name == runner.strategy_name and r.written == "stacked")
-        spread = lambda other: sorted(t / o for t, o in zip(runner.times, other.times))  # noqa: E731
+        spread = lambda other, runner=runner: sorted(t / o for t, o in zip(runner.times, other.times))
         over_stacked, over_fsdp = spread(twin), spread(base)
         results.append({"written": runner.written, "strategy": runner.strategy_name, "peak_bytes": int(runner.peak),
                         "flops_per_device": runner.flops, "step_s": float(np.median(runner.times)),
@@ -83,8 +84,8 @@ def main() -> None:
             a, b = row["time_over_stacked"], row["time_over_fsdp8"]
             lines.append(f"| {row['written']} | {row['strategy']} | {row['peak_bytes'] / 2**20:.1f} | "
                          f"{row['peak_over_stacked']:.3f} | {row['flops_per_device'] / 1e9:.2f} | "
-                         f"{row['flops_over_stacked']:.3f} | {row['step_s']:.3f} | {a[1]:.3f} ({a[0]:.3f}–{a[2]:.3f}) | "
-                         f"{b[1]:.3f} ({b[0]:.3f}–{b[2]:.3f}) |")
+                         f"{row['flops_over_stacked']:.3f} | {row['step_s']:.3f} | "
+                         f"{a[1]:.3f} ({a[0]:.3f}–{a[2]:.3f}) | {b[1]:.3f} ({b[0]:.3f}–{b[2]:.3f}) |")
         return "\n".join(lines) + "\n"
 
     report(args, "pipeline_listed", results, markdown, layers=shape.layers, dim=shape.dim, rows=rows,

@@ -80,7 +80,8 @@ def compare(configs=CONFIGS, recorded_path: str = os.path.join(RESULTS, "gpu.jso
         rows.append({"config": config, "predicted_s": step["seconds"], "measured_s": real.get("step_s"),
                      "compute_s": step["compute"], "memory_s": step["memory"], "offload_s": step["offload"],
                      "predicted_mfu": step["mfu"],
-                     "measured_mfu": (step["flops"] / real["step_s"] / step["peak_flops"]) if real.get("step_s") else None,
+                     "measured_mfu": ((step["flops"] / real["step_s"] / step["peak_flops"]) if real.get("step_s")
+                                      else None),
                      "predicted_peak": row["peak"], "measured_peak": real.get("peak"), "source": step["source"],
                      "compiled_for": row["backend"],
                      "plan_seconds": time.perf_counter() - start})
@@ -100,7 +101,8 @@ def same_stack_lines(path: str = os.path.join(RESULTS, "gpu_new.json")) -> list[
         recorded = json.load(f)
     peaks = {m["config"]: m["peak_bytes_in_use"] for m in recorded.get("measured", ())}
     return [f"- {r['config']}: compiled deviceless for the H200 on the GPU's machine (jax {r['jax']}, as the run): "
-            f"{r['peak']:,} B against the allocator's {peaks[r['config']]:,} B ({_error(r['peak'], peaks[r['config']])})."
+            f"{r['peak']:,} B against the allocator's {peaks[r['config']]:,} B "
+            f"({_error(r['peak'], peaks[r['config']])})."
             for r in recorded.get("deviceless_on_the_gpu_machine", ()) if r["config"] in peaks]
 
 
@@ -116,8 +118,9 @@ def markdown(rows: list[dict], device: str) -> str:
         lines.append(
             f"| {r['config']} | {step} | {r['predicted_s']:.4f} s | {_error(r['predicted_s'], r['measured_s'])} "
             f"| {r['compute_s']:.4f} + {r['memory_s']:.4f} + {r['offload_s']:.4f} | {mfu} "
-            f"| {100 * r['predicted_mfu']:.1f}% | {r['measured_peak'] / gib:.2f} GiB | {r['predicted_peak'] / gib:.2f} GiB "
-            f"| {COMPILED_FOR.get(r['compiled_for'], r['compiled_for'])} | {_error(r['predicted_peak'], r['measured_peak'])} |")
+            f"| {100 * r['predicted_mfu']:.1f}% | {r['measured_peak'] / gib:.2f} GiB "
+            f"| {r['predicted_peak'] / gib:.2f} GiB | {COMPILED_FOR.get(r['compiled_for'], r['compiled_for'])} "
+            f"| {_error(r['predicted_peak'], r['measured_peak'])} |")
     lines += ["", "Step: the compiled program's FLOPs at the data sheet's dense peak (TF32 494 TFLOP/s for float32, "
               "bf16 989) + its bytes, read from the jaxpr as a GPU compiler fuses them, at 4.8 TB/s + offloaded "
               "state over PCIe; nothing fitted to these runs. Peak: XLA's GPU compiler's for an H200 without the "

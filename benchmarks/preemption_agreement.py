@@ -35,7 +35,8 @@ def _measure(steps: int, scale: float) -> None:
         model, loss_fn, _ = build(kind, scale)
         batch = make_batch(kind, 64, scale)
         share = 64 // jax.process_count()
-        local = jax.tree.map(lambda a: a[jax.process_index() * share:(jax.process_index() + 1) * share], batch)
+        local = jax.tree.map(lambda a, share=share: a[jax.process_index() * share:(jax.process_index() + 1) * share],
+                             batch)
         trainer = px.Trainer(model, optax.adam(1e-3), loss_fn, strategy=px.FSDP(min_weight_size=2**14),
                              progress=False, batch_size=64)
         state = trainer.init(local)

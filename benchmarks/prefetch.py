@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import RESULTS, simulate_cpu_devices, write_results  # noqa: E402
+from benchmarks import RESULTS, simulate_cpu_devices, write_results
 
 
 class SlowLoader:
@@ -97,7 +97,8 @@ def main() -> None:
     batch = make_batch("mlp", BATCH["mlp"], scale)
     strategy = px.FSDP(min_weight_size=MIN_WEIGHT_SIZE)
     tx = optax.adamw(1e-3)
-    loaders = {"steady": SlowLoader(batch, args.steps, args.delay), "bursty": SlowLoader(batch, args.steps, args.delay, 4)}
+    loaders = {"steady": SlowLoader(batch, args.steps, args.delay),
+               "bursty": SlowLoader(batch, args.steps, args.delay, 4)}
 
     state0 = px.init_state(model, tx, batch, strategy=strategy, loss_fn=loss_fn)
     mesh = state0.step.sharding.mesh

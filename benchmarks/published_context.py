@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.published_runs import COMPILED_FOR, SOURCE, hardware  # noqa: E402
+from benchmarks.published_runs import COMPILED_FOR, SOURCE, hardware
 
 
 class ContextRun(NamedTuple):
@@ -97,10 +97,10 @@ def markdown(results: list[dict]) -> str:
             continue
         lines.append(
             f"| {run['name']} | {attention} | {published:.2f} s | {step['seconds']:.2f} s "
-            f"| {step['compute']:.2f} + {step['memory']:.2f} + {step['exposed']:.2f} s | {published / step['compute']:.2f} "
-            f"| {run['published_tps']:,} | {step['tokens_per_second']:,.0f} | {run['published_gib']} GiB "
-            f"| {r['peak'] / gib:.1f} GiB | {COMPILED_FOR.get(r.get('backend'), r.get('backend'))} "
-            f"| {r['plan_seconds']:.0f} s |")
+            f"| {step['compute']:.2f} + {step['memory']:.2f} + {step['exposed']:.2f} s "
+            f"| {published / step['compute']:.2f} | {run['published_tps']:,} | {step['tokens_per_second']:,.0f} "
+            f"| {run['published_gib']} GiB | {r['peak'] / gib:.1f} GiB "
+            f"| {COMPILED_FOR.get(r.get('backend'), r.get('backend'))} | {r['plan_seconds']:.0f} s |")
     lines += ["", "Step published: their tokens per GPU and step over their tokens per second per GPU. Step "
               "predicted as in `published_runs.md`: the program's FLOPs at the dense bf16 peak + its bytes at the "
               "memory bandwidth + the collectives on the critical path. With a context split the attention is "

@@ -146,13 +146,15 @@ def markdown(results: list[dict], listed: bool = False) -> str:
         if not step:
             why = r["error"] or "no step"
             lines.append(f"| {run['name']} | {run['their_setup']} | {published:.2f} s | not planned: {why} | - | - | "
-                         f"{run['published_tps']:,} | - | {run['published_gib']} GiB | - | - | {r['plan_seconds']:.0f} s |")
+                         f"{run['published_tps']:,} | - | {run['published_gib']} GiB | - | - "
+                         f"| {r['plan_seconds']:.0f} s |")
             continue
         lines.append(
             f"| {run['name']} | {run['their_setup']} | {published:.2f} s | {step['seconds']:.2f} s "
-            f"| {step['compute']:.2f} + {step['memory']:.2f} + {step['exposed']:.2f} s | {published / step['compute']:.2f} "
-            f"| {run['published_tps']:,} | {r['predicted_tps']:,.0f} | {run['published_gib']} GiB "
-            f"| {r['peak'] / gib:.1f} GiB | {COMPILED_FOR.get(r.get('backend'), r.get('backend'))} | {r['plan_seconds']:.0f} s |")
+            f"| {step['compute']:.2f} + {step['memory']:.2f} + {step['exposed']:.2f} s "
+            f"| {published / step['compute']:.2f} | {run['published_tps']:,} | {r['predicted_tps']:,.0f} "
+            f"| {run['published_gib']} GiB | {r['peak'] / gib:.1f} GiB "
+            f"| {COMPILED_FOR.get(r.get('backend'), r.get('backend'))} | {r['plan_seconds']:.0f} s |")
     lines += ["", "Step published: their tokens per GPU and step over their tokens per second per GPU. Step predicted: "
               "the compiled program's FLOPs (recomputation and the pipeline's bubble included) at the data sheet's "
               "dense bf16 peak (989 TFLOP/s, their MFU's) + its bytes at the memory bandwidth + the collectives on the "

@@ -85,24 +85,27 @@ def markdown(results: list[dict]) -> str:
              "for the slice without one; sequence 8192; the model `benchmarks/llama.py` (scanned, bf16, attention by "
              "jax's Pallas flash-attention kernel for TPUs, each block offloading to the host what their remat policy "
              "offloads, the loss `benchmarks.llama.lean_loss_fn`).", "",
-             "| run | their setup | step published | step predicted | compute + memory + exposed | tok/s/chip published "
-             "| predicted | predicted ÷ published | their TFLOP/s ÷ peak | peak planned | plan time |",
+             "| run | their setup | step published | step predicted | compute + memory + exposed "
+             "| tok/s/chip published | predicted | predicted ÷ published | their TFLOP/s ÷ peak | peak planned "
+             "| plan time |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         run, step = r["run"], r["step"]
         if not step:
             lines.append(f"| {run['name']} | {run['their_setup']} | {run['published_step']:.2f} s | not planned: "
-                         f"{r['error']} | - | {run['published_tps']:,.0f} | - | - | - | - | {r['plan_seconds']:.0f} s |")
+                         f"{r['error']} | - | {run['published_tps']:,.0f} | - | - | - | - "
+                         f"| {r['plan_seconds']:.0f} s |")
             continue
         tps = run["per_device_batch"] * SEQUENCE / step["seconds"]
         lines.append(
             f"| {run['name']} | {run['their_setup']} | {run['published_step']:.2f} s | {step['seconds']:.2f} s "
             f"| {step['compute']:.2f} + {step['memory']:.2f} + {step['exposed']:.2f} s | {run['published_tps']:,.0f} "
-            f"| {tps:,.0f} | {tps / run['published_tps']:.2f} | {run['published_tflops'] * 1e12 / step['peak_flops']:.1%} "
-            f"| {r['peak'] / gib:.1f} GiB | {r['plan_seconds']:.0f} s |")
-    lines += ["", "Step predicted: the compiled program's FLOPs (their recomputation included) at v6e's dense bf16 peak "
-              "(918 TFLOP/s), its bytes at the memory bandwidth, the collectives on the critical path; a Pallas "
-              "kernel by its blocks and matmuls over its grid (`parallax/pricing/kernel_cost.py`). "
+            f"| {tps:,.0f} | {tps / run['published_tps']:.2f} "
+            f"| {run['published_tflops'] * 1e12 / step['peak_flops']:.1%} | {r['peak'] / gib:.1f} GiB "
+            f"| {r['plan_seconds']:.0f} s |")
+    lines += ["", "Step predicted: the compiled program's FLOPs (their recomputation included) at v6e's dense "
+              "bf16 peak (918 TFLOP/s), its bytes at the memory bandwidth, the collectives on the critical path; "
+              "a Pallas kernel by its blocks and matmuls over its grid (`parallax/pricing/kernel_cost.py`). "
               "Their TFLOP/s ÷ peak: their MFU (model FLOPs, no recomputation). "
               "Peak planned: the TPU compiler's program for the chip (its 31.25 GiB of HBM), as `px.plan` reads it."]
     return "\n".join(lines) + "\n"
@@ -111,7 +114,8 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     from benchmarks import published
 
-    published(__doc__.splitlines()[0], "published_tpu", RUNS, predict, markdown, {"source": SOURCE, "sequence": SEQUENCE})
+    published(__doc__.splitlines()[0], "published_tpu", RUNS, predict, markdown,
+              {"source": SOURCE, "sequence": SEQUENCE})
 
 
 if __name__ == "__main__":

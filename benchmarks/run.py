@@ -64,8 +64,8 @@ def make_strategy(name: str, rules) -> px.Strategy:
     # The default split is priced (compiled each way) where FSDP is built; a smoke run only checks
     # that the benchmark runs, and its split search is tested elsewhere: the fixed split there.
     split = "largest" if ARGS is not None and ARGS.smoke else "auto"
-    fsdp = lambda size=-1: px.FSDP(size, min_weight_size=MIN_WEIGHT_SIZE, split=split)  # noqa: E731
-    tp = lambda size=-1: px.TensorParallel(size, rules=rules)  # noqa: E731
+    fsdp = lambda size=-1: px.FSDP(size, min_weight_size=MIN_WEIGHT_SIZE, split=split)
+    tp = lambda size=-1: px.TensorParallel(size, rules=rules)
     return {
         "dp": lambda: px.DataParallel(),
         "fsdp": lambda: fsdp(),
@@ -200,7 +200,8 @@ def bench_model(kind: str, names: list[str], rounds: int, scale: float) -> list[
             "state_bytes_per_device": state_bytes, "ideal_state_bytes": ideal,
             "state_ratio_to_ideal": state_bytes / ideal, "single_device_state_bytes": total_state,
             "memory": {c.label: c.memory for c in row["ours"] + [row["base"]]},
-            "collectives": {c.label: {k: vars(v) for k, v in c.collectives.items()} for c in row["ours"] + [row["base"]]},
+            "collectives": {c.label: {k: vars(v) for k, v in c.collectives.items()}
+                            for c in row["ours"] + [row["base"]]},
             "collective_bytes": moved, "handwritten_collective_bytes": row["base"].collective_total(),
             "theoretical_collective_bytes": minimum, "theoretical_how": how,
             "collective_ratio": (moved / minimum) if minimum else None,
@@ -340,8 +341,9 @@ def markdown(results: list[dict], extras: dict, meta: dict) -> str:
     lines += ["", "Hand-written baselines: DP and FSDP are the `shard_map` notebook recipes "
               "(`benchmarks/handwritten.py`); TP and hybrids are `jax.jit` with `NamedSharding`s.", ""]
     if "grad_accum" in extras:
-        lines += ["## Gradient accumulation under FSDP (MLP, batch 512, `compile=\"shard_map\"`)", "", "| | step ms | all-gather MB "
-                  "| reduce-scatter MB (count) | temp MB |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += ["## Gradient accumulation under FSDP (MLP, batch 512, `compile=\"shard_map\"`)", "",
+                  "| | step ms | all-gather MB | reduce-scatter MB (count) | temp MB |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
         for k, v in extras["grad_accum"].items():
             c = v["collectives"]
             lines.append(f"| {k} | {v['step_ms']:.1f} | {c['all-gather']['bytes'] / MB:.2f} "

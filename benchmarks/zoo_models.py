@@ -16,7 +16,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -26,7 +28,6 @@ from flax import nnx
 from benchmarks.models import Block
 from benchmarks.nnx_models import Block as NNXBlock
 from benchmarks.nnx_models import classifier_loss, lm_loss
-
 
 # --- linen -------------------------------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class MoE(nn.Module):
 class NNXStack(nnx.Module):
     def __init__(self, inputs: int, widths: tuple[int, ...], rngs: nnx.Rngs):
         sizes = (inputs, *widths)
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
         self.head = nnx.Linear(sizes[-1], 10, rngs=rngs)
 
     def __call__(self, x):
@@ -173,7 +174,7 @@ class NNXLM(nnx.Module):
 class NNXCNN(nnx.Module):
     def __init__(self, widths: tuple[int, ...], rngs: nnx.Rngs):
         sizes = (3, *widths)
-        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), use_bias=False, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), use_bias=False, rngs=rngs) for a, b in itertools.pairwise(sizes)])
         self.norms = nnx.List([nnx.BatchNorm(b, momentum=0.9, rngs=rngs) for b in widths])
         self.head = nnx.Linear(widths[-1], 10, rngs=rngs)
 
@@ -229,15 +230,15 @@ def _tokens(rng, size: int, length: int, vocab: int) -> dict:
 
 
 def _width(value: float, scale: float, multiple: int = 16) -> int:
-    return max(multiple, int(round(value * scale / multiple)) * multiple)
+    return max(multiple, round(value * scale / multiple) * multiple)
 
 
 def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
     """The 24 members, their sizes drawn from ``seed`` (``scale`` < 1 shrinks every width)."""
     draws = np.random.default_rng(seed)  # the members' sizes: the same draws at every scale
     rng = np.random.default_rng([seed, 1])  # their batches
-    pick = lambda options: options[int(draws.integers(len(options)))]  # noqa: E731
-    w = lambda value, multiple=16: _width(value, scale, multiple)  # noqa: E731
+    pick = lambda options: options[int(draws.integers(len(options)))]
+    w = lambda value, multiple=16: _width(value, scale, multiple)
     members: list[Member] = []
 
     def add(name, family, api, build, loss_fn, batch, **config):
@@ -267,7 +268,8 @@ def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
         classifier_loss, _classifier_batch(rng, 64, (widths[-1],)), widths=narrowing)
 
     # Transformer LMs: widths, heads, vocabularies, tied and untied; one scanned; NNX.
-    for index, (width, tied) in enumerate([(128, False), (128, True), (192, False), (256, True), (256, False), (384, False)]):
+    for index, (width, tied) in enumerate([(128, False), (128, True), (192, False), (256, True), (256, False),
+                                           (384, False)]):
         width = w(width, 32)
         heads = int(pick([2, 4, 8]))  # drawn whatever the scale (the same draws at every scale), then fitted
         while heads > 1 and width % (8 * heads):
@@ -294,8 +296,8 @@ def zoo(seed: int = 0, scale: float = 1.0) -> list[Member]:
 
     # Mixture of experts.
     width, experts, vocab = w(128, 32), int(pick([4, 8])), int(pick([512, 1024]))
-    add("moe", "moe", "linen", lambda v=vocab, d=width, e=experts: MoE(v, d, 2 * d, e), lm_loss, _tokens(rng, 16, 32, vocab),
-        width=width, experts=experts, vocab=vocab)
+    add("moe", "moe", "linen", lambda v=vocab, d=width, e=experts: MoE(v, d, 2 * d, e), lm_loss,
+        _tokens(rng, 16, 32, vocab), width=width, experts=experts, vocab=vocab)
     add("nnx_moe", "moe", "nnx", lambda v=vocab, d=width, e=experts: NNXMoE(v, d, 2 * d, e, nnx.Rngs(0)), lm_loss,
         _tokens(rng, 16, 32, vocab), width=width, experts=experts, vocab=vocab)
 

@@ -18,17 +18,24 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from benchmarks import nnx_models  # noqa: E402
-from benchmarks.peers import (Google, Runner, collectives_of, first_shard_bytes, fsdp_dim,  # noqa: E402
-                             import_google_parallax, import_keras)
-from benchmarks.zoo_models import Member  # noqa: E402
+from benchmarks import nnx_models
+from benchmarks.peers import (
+    Google,
+    Runner,
+    collectives_of,
+    first_shard_bytes,
+    fsdp_dim,
+    import_google_parallax,
+    import_keras,
+)
+from benchmarks.zoo_models import Member
 
 _GOOGLE: list = []  # the google-parallax module, imported once per process (a module swap)
 
@@ -60,7 +67,8 @@ class GoogleZoo(Google):
             start = time.perf_counter()
             self.first_loss = float(self.step(self.model, self.optimizer, self.batch))
             self.compile_s = time.perf_counter() - start
-        self.notes = f"{sum(1 for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)) if any(x.sharding.spec))} params split"
+        split = sum(1 for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)) if any(x.sharding.spec))
+        self.notes = f"{split} params split"
 
 
 def keras_stack(keras, inputs: int, widths):

@@ -27,7 +27,8 @@ def summary_figure() -> None:
 
     import parallax as px
 
-    page = open(os.path.join(HERE, "getting-started.md")).read()
+    with open(os.path.join(HERE, "getting-started.md")) as f:
+        page = f.read()
     namespace: dict = {}
     exec(re.findall(r"```python\n(.*?)```", page, re.S)[0].split("trainer = px.Trainer")[0], namespace)
     digits = load_digits()
@@ -39,7 +40,8 @@ def summary_figure() -> None:
 
 
 def plan_figure() -> None:
-    page = open(os.path.join(HERE, "guides", "know-before-you-run.md")).read()
+    with open(os.path.join(HERE, "guides", "know-before-you-run.md")) as f:
+        page = f.read()
     (snippet,) = re.findall(r"```python plan\n(.*?)```", page, re.S)
     namespace: dict = {}
     exec(snippet.replace("report.figure()", f"report.figure({os.path.join(HERE, 'images', 'plan.png')!r})"), namespace)
@@ -51,9 +53,9 @@ def landing_screenshot() -> None:
     if browser is None or not os.path.exists(index):
         print("landing.png: needs chromium and a built site (make docs)")
         return
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,1000",
-                    f"--screenshot={os.path.join(HERE, 'images', 'landing.png')}", f"file://{index}"], check=True,
-                   capture_output=True)
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--window-size=1280,1000", f"--screenshot={os.path.join(HERE, 'images', 'landing.png')}",
+                    f"file://{index}"], check=True, capture_output=True)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ Prints a generated sample at the end.
 
 from __future__ import annotations
 
-import _setup  # noqa: F401  (first: --devices must reach XLA before JAX starts)
-
 import os
 import time
 
+import _setup
+import data
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,6 @@ import optax
 from absl import app, flags
 from ml_collections import config_flags
 
-import data
 import parallax as px
 
 config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "configs", "char_lm.py"),
@@ -111,7 +110,11 @@ def main(argv):
     _setup.quiet_logs()
     config = FLAGS.config
     path = FLAGS.text or config.text
-    text = open(path, encoding="utf-8", errors="replace").read() if path else data.default_text()
+    if path:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    else:
+        text = data.default_text()
     chars, vocab, train, valid = encode(text, config.seq_len, config.trainer.seed)
     strategy = _setup.strategy_from_name(FLAGS.strategy or config.strategy)
     print(f"parallax: {len(text):,} characters ({len(chars)} distinct) from {path or 'pydoc_data.topics'}; "

@@ -16,17 +16,16 @@ nothing twice.
 
 from __future__ import annotations
 
-import _setup  # noqa: F401  (first: --devices must reach XLA before JAX starts)
-
 import os
 import time
 
+import _setup
+import data
 import flax.linen as nn
 import optax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-import data
 import parallax as px
 
 config_flags.DEFINE_config_file(

@@ -10,11 +10,12 @@ on the test set in eval mode, on the host).
 
 from __future__ import annotations
 
-import _setup  # noqa: F401  (first: --devices must reach XLA before JAX starts)
-
+import itertools
 import os
 import time
 
+import _setup
+import data
 import jax
 import numpy as np
 import optax
@@ -22,7 +23,6 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-import data
 import parallax as px
 
 config_flags.DEFINE_config_file(
@@ -36,7 +36,8 @@ class CNN(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, classes: int = 10, features: tuple = (32, 64), dropout_rate: float = 0.1):
         widths = (1, *features)
-        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), use_bias=False, rngs=rngs) for a, b in zip(widths, widths[1:])])
+        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), use_bias=False, rngs=rngs)
+                               for a, b in itertools.pairwise(widths)])
         self.norms = nnx.List([nnx.BatchNorm(b, momentum=0.9, rngs=rngs) for b in features])
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
         self.head = nnx.Linear(features[-1], classes, rngs=rngs)

@@ -11,17 +11,16 @@ strategy. For tensor parallelism every conv is split over its output channels.
 
 from __future__ import annotations
 
-import _setup  # noqa: F401  (first: --devices must reach XLA before JAX starts)
-
 import os
 import time
 
+import _setup
+import data
 import numpy as np
 import optax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-import data
 import parallax as px
 
 config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "configs", "resnet.py"),
@@ -42,7 +41,7 @@ def load(name: str, train_examples: int):
             logging.warning("Fashion-MNIST not found in %s (apt-get install dataset-fashion-mnist); using digits.",
                             data.FASHION_MNIST_DIR)
         train, test = data.digits()
-        upsample = lambda split: {**split, "image": np.kron(split["image"], np.ones((1, 4, 4, 1), np.float32))}  # noqa: E731
+        upsample = lambda split: {**split, "image": np.kron(split["image"], np.ones((1, 4, 4, 1), np.float32))}
         found = upsample(train), upsample(test)
     train, test = found
     if train_examples:

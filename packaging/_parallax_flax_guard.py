@@ -72,7 +72,7 @@ def is_ours(init_file: str) -> bool:
 class ParallaxGuard(importlib.abc.MetaPathFinder):
     """A meta-path finder that only checks, never loads, the top-level ``parallax`` module."""
 
-    def find_spec(self, fullname, path=None, target=None):  # noqa: D102 (importlib protocol)
+    def find_spec(self, fullname, path=None, target=None):
         if fullname != "parallax":
             return None
         for finder in sys.meta_path:

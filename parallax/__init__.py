@@ -17,28 +17,28 @@ Example:
 # Read by the import guard that parallax-flax installs (packaging/_parallax_flax_guard.py): it
 # tells this library apart from other projects that also install a module named `parallax`.
 __distribution__ = "parallax-flax"
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 try:
     from parallax import distributed, inspect, plan, testing
     from parallax.models.linen import wrap_for_shard_map
+    from parallax.parallel.context.part import ContextParallel
+    from parallax.parallel.experts.part import ExpertParallel
+    from parallax.parallel.pipeline.part import PipelineParallel
     from parallax.pricing.hardware import Hardware
     from parallax.sharding import specs
-    from parallax.sharding.context_parallel import ContextParallel
-    from parallax.sharding.expert_parallel import ExpertParallel
     from parallax.sharding.parts import FSDP, DataParallel, TensorParallel
-    from parallax.sharding.pipeline import PipelineParallel
     from parallax.sharding.rules import DEFAULT_RULES
     from parallax.sharding.strategy import Combined, Strategy, combine
     from parallax.sharding.topology import Topology
+    from parallax.state.initialize import init_state
+    from parallax.state.plan import StatePlan, plan_state
+    from parallax.state.summary import ReplicatedParamError, Summary, summarize
     from parallax.step import metrics
     from parallax.step.build import make_eval_step, make_train_step
     from parallax.step.options import StepOptions
     from parallax.step.per_example import PerExampleLoss, is_per_example_loss, per_example_loss
     from parallax.step.train_state import TrainState
-    from parallax.state.initialize import init_state
-    from parallax.state.plan import StatePlan, plan_state
-    from parallax.state.summary import ReplicatedParamError, Summary, summarize
     from parallax.train import callbacks, checkpoint, data
     from parallax.train.callbacks import EarlyStopping, JSONLogger, LearningRateLogger, ProgressBar, TensorBoardLogger
     from parallax.train.checkpoint import CheckpointError
@@ -58,9 +58,11 @@ except ImportError as err:  # a file of this package overwritten by another proj
     raise
 
 __all__ = [
-    "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "ContextParallel", "DataParallel", "EarlyStopping", "ExpertParallel", "FitResult", "Hardware",
-    "JSONLogger", "LearningRateLogger", "NonFiniteLossError", "PerExampleLoss", "PipelineParallel", "ProgressBar", "ReplicatedParamError", "StatePlan",
-    "StepOptions", "Strategy", "Summary", "TensorBoardLogger", "TensorParallel", "Topology", "TrainState", "Trainer", "TrainerConfig",
-    "callbacks", "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
-    "make_train_step", "metrics", "per_example_loss", "plan", "plan_state", "specs", "step", "summarize", "testing", "wrap_for_shard_map",
+    "DEFAULT_RULES", "FSDP", "CheckpointError", "Combined", "ContextParallel", "DataParallel", "EarlyStopping",
+    "ExpertParallel", "FitResult", "Hardware", "JSONLogger", "LearningRateLogger", "NonFiniteLossError",
+    "PerExampleLoss", "PipelineParallel", "ProgressBar", "ReplicatedParamError", "StatePlan", "StepOptions", "Strategy",
+    "Summary", "TensorBoardLogger", "TensorParallel", "Topology", "TrainState", "Trainer", "TrainerConfig", "callbacks",
+    "checkpoint", "combine", "data", "distributed", "init_state", "inspect", "is_per_example_loss", "make_eval_step",
+    "make_train_step", "metrics", "per_example_loss", "plan", "plan_state", "specs", "step", "summarize", "testing",
+    "wrap_for_shard_map",
 ]

@@ -16,7 +16,8 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def path_of(name: str) -> pathlib.Path:

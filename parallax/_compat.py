@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -106,7 +107,8 @@ def replica_groups(hlo_line: str, devices: int) -> list[tuple[int, ...]]:
         over = [names.index(name) for name in re.findall(r"'([^']+)'", by_mesh.group("over"))]
         ids = _mesh_device_ids(by_mesh.group("ids"), int(np.prod(sizes))).reshape(sizes)
         ids = np.moveaxis(ids, over, range(len(sizes) - len(over), len(sizes)))
-        return [tuple(int(v) for v in row) for row in ids.reshape(-1, int(np.prod([sizes[i] for i in over], dtype=int)))]
+        return [tuple(int(v) for v in row)
+                for row in ids.reshape(-1, int(np.prod([sizes[i] for i in over], dtype=int)))]
     return [tuple(range(devices))]
 
 
@@ -191,7 +193,7 @@ def source_line(eqn: Any) -> str | None:
         from jax._src import source_info_util  # private: no public way names an equation's source
 
         found = source_info_util.summarize(eqn.source_info)
-    except Exception:  # noqa: BLE001 - a location only adds to a message
+    except Exception:
         return None
     return None if not found or found.startswith("unknown") else found
 
@@ -203,5 +205,5 @@ def traced_at(eqn: Any) -> contextlib.AbstractContextManager:
         from jax._src import source_info_util  # private: no public way sets a traced value's source
 
         return source_info_util.user_context(eqn.source_info.traceback)
-    except Exception:  # noqa: BLE001 - a location only
+    except Exception:
         return contextlib.nullcontext()

@@ -10,7 +10,8 @@ must call them, in the same order); in a single process they cost nothing.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -25,10 +25,10 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
-
 
 log = logging.getLogger("parallax")
 
@@ -168,7 +168,8 @@ def _exit_at_once(previous: Any, processes: Processes, heartbeat_timeout: int | 
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
         sys.stderr.write(f"parallax: process {processes.index} of {processes.count} failed with {kind.__name__}; it "
-                         f"exits now; the other processes end within seconds where it failed inside Trainer.fit, else within {within}.\n")
+                         f"exits now; the other processes end within seconds where it failed inside Trainer.fit, "
+                         f"else within {within}.\n")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         logging.shutdown()

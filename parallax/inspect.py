@@ -27,11 +27,13 @@ _DTYPE_BYTES = {
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _MOVE = re.compile(r"= (\w+)\[([\d,]*)\]\{([\d,]*)[^}]*\} (copy|transpose)\(")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
+_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<op>" + "|".join(COLLECTIVES)
+                 + r")(?P<start>-start)?\((?P<operands>[^)]*)\)")
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
-_CALLEE = re.compile(r"\b(?P<role>body|condition|calls|to_apply|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_CALLEE = re.compile(r"\b(?P<role>body|condition|calls|to_apply|true_computation|false_computation)"
+                     r"=%?(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations|called_computations)=\{(?P<names>[^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>\w+)\[(?P<dims>[\d,]*)\]")
@@ -269,7 +271,8 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
             "host": max(sum(args), sum(outs))}
 
 
-_LAYOUT_SHAPE = re.compile(r"\b(?P<dtype>" + "|".join(_DTYPE_BYTES) + r")\[(?P<dims>[\d,]*)\](?:\{(?P<layout>[^}]*)\})?")
+_LAYOUT_SHAPE = re.compile(r"\b(?P<dtype>" + "|".join(_DTYPE_BYTES)
+                           + r")\[(?P<dims>[\d,]*)\](?:\{(?P<layout>[^}]*)\})?")
 
 
 def _entry_layout(header: str) -> tuple[list[int], list[int], list[tuple[int, int]]]:
@@ -278,8 +281,8 @@ def _entry_layout(header: str) -> tuple[list[int], list[int], list[tuple[int, in
     start = header.find("entry_computation_layout={")
     if start < 0:
         return [], [], []
-    depth, index = 0, start + len("entry_computation_layout=")
-    for index in range(index, len(header)):
+    depth, first = 0, start + len("entry_computation_layout=")
+    for index in range(first, len(header)):
         depth += {"{": 1, "}": -1}.get(header[index], 0)
         if depth == 0:
             break

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 # Gloo's "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
 # written piece by piece, so that a line may hold part of it (or another process line part of one).

@@ -21,8 +21,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"parallax-tests-jax-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_threefry_partitionable", True)
 
@@ -217,6 +217,8 @@ def over_budget(reports) -> list[tuple[str, float, float]]:
     spent, budget = {}, {}
     for report in reports:
         spent[report.nodeid] = spent.get(report.nodeid, 0.0) + report.duration
-        budget.update({report.nodeid: value for name, value in report.user_properties if name == "budget_seconds"})
+        for name, value in report.user_properties:
+            if name == "budget_seconds":
+                budget[report.nodeid] = value
     return sorted(((nodeid, seconds, budget.get(nodeid, BUDGET_SECONDS)) for nodeid, seconds in spent.items()
                    if seconds > budget.get(nodeid, BUDGET_SECONDS)), key=lambda row: -row[1])

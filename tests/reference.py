@@ -112,8 +112,8 @@ class PlainRun(NamedTuple):
     params: Any
     model_state: Any
     opt_state: Any
-    inputs: list = []
-    grads: list = []
+    inputs: list = []  # noqa: RUF012 (NamedTuple field default)
+    grads: list = []  # noqa: RUF012 (NamedTuple field default)
 
 
 class Drift(NamedTuple):

@@ -66,7 +66,7 @@ def test_unknown_trainer_option_lists_step_options_too():
 def test_a_part_that_does_not_declare_itself_is_refused():
     with pytest.raises(TypeError, match=r"does not declare \['splits_batch', 'gathers_params'\]"):
         @dataclasses.dataclass(frozen=True)
-        class Pipeline(Strategy):  # noqa: F841 - defining it is the test
+        class Pipeline(Strategy):
             size: int = -1
             axis: str = "stage"
             placement_priority = 5

@@ -23,15 +23,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
+from benchmarks.models import ListedSwitch
 from parallax import _cache
+from parallax.parallel.candidates import (
+    candidates,
+    context_candidates,
+    expert_candidates,
+    from_mesh,
+    more_candidates,
+    pipeline_candidates,
+    split_candidates,
+)
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
-from parallax.sharding.auto import (candidates, context_candidates, expert_candidates, from_mesh, pipeline_candidates,
-                                    split_candidates)
 from parallax.state import search, search_budget
-from parallax.state.more_candidates import more_candidates
 from parallax.state.search import priced_candidates, resolve
-from benchmarks.models import ListedSwitch
 from tests import third_party
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 from tests.test_expert_parallel import nano_loss
@@ -149,8 +155,8 @@ def test_a_marked_loss_lets_the_cost_model_pick_the_compile_path():
 def test_a_memory_budget_drops_the_plans_that_do_not_fit():
     data = batches("mlp", 1, batch_size=32)
     with pytest.raises(ValueError, match=r"no candidate fits the memory budget of 1 B per device on 4 devices, with "
-                                         r"all state on the devices or offloaded to host memory \(DataParallel\(data=4\): "
-                                         r"its state alone is 75.1 KiB.*Raise memory_budget"):
+                                         r"all state on the devices or offloaded to host memory "
+                                         r"\(DataParallel\(data=4\): its state alone is 75.1 KiB.*Raise memory_budget"):
         resolve(MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED, devices=jax.devices()[:4],
                 options=px.StepOptions(memory_budget=1))
     dp = px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=px.DataParallel(4), loss_fn=MARKED,
@@ -234,7 +240,8 @@ def test_auto_splits_the_sequence_where_its_activations_fit_no_other_mesh_and_tr
                 px.ContextParallel(2, axis="context_ring_balanced", method="ring", load_balance=True)}
     assert found.strategy.describe(found.mesh) in balanced, found.describe()
     times = found.choice.timed
-    assert found.choice.picked in times and min(times.values()) * (1 + timing.MARGIN) >= times[found.choice.picked], times
+    assert (found.choice.picked in times
+            and min(times.values()) * (1 + timing.MARGIN) >= times[found.choice.picked]), times
     estimates = found.choice.estimates
     over = [label for label, e in estimates.items() if e.peak > 3.1 * 2**20]
     assert any(label.startswith("DataParallel(data=2)") for label in over) and len(over) >= 4, over
@@ -276,7 +283,8 @@ def test_strategy_auto_builds_what_the_search_picked_and_trains_like_one_device(
     assert [(s.parts[0].split, s.parts[0].min_weight_size, path) for s, path, _ in opened[1:6]] == [
         ("largest", 2**18, "jit"), ("output", 2**18, "jit"), ("input", 2**18, "shard_map"), ("input", 2**18, "jit"),
         ("output", 1, "jit")]
-    assert len(priced_candidates(candidates(8, fsdp=px.FSDP(min_weight_size=64, split="auto")), "auto")) == 10 + 3 * with_fsdp
+    assert (len(priced_candidates(candidates(8, fsdp=px.FSDP(min_weight_size=64, split="auto")), "auto"))
+            == 10 + 3 * with_fsdp)
     assert any(found.describe() in record.getMessage() for record in caplog.records)  # one line, logged
     # init_state(strategy="auto") and make_train_step("auto") through px.testing: the same search again
     # (the times of its close calls are cached: the same pick), against a one-device loop. Every plan
@@ -304,7 +312,7 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
                           steps=LONG)
     same = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=px.FSDP(min_weight_size=0, split=picked),
                          loss_fn=lm_loss)
-    specs = lambda s: jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, s.params))  # noqa: E731
+    specs = lambda s: jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, s.params))
     # The search again builds the same split (its close calls' times are cached), a plan test_fsdp.py
     # checks against a one-device loop with SGD and AdamW on both paths.
     assert specs(state) == specs(same)
@@ -435,7 +443,7 @@ def test_a_close_call_between_compile_paths_is_timed_on_a_copy_of_the_state(tmp_
     monkeypatch.setattr(timing, "WINDOW", float("inf"))  # every estimate is a close call
     data = batches("mlp", 1, batch_size=32)
     strategy = px.DataParallel(8)
-    init = lambda: px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=strategy, loss_fn=MARKED)  # noqa: E731
+    init = lambda: px.init_state(MLP(), optax.adam(1e-3), data[0], strategy=strategy, loss_fn=MARKED)
     step = px.make_train_step(MARKED, strategy)
     state, metrics = step(init(), data[0])
     priced = next(iter(step.choice.estimates))  # the cost model's pick: fastest estimate first
@@ -468,7 +476,7 @@ def test_strategy_auto_times_its_close_calls_and_keeps_the_measured_fastest(tmp_
     monkeypatch.setattr(timing, "WINDOW", float("inf"))  # every candidate is a close call
     data = batches("mlp", 1, batch_size=32)
     pool = [px.DataParallel(4), px.TensorParallel(4)]
-    search = lambda **options: resolve(MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED,  # noqa: E731
+    search = lambda **options: resolve(MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED,
                                        devices=jax.devices()[:4], among=pool, options=px.StepOptions(**options))
     found = search()
     assert set(found.timed) == set(found.choice.estimates) and len(found.timed) == 2
@@ -491,7 +499,7 @@ def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time(tmp_pa
     monkeypatch.setenv("PARALLAX_CACHE_DIR", str(tmp_path / "first"))
     data = batches("mlp", 1, batch_size=32)
     pool = [px.DataParallel(4), px.FSDP(4, split="largest"), px.TensorParallel(4)]
-    search = lambda steps=None, **options: resolve(  # noqa: E731
+    search = lambda steps=None, **options: resolve(
         MLP(), optax.adam(1e-3), data[0], "auto", loss_fn=MARKED, devices=jax.devices()[:4], among=pool,
         options=px.StepOptions(timed_candidates=0, **options), steps=steps)
     short = search(steps=1)
@@ -538,9 +546,9 @@ def test_auto_needs_a_loss_and_its_own_mesh():
     with pytest.raises(ValueError, match="picks the mesh shape itself"):
         px.init_state(MLP(), optax.adam(1e-3), data[0], strategy="auto", loss_fn=MARKED,
                       mesh=px.FSDP().make_mesh())
-    with pytest.raises(ValueError, match="strategy 'fastest': 'fastest' is not dp, fsdp, tp, pp, cp or ep.*'auto'"):
+    with pytest.raises(ValueError, match=r"strategy 'fastest': 'fastest' is not dp, fsdp, tp, pp, cp or ep.*'auto'"):
         px.make_train_step(MARKED, "fastest")
-    with pytest.raises(ValueError, match="FSDP\\(split='middle'\\).*'auto'"):
+    with pytest.raises(ValueError, match=r"FSDP\(split='middle'\).*'auto'"):
         px.FSDP(split="middle")
     odd = Mesh(np.array(jax.devices()), ("batch",))
     with pytest.raises(ValueError, match="include \\['batch'\\]; pass the strategy the state was built with"):

@@ -1,4 +1,4 @@
-"""The batch's split kept through a scanned stack (``parallax.models.batch_pins``): each device computes
+"""The batch's split kept through a scanned stack (``parallax.step.batch_pins``): each device computes
 its share of the matmuls, against the compiler's own count, and trains as one device."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from parallax.pricing.cost import program_costs
@@ -47,4 +48,5 @@ def test_a_scanned_stack_under_fsdp_with_its_batch_pinned_trains_like_one_device
 
     tokens = [{"tokens": b["tokens"] % 256} for b in third_party.batches("text", 3)]
     report = px.testing.assert_equivalent(_llama(), optax.adamw(1e-2), loss_fn, tokens, px.FSDP(8, min_weight_size=0))
-    assert report.mode == "jit", report  # within bf16's rounding (the model computes in bf16), as assert_equivalent holds
+    # within bf16's rounding (the model computes in bf16), as assert_equivalent holds
+    assert report.mode == "jit", report

@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_runner_smoke(tmp_path):
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--models", "mlp",
-                           "--strategies", "dp,fsdp,fsdp+tp", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--strategies", "dp,fsdp,fsdp+tp", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "smoke.json").read_text())
     rows = {(r["model"], r["strategy"]) for r in report["results"]}

@@ -36,7 +36,8 @@ def test_replica_group_size_reads_every_format(line, size):
 
 def test_reduce_scatter_bytes_count_the_whole_array_in_both_formats():
     old, new = JAXLIB_010[0][0], JAXLIB_012[0][0]
-    assert collective_bytes(old)["reduce-scatter"].bytes == collective_bytes(new)["reduce-scatter"].bytes == 64 * 256 * 4
+    assert (collective_bytes(old)["reduce-scatter"].bytes == collective_bytes(new)["reduce-scatter"].bytes
+            == 64 * 256 * 4)
 
 
 def test_compiled_fsdp_step_scatters_what_it_gathers():

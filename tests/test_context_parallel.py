@@ -15,13 +15,11 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.models.balanced_attention import tiles_computed
+from parallax.parallel.candidates import from_mesh
+from parallax.parallel.context.attention import context_parallel, model_has_attention, tiles_computed
 from parallax.pricing.fused_bytes import dot_flops
-from parallax.models.context_attention import context_parallel, model_has_attention
-from parallax.sharding.auto import from_mesh
 from parallax.sharding.specs import is_spec
-from tests import tiers
-from tests import third_party
+from tests import third_party, tiers
 from tests.models import TinyLM, batches, lm_loss
 
 pytestmark = pytest.mark.core
@@ -170,7 +168,7 @@ CORE = [case for case in GRID if case[2] == "adamw" and case[0] != "llama" and n
                          tiers.cases(GRID, CORE))
 def test_context_parallel_trains_an_unmodified_model_like_one_device(model, strategy, optimizer, method):
     build, loss_fn, data = MODELS[model]
-    make = lambda: STRATEGIES[strategy](method)  # noqa: E731
+    make = lambda: STRATEGIES[strategy](method)
     mesh = make().make_mesh(jax.devices()[:4]) if strategy == "cp4" else None
     opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adamw(1e-2)
     report = px.testing.assert_equivalent(build(), opt, loss_fn, data(), make(), mesh=mesh)
@@ -259,12 +257,12 @@ def test_balanced_attention_skips_what_the_mask_hides_and_every_device_as_much()
     assert count(hf_style, q, k, v, keep) == [9] * 4
     keep[1, 28:] = 0  # the keys of 28..31 hidden from every query (padding): each row keeps others
     assert count(hf_style, q, k, v, keep) == [9] * 4
-    masked_rows = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+    masked_rows = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, mask=jnp.tril(jnp.ones((32, 32), bool)) & (jnp.arange(32) != 1)[:, None])  # row 1 hidden whole
     assert count(masked_rows, q, k, v) == [9 + 7, 9, 9, 9]  # device 0's chunk 0 (rows 0..3) computes all 8 tiles
     for fn, args in ((hf_style, (q, k, v, keep)), (masked_rows, (q, k, v))):
         for method in ("all_gather", "ring"):
-            split = context_parallel(lambda *a: fn(*a), mesh=mesh, axis="context", method=method, load_balance=True)
+            split = context_parallel(lambda *a: fn(*a), mesh=mesh, axis="context", method=method, load_balance=True)  # noqa: B023 (called in this iteration)
             np.testing.assert_allclose(jax.jit(split)(*args), fn(*args), rtol=1e-5, atol=1e-6)
     # A mask the model computes from no input (positions) that leaves every device as many tiles: the gathered
     # loop runs those alone, without a branch, so the step's matmul FLOPs (what px.plan prices) are 9 tiles' of 16.
@@ -297,13 +295,13 @@ def test_a_softmax_runs_in_one_pass_over_its_tiles_and_other_weights_a_pass_each
     def squared(q, k, v):
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1) ** 2, v)
 
-    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
     for fn, permutes in ((causal, 2), (hidden_early, 2), (squared, 4)):
         for method, balanced in (("ring", False), ("ring", True), ("all_gather", True)):
             split = context_parallel(fn, mesh=mesh, axis="context", method=method, load_balance=balanced)
             np.testing.assert_allclose(jax.jit(split)(q, k, v), fn(q, k, v), rtol=1e-5, atol=1e-6)
-            grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
-            for got, want in zip(grads, jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)):
+            grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)  # noqa: B023 (called in this iteration)
+            for got, want in zip(grads, jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)):  # noqa: B023 (called in this iteration)
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))  # sums' order
             if (method, balanced) == ("ring", False):
                 assert str(jax.make_jaxpr(split)(q, k, v)).count("ppermute") == permutes, fn
@@ -431,10 +429,10 @@ def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_comp
         s = jnp.where(seen[None], jnp.einsum("bqhd,bkhd->bhqk", q, k), jnp.finfo(jnp.float32).min)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
-    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
     for fn in (linen_mask, causal, windows):
         want = fn(q, k, v)
-        want_grads = jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+        want_grads = jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)  # noqa: B023 (called in this iteration)
         for method in ("ring", "all_gather"):
             split = context_parallel(fn, mesh=mesh, axis="context", method=method, load_balance=True, block=2)
             inside = [str(e.params["jaxpr"]) for e in jax.make_jaxpr(split)(q, k, v).jaxpr.eqns
@@ -446,7 +444,7 @@ def test_a_long_sequences_mask_and_tiles_are_computed_a_block_at_a_time_and_comp
             # runs the kept ones alone, no branch; the windows leave unequal counts, a branch per tile.
             assert (" cond[" in traced) == (fn is windows), (fn, method)
             np.testing.assert_allclose(jax.jit(split)(q, k, v), want, rtol=1e-5, atol=1e-6)
-            grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+            grads = jax.grad(lambda *a: (jax.jit(split)(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)  # noqa: B023 (called in this iteration)
             for got, expected in zip(grads, want_grads):
                 np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(jnp.abs(expected).max()))
     # The skips read from the mask's tiles (of 4 × CP = 8 tiles a device): causal, 5 each; the windows hide
@@ -462,7 +460,7 @@ def test_shard_params_splits_the_state_over_the_context_axis_and_a_scanned_stack
     device's dense matmuls take its own rows (16 rows x 16 tokens over FSDP 4 and CP 2: 4 x 8 = 32
     tokens a device), not the whole batch's 128, which the compiler gathered before, every device
     then computing every row's attention."""
-    make = lambda: px.combine(  # noqa: E731
+    make = lambda: px.combine(
         px.ContextParallel(2, "ring", load_balance=True, shard_params=True, min_weight_size=64),
         px.FSDP(4, min_weight_size=64))
     plan = px.plan_state(StackedLM(), optax.adamw(1e-2), batches("lm", 1)[0], strategy=make(), loss_fn=lm_loss)

@@ -12,9 +12,9 @@ import subprocess
 import sys
 from importlib import metadata
 
-import parallax
-
 import pytest
+
+import parallax
 
 pytestmark = pytest.mark.core
 

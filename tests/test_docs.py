@@ -60,7 +60,8 @@ def namespace(source: str, tmp_path) -> dict:
         "ckpt_dir": str(tmp_path / "ckpt"),
     }
     if re.search(r"\bstate\b", source):  # a train step donates its input: each docstring gets its own
-        names["state"] = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(split="largest"), loss_fn=loss_fn)
+        names["state"] = px.init_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(split="largest"),
+                                       loss_fn=loss_fn)
     if re.search(r"\bstep\b", source):
         names["step"] = px.make_train_step(loss_fn, px.FSDP())
     return names

@@ -23,7 +23,8 @@ DOCS = os.path.join(ROOT, "docs")
 
 def toctree_pages() -> list[str]:
     """The site's pages in the order its navigation lists them (``docs/index.md``'s toctrees)."""
-    index = open(os.path.join(DOCS, "index.md")).read()
+    with open(os.path.join(DOCS, "index.md")) as f:
+        index = f.read()
     names = [line.strip() for tree in re.findall(r"```\{toctree\}\n(.*?)```", index, re.S)
              for line in tree.splitlines() if line.strip() and not line.startswith(":")]
     return [f"docs/{name}.md" for name in names]
@@ -32,12 +33,13 @@ def toctree_pages() -> list[str]:
 # The README, then Getting started (whose model and data the guides continue from), then the rest.
 PAGES = ["README.md", "docs/getting-started.md", "docs/index.md",
          *[page for page in toctree_pages() if page != "docs/getting-started.md"]]
-TEXT = {page: open(os.path.join(ROOT, page)).read() for page in PAGES}
+TEXT = {page: open(os.path.join(ROOT, page)).read() for page in PAGES}  # noqa: SIM115 (read in a comprehension)
 
 
 def blocks(info: str, page: str | None = None) -> list[str]:
     """The code blocks fenced as ``info``, of one page or of every page in order."""
-    return [block for name in ([page] if page else PAGES) for block in re.findall(rf"```{info}\n(.*?)```", TEXT[name], re.S)]
+    return [block for name in ([page] if page else PAGES)
+            for block in re.findall(rf"```{info}\n(.*?)```", TEXT[name], re.S)]
 
 
 @pytest.mark.core
@@ -115,7 +117,8 @@ def test_plan_snippet_plans_a_1b_transformer_for_8_and_64_devices_without_alloca
 
 def test_the_site_builds_without_a_warning(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html", DOCS,
-                           str(tmp_path / "html")], cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
+                           str(tmp_path / "html")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=clean_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     landing = (tmp_path / "html" / "index.html").read_text()
     assert "Getting started" in landing and "API reference" in landing

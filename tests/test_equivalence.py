@@ -17,15 +17,25 @@ import pytest
 import parallax as px
 from tests import tiers
 from tests.models import MODELS, batches
-from tests.reference import (OPTIMIZERS, STRATEGIES, bound, drift_floor, max_diff, one_device_state, params_bound,
-                             run_plain, run_steps, with_params)
+from tests.reference import (
+    OPTIMIZERS,
+    STRATEGIES,
+    bound,
+    drift_floor,
+    max_diff,
+    one_device_state,
+    params_bound,
+    run_plain,
+    run_steps,
+    with_params,
+)
 
 pytestmark = pytest.mark.core
 
 STEPS = 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model_name: str, opt_name: str):
     """Initial params (as built on one device) and the one-device run (a ``PlainRun``)."""
     model_cls, loss_fn = MODELS[model_name]
@@ -55,7 +65,7 @@ def initial_state(model_name: str, opt_name: str, strategy: px.Strategy, random_
     return with_params(state, init_params)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _floor(model_name, opt_name, strategy):
     """How far plain jit drifts from one device with the same values merely placed on the mesh (a ``Drift``)."""
     model_cls, loss_fn = MODELS[model_name]
@@ -77,7 +87,7 @@ CORE = [("dp", "shard_map", "cnn", "adamw"), ("dp", "jit", "lm", "adamw"), ("fsd
 @pytest.mark.parametrize("strategy_name, compile_mode, model_name, opt_name",
                          tiers.cases(GRID, CORE))
 def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name):
-    model_cls, loss_fn = MODELS[model_name]
+    _model_cls, loss_fn = MODELS[model_name]
     data = batches(model_name, STEPS)
     _, ref = reference(model_name, opt_name)
     strategy = STRATEGIES[strategy_name]()  # TensorParallel() derives each model's layout from its computation
@@ -98,7 +108,8 @@ def test_matches_single_device(strategy_name, compile_mode, model_name, opt_name
           f"max final param diff {params_diff:.2e} (past 1e-5: beyond rounding allowances; bound {params_tol:.1e}), "
           f"max final opt-state diff {opt_diff:.2e} (bound {opt_tol:.1e})")
     assert diff <= tol, f"{strategy.describe()}: loss trajectory differs by {diff:.3g} > {tol:.3g}"
-    assert params_diff <= params_tol, f"{strategy.describe()}: final params differ by {params_diff:.3g} > {params_tol:.3g}"
+    assert params_diff <= params_tol, (f"{strategy.describe()}: final params differ by {params_diff:.3g} "
+                                       f"> {params_tol:.3g}")
     assert opt_diff <= opt_tol, f"{strategy.describe()}: final opt state differs by {opt_diff:.3g} > {opt_tol:.3g}"
     # BatchNorm statistics after N steps match one device.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=max(tol, 1e-5) * 10),

@@ -218,7 +218,8 @@ def test_a_python_float_inside_the_loss_is_named_before_compiling():
         loss, metrics = classifier_loss(model, batch)
         return float(loss), metrics
 
-    with pytest.raises(ValueError, match=r"turns a traced array into a Python value: float\(x\).*return the loss array"):
+    with pytest.raises(ValueError, match=r"turns a traced array into a Python value: float\(x\)"
+                                         r".*return the loss array"):
         px.init_state(MLP(), optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.DataParallel(), loss_fn=loss_fn)
 
 
@@ -256,6 +257,7 @@ def test_a_batch_laid_out_on_another_mesh_of_the_same_devices_is_named_before_co
         placed = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names[0])))
         caplog.clear()
         with jax.log_compiles(), caplog.at_level(logging.WARNING), pytest.raises(
-                ValueError, match=rf"batch\['x'\] is laid out on .*{said}.*not as the step takes it.*px\.data\.to_global"):
+                ValueError, match=rf"batch\['x'\] is laid out on .*{said}.*not as the step takes it"
+                                  r".*px\.data\.to_global"):
             step(state, placed)
         assert "Compiling" not in caplog.text, caplog.text  # nothing compiled

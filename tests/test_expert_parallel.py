@@ -17,12 +17,11 @@ import pytest
 from flax import nnx
 
 import parallax as px
-from parallax.models.expert_dispatch import stacked_experts
+from benchmarks.zoo_models import MoE, NNXMoE
+from parallax.parallel.experts.dispatch import stacked_experts
 from parallax.state.search import resolve
 from parallax.step import update
-from benchmarks.zoo_models import MoE, NNXMoE
-from tests import tiers
-from tests import third_party
+from tests import third_party, tiers
 from tests.models import lm_loss
 from tests.scripts.plant_bug import bf16_updates
 

@@ -44,19 +44,22 @@ def damage(folder, how):
     files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
              if name != "parallax_checksums.json"]
     victim = max(files, key=os.path.getsize)
-    raw = bytearray(open(victim, "rb").read())
+    with open(victim, "rb") as f:
+        raw = bytearray(f.read())
     if how == "flip a bit":
         raw[len(raw) // 3] ^= 0x10
-        open(victim, "wb").write(bytes(raw))
+        with open(victim, "wb") as f:
+            f.write(bytes(raw))
     elif how == "truncate":
-        open(victim, "wb").write(bytes(raw[: len(raw) // 2]))
+        with open(victim, "wb") as f:
+            f.write(bytes(raw[: len(raw) // 2]))
     else:
         os.remove(victim)
 
 
 def scenarios(seed=0):
     rng = np.random.default_rng(seed)
-    at = lambda: int(rng.integers(2, STEPS - 1))  # noqa: E731
+    at = lambda: int(rng.integers(2, STEPS - 1))
     # (name, fault, exit code of the faulted run, damage to the newest checkpoint, resume args, resume to step)
     out = [(f"SIGKILL at step {k}", ("--sigkill-at", k), -signal.SIGKILL, None, (), STEPS) for k in (at(),)]
     out += [(f"SIGTERM at step {k}", ("--sigterm-at", k), 0, None, (), STEPS) for k in (at(),)]
@@ -65,7 +68,8 @@ def scenarios(seed=0):
              STEPS) for how in ("flip a bit", "truncate", "delete a file")]
     out += [("SIGKILL at step 7, restored under DataParallel", ("--sigkill-at", 7), -signal.SIGKILL, None,
              ("--strategy", "dp"), 6),
-            ("SIGKILL at step 7, restored on 4 devices", ("--sigkill-at", 7), -signal.SIGKILL, None, ("--devices", 4), 6)]
+            ("SIGKILL at step 7, restored on 4 devices", ("--sigkill-at", 7), -signal.SIGKILL, None,
+             ("--devices", 4), 6)]
     return out
 
 

@@ -177,7 +177,8 @@ def test_a_grain_pipeline_with_workers_killed_by_sigkill_resumes_bitwise_reading
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
     straight = grain_run.run(grain_run.parse([str(straight_dir), "--form", "iter", "--steps", "10"]))
-    losses = {int(k): v for k, v in json.load(open(out / "result0.json"))["losses"].items()}
+    with open(out / "result0.json") as f:
+        losses = {int(k): v for k, v in json.load(f)["losses"].items()}
     assert sorted(losses) == list(range(saved + 1, 11))
     assert all(losses[step] == row["loss"] for row in straight.history.train if (step := row["step"]) in losses)
     params = dict(np.load(out / "params.npz"))
@@ -223,7 +224,8 @@ def _running_in_group(group: int) -> list[int]:
     running = []
     for entry in os.listdir("/proc"):
         try:
-            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if int(fields[2]) == group and fields[0] != "Z":
@@ -296,7 +298,8 @@ def test_data_in_a_shape_parallax_cannot_use_is_named_with_the_fix():
 
 @pytest.mark.wide("a launch of several processes")
 @pytest.mark.launch
-def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_on_fewer_devices(tmp_path, map_straight):
+def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_on_fewer_devices(
+        tmp_path, map_straight):
     out = tmp_path / "two"
     out.mkdir()
     env = child_env()
@@ -306,9 +309,10 @@ def test_two_processes_read_disjoint_shares_and_their_checkpoint_resumes_in_one_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     straight = {row["step"]: row["loss"] for row in map_straight.history.train}
     for index in (0, 1):
-        losses = json.load(open(out / f"result{index}.json"))["losses"]
+        with open(out / f"result{index}.json") as f:
+            losses = json.load(f)["losses"]
         assert max(abs(loss - straight[int(step)]) for step, loss in losses.items()) <= TOL
-    shares = [[int(line) for line in open(name)] for name in sorted(glob.glob(str(out / "reads-*.txt")))]
+    shares = [[int(line) for line in open(name)] for name in sorted(glob.glob(str(out / "reads-*.txt")))]  # noqa: SIM115 (read in a comprehension)
     assert len(shares) == 2
     shares = [sorted(share)[1:] if 0 in share else share for share in shares]  # each read example 0 for shapes
     trained = sorted(i for batch in grain_run.order("map")[:6] for i in batch)

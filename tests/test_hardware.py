@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import parallax as px
 from parallax.inspect import collective_bytes
 from parallax.plan import isolated, target
-from parallax.pricing.hardware import PROFILES, known
 from parallax.pricing.fused_bytes import fused_bytes, matmul_dtype
+from parallax.pricing.hardware import PROFILES, known
 from parallax.pricing.step_time import collective_seconds, step_time
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 
@@ -40,7 +41,8 @@ def test_the_profiles_hold_the_data_sheets_figures_and_every_field_overrides():
     assert (v5p.name, v5p.kind, v5p.peak_flops("bf16"), v5p.memory_gib, v5p.memory_tbps) == ("v5p", "tpu", 459e12, 95,
                                                                                             2.765)
     slower = px.Hardware("h100", inter_host_gbps=200, peak_tflops={"fp8": 1500})
-    assert slower.inter_bandwidth == 25e9 and slower.peak_flops("fp8") == 1500e12 and slower.peak_flops("bf16") == 989e12
+    assert (slower.inter_bandwidth == 25e9 and slower.peak_flops("fp8") == 1500e12
+            and slower.peak_flops("bf16") == 989e12)
     assert px.Hardware("h100") == h100 and slower != h100
     custom = px.Hardware("my-gpu", kind="gpu", peak_tflops={"bf16": 400}, memory_gib=64, memory_tbps=2.0,
                          devices_per_host=4, intra_host_gbps=1600, inter_host_gbps=200)
@@ -68,7 +70,8 @@ def test_the_topology_of_a_hardware_is_its_hosts_and_links():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: px.Hardware("h10"), r"Hardware\('h10'\) is not a known accelerator \(did you mean 'h100'\?\): known are \['a100'"),
+    (lambda: px.Hardware("h10"),
+     r"Hardware\('h10'\) is not a known accelerator \(did you mean 'h100'\?\): known are \['a100'"),
     (lambda: px.Hardware("mine", kind="gpu", memory_gib=8), r"needs peak_tflops, memory_tbps, devices_per_host"),
     (lambda: px.Hardware("h100", memory_gib=-1), r"memory_gib=-1\): give a positive number"),
     (lambda: px.Hardware("h100", kind="npu"), r"kind='npu'\): give 'gpu' or 'tpu'"),
@@ -105,7 +108,8 @@ def test_a_steps_time_is_its_flops_and_bytes_at_the_peaks_and_its_collectives_on
         assert (stat.count, stat.bytes) == (1, 128 * 128 * 4)
         by_hand = 10e-6 + 2 * (size - 1) / size * stat.bytes / 450e9  # a ring all-reduce on NVLink + its start-up
         exposed, overlapped = collective_seconds(text, h100, dict(mesh.shape), critical_axes=("tensor",))
-        assert (exposed, overlapped) == ((pytest.approx(by_hand), 0.0) if axis == "tensor" else (0.0, pytest.approx(by_hand)))
+        assert (exposed, overlapped) == ((pytest.approx(by_hand), 0.0) if axis == "tensor"
+                                         else (0.0, pytest.approx(by_hand)))
         # the same groups across hosts (one device per host): the network's bandwidth and start-up
         across, _ = collective_seconds(text, h100, dict(mesh.shape), critical_axes=(axis,), hosts=list(range(8)))
         assert across == pytest.approx(20e-6 + 2 * (size - 1) / size * stat.bytes / 50e9)
@@ -160,8 +164,8 @@ def test_a_plan_for_hardware_refuses_what_cannot_be_planned_before_compiling(mon
 def test_the_cli_plans_for_named_hardware_and_names_the_known_ones(capsys):
     from parallax.plan.__main__ import main
 
-    args = ["tests.test_plan:cli_model", "--batch", "tests.test_plan:cli_batch", "--loss", "tests.models:classifier_loss",
-            "--devices", "8", "--strategies", "dp", "--compile", "jit"]
+    args = ["tests.test_plan:cli_model", "--batch", "tests.test_plan:cli_batch",
+            "--loss", "tests.models:classifier_loss", "--devices", "8", "--strategies", "dp", "--compile", "jit"]
     assert main([*args, "--hardware", "a100"]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0].split()
@@ -218,7 +222,8 @@ def test_children_that_run_out_of_memory_side_by_side_plan_again_in_one(monkeypa
     def fake(payloads, devices, timeout):
         calls.append(len(payloads))
         if len(payloads) > 1:
-            raise isolated._OutOfMemory("Planning on 8 simulated CPU devices failed ... ran out of this machine's memory")
+            raise isolated._OutOfMemory("Planning on 8 simulated CPU devices failed ... "
+                                        "ran out of this machine's memory")
         return [[{"strategy": s} for s in payloads[0]["strategies"]]]
 
     monkeypatch.setattr(isolated, "_run", fake)
@@ -245,7 +250,8 @@ def test_a_plan_for_a_tpu_slice_is_compiled_by_the_tpu_compiler():
                    strategies=["dp", px.FSDP(min_weight_size=0)], devices=8, compile="jit")
     assert report.target == "tpu" and report.labels == ("95GiB",)
     for tpu, cpu in zip(report.rows, here.rows):
-        assert tpu["backend"] == "tpu" and tpu["step"]["source"] == "roofline, from the jaxpr" and tpu["step"]["seconds"] > 0
+        assert (tpu["backend"] == "tpu" and tpu["step"]["source"] == "roofline, from the jaxpr"
+                and tpu["step"]["seconds"] > 0)
         assert tpu["state"] == cpu["state"]  # the state is planned from the specs alike
         # the TPU compiler's own program: its arrays padded to the TPU's (8, 128) tiles, its own temporaries
         assert tpu["compiled"]["arguments"] > cpu["compiled"]["arguments"]
@@ -341,15 +347,16 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
     import json
     import os
 
+    from jax.sharding import NamedSharding
+
     from benchmarks.gpu import MEMORY_CONFIGS, build
     from benchmarks.plan_hardware import RESULTS, measured
     from parallax.pricing.fused_bytes import dot_flops, fused_bytes
     from parallax.state.search import abstract_batch
-    from jax.sharding import NamedSharding
 
     with open(os.path.join(RESULTS, "gpu.json")) as f:
         truth = measured(json.load(f))
-    model, loss_fn, example, _, shape = build(False)
+    model, loss_fn, example, _, _shape = build(False)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
     h200 = px.Hardware("h200")
     for config, dtype in (("fp32", "fp32"), ("bf16", "bf16")):
@@ -370,7 +377,8 @@ def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs
     each query tile's inner loop run up to the diagonal under ``causal=True``, and the bytes its loads and
     stores move, against the counts written out by hand; a branch (``pl.when``) as each cell takes it; a
     kernel's own ``cost_estimate`` where its loops cannot be worked out; a TPU kernel's blocks copied where
-    their index changes. Read as one body of the kernel (before), the forward counted 1/64 of its FLOPs, 1/288 causal."""
+    their index changes. Read as one body of the kernel (before), the forward counted 1/64 of its FLOPs,
+    1/288 causal."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas.ops.gpu import attention
 
@@ -381,7 +389,7 @@ def test_a_pallas_kernel_is_priced_over_its_grid_and_its_loops_as_each_cell_runs
     q = jnp.ones((b, s, h, d), jnp.bfloat16)
     tiles, pairs = s // tile, b * h
     for causal, visited in ((False, (s // tile) ** 2), (True, tiles * (tiles + 1) // 2)):
-        jaxpr = jax.make_jaxpr(lambda q: attention.mha(q, q, q, segment_ids=None, causal=causal))(q).jaxpr
+        jaxpr = jax.make_jaxpr(lambda q: attention.mha(q, q, q, segment_ids=None, causal=causal))(q).jaxpr  # noqa: B023 (traced in this iteration)
         (forward,) = kernel_calls(jaxpr)
         cost = kernel_cost(forward)
         assert cost.flops == pairs * visited * 2 * (2 * tile * tile * d) and cost.unknown_loops == 0
@@ -482,8 +490,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 def test_a_candidate_the_compiler_refuses_for_memory_is_a_row_that_does_not_fit():
     from parallax.plan.candidates import over_memory
 
-    totals = {"params": {"per_device": 10, "count": 40}, "opt_state": {"per_device": 20}, "model_state": {"per_device": 0},
-              "other": {"per_device": 0}, "total": {"per_device": 30, "host": 0}}
+    totals = {"params": {"per_device": 10, "count": 40}, "opt_state": {"per_device": 20},
+              "model_state": {"per_device": 0}, "other": {"per_device": 0}, "total": {"per_device": 30, "host": 0}}
     row = over_memory({"devices": 8, "backend": "tpu"}, "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in "
                       "memory space hbm. the total memory required for HLO temporaries (152.62G) exceeds available HBM "
                       "(95.74G).", totals, "FSDP(fsdp=8)")

@@ -1,5 +1,5 @@
 """A list of identical checkpointed blocks runs as one loop over their params stacked
-(:mod:`parallax.models.list_scan`): the same values and gradients as the list, and under FSDP the
+(:mod:`parallax.step.list_scan`): the same values and gradients as the list, and under FSDP the
 stack's cost, not the unrolled list's."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import parallax as px
-from parallax.models.list_scan import scanned_lists
-from parallax.sharding.chains import REMAT
+from parallax.jaxpr.chains import REMAT
+from parallax.step.list_scan import scanned_lists
 
 pytestmark = pytest.mark.core
 
@@ -103,7 +103,7 @@ def test_fsdp_steps_a_list_of_checkpointed_blocks_at_the_stacks_cost_and_trains_
     blocks' params stacked (unrolled, the compiler gathered several blocks' params at once: here
     ~2× the stack's); ``scan_lists=False`` unrolls it, as data parallelism alone does (it would copy
     the params whole). And it trains as one device does, with AdamW."""
-    from benchmarks.llama import Llama, ListedLlama, Shape, listed_params
+    from benchmarks.llama import ListedLlama, Llama, Shape, listed_params
     from benchmarks.llama import loss_fn as lm_loss
 
     shape = Shape(layers=4, dim=32, ffn=64, heads=4, kv_heads=2, vocab=64, dtype="float32")
@@ -173,5 +173,6 @@ def test_a_hugging_face_list_checkpointed_by_remat_runs_as_a_loop_and_trains_lik
     loops = {scan: scan_lengths(px.make_train_step(loss, strategy, compile="jit", remat=remat, scan_lists=scan).trace(
         state, batches_[0]).jaxpr.jaxpr).count(3) for scan in (True, False)}
     assert loops[True] > loops[False] == 0, loops
-    report = px.testing.assert_equivalent(model, optax.adamw(1e-2), loss, batches_, strategy, compile="jit", remat=remat)
+    report = px.testing.assert_equivalent(model, optax.adamw(1e-2), loss, batches_, strategy, compile="jit",
+                                          remat=remat)
     assert report.mode == "jit", report

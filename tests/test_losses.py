@@ -22,8 +22,17 @@ import pytest
 import parallax as px
 from tests import tiers
 from tests.models import TinyLM
-from tests.reference import (OPTIMIZERS, STRATEGIES, Drift, bound, drift_floor, one_device_state, params_bound,
-                             run_plain, run_steps)
+from tests.reference import (
+    OPTIMIZERS,
+    STRATEGIES,
+    Drift,
+    bound,
+    drift_floor,
+    one_device_state,
+    params_bound,
+    run_plain,
+    run_steps,
+)
 
 pytestmark = pytest.mark.core
 
@@ -103,7 +112,7 @@ def make_batches(kind: str, steps: int = STEPS, batch_size: int = 16) -> list[di
 CASES = {"masked_lm": (TinyLM, masked_lm_loss), "moe": (MoE, moe_loss), "contrastive": (Tower, contrastive_loss)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(case: str, opt_name: str):
     model_cls, loss_fn = CASES[case]
     data = make_batches(case)
@@ -126,7 +135,7 @@ def train(case: str, opt_name: str, strategy: px.Strategy, **step_options):
     return losses, jax.device_get(state.params), step
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def floor(case: str, opt_name: str, strategy: px.Strategy) -> Drift:
     """How far plain jit drifts from one device with the same values placed on the mesh."""
     model_cls, loss_fn = CASES[case]

@@ -77,11 +77,12 @@ STRATEGIES = {
     "dp": lambda: px.DataParallel(),
     "fsdp": lambda: px.FSDP(min_weight_size=64, split="largest"),
     "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64, split="largest"), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64, split="largest"), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64, split="largest"),
+                                     px.TensorParallel(2)),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(case):
     model_cls, loss_fn = CASES[case]
     data = make_batches(case)

@@ -39,7 +39,7 @@ from tests.reference import TOL, max_diff, snapshot
 pytest.importorskip("tunix", reason="Tunix and MaxText install on the newest stack only: make test-latest")
 pytest.importorskip("maxtext", reason="MaxText installs on the newest stack only: make test-latest")
 
-import flax.linen as nn  # noqa: E402
+import flax.linen as nn
 
 # Importing MaxText's model_creation_utils replaces jax.lax.with_sharding_constraint and jax.lax.top_k process-wide
 # (maxtext/integration/tunix/tunix_adapter.py: a fallback to reshard "for JAX 0.11.0+"): kept to this file's tests
@@ -301,7 +301,8 @@ def test_a_model_librarys_own_model_trains_like_one_device(kind, entry, strategy
             trained = params if entry in ("fit", "auto") else None
         # The user's module: alive, and unchanged (or, after the Trainer, holding the trained params: NNX's way).
         leaves = jax.tree.leaves(nnx.state(library.model))
-        assert not [x.shape for x in leaves if isinstance(x, jax.Array) and x.is_deleted()], "the module's arrays deleted"
+        assert not [x.shape for x in leaves if isinstance(x, jax.Array) and x.is_deleted()], (
+            "the module's arrays deleted")
         if trained is None:
             for a, b in zip(snapshot(nnx.state(library.model)), module_before, strict=True):
                 np.testing.assert_array_equal(a, b)
@@ -334,10 +335,11 @@ def test_the_docs_maxtext_example_runs():
     import re
     import textwrap
 
-    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "guides", "models.md")).read()
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "guides", "models.md")) as f:
+        page = f.read()
     (block,) = re.findall(r"```python maxtext\n(.*?)```", page, re.S)
     scope = {"jax": jax, "nnx": nnx, "nn": nn, "optax": optax, "px": px, "config": maxtext_config(),
              "loss_fn": maxtext_loss, "data": data()}
     with prng_impl("unsafe_rbg"):
-        exec(compile(textwrap.dedent(block), "docs/guides/models.md", "exec"), scope)  # noqa: S102
+        exec(compile(textwrap.dedent(block), "docs/guides/models.md", "exec"), scope)
     assert len(scope["history"].train) >= 1 and np.isfinite(scope["history"].train[-1]["loss"])

@@ -96,7 +96,8 @@ def results(out, processes=2):
 
 def logged(out):
     """Process 0's JSONL log: {step: train loss}, {step: eval loss}."""
-    records = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    with open(os.path.join(out, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f]
     return ({r["step"]: r["train"]["loss"] for r in records},
             {r["step"]: r["eval"]["loss"] for r in records if "eval" in r})
 
@@ -173,7 +174,8 @@ def test_preempted_by_one_process_then_two_signals_apart_stops_all_at_one_step_a
 def test_a_process_that_raises_ends_the_launch_within_seconds_naming_it(reference, tmp_path):
     losses, evals = reference["dp+fsdp"]
     proc, returned = launch(tmp_path, "--strategy", "dp+fsdp", "--steps", STEPS, "--raise", "1:7", "--iterable-eval")
-    raised = json.load(open(tmp_path / "raised.json"))
+    with open(tmp_path / "raised.json") as f:
+        raised = json.load(f)
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert returned - raised["time"] < 10, returned - raised["time"]
     assert "[launch] process 1 exited with code 1" in proc.stdout
@@ -196,7 +198,7 @@ def test_written_by_one_resumed_by_two_then_sigkilled_after_a_commit_resumes_ver
     # write from there resumes here with all state on the devices.
     proc, _ = launch(tmp_path, "--steps", STEPS, "--resume", "--sigkill", "1:7", "--offload", "optimizer+params")
     assert proc.returncode == 128 + 9, proc.stdout[-4000:]
-    assert [json.load(open(tmp_path / f"memory{i}.json")) for i in range(2)] == [["pinned_host"]] * 2
+    assert [json.load(open(tmp_path / f"memory{i}.json")) for i in range(2)] == [["pinned_host"]] * 2  # noqa: SIM115 (read in a comprehension)
     assert "[launch] process 1 was killed by SIGKILL" in proc.stdout
     assert_no_process_left(tmp_path)
     train, _ = logged(tmp_path)
@@ -213,7 +215,8 @@ def test_processes_whose_batches_differ_fail_at_the_first_batch_naming_both(tmp_
     proc, _ = launch(tmp_path, "--steps", STEPS, "--short-rows", 1)
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert ("The first training batch (each process's part) differs between processes: process 0 has "
-            "{\"['x']\": \"int32(8, 9)\"}, process 1 has {\"['x']\": \"int32(8, 8)\"}") in proc.stdout, proc.stdout[-3000:]
+            "{\"['x']\": \"int32(8, 9)\"}, process 1 has {\"['x']\": \"int32(8, 8)\"}"
+            in proc.stdout), proc.stdout[-3000:]
     assert not os.path.exists(tmp_path / "ckpt")  # before anything ran
 
 
@@ -275,14 +278,15 @@ def test_every_layout_of_the_batch_over_the_processes_trains_like_one_process(tm
     # Which axes of parallax's own meshes cross the 2 processes: what px.plan measures for 2 simulated hosts.
     own = {name: strategy() for name, (strategy, mesh) in layouts_run.LAYOUTS.items() if mesh is None}
     planned = {}
-    for model, names in ((MLP(), [n for n in own if n not in layouts_run.STACKED]), (StackedMLP(), layouts_run.STACKED)):
+    for model, names in ((MLP(), [n for n in own if n not in layouts_run.STACKED]),
+                         (StackedMLP(), layouts_run.STACKED)):
         rows = px.plan(model, optax.adamw(3e-3), layouts_run.batches(0, 1, True)[0], loss_fn=classifier_loss,
                        strategies=[own[n] for n in names], topology=px.Topology(2, 4), compile="jit").rows
         planned.update({name: row["links"]["crossing"] for name, row in zip(names, rows) if "links" in row})
     assert reference.pop("warned") == [] and not any(reference.pop("crossing").values())  # one process: one host
     assert reference.pop("summary hosts") is None
     cannot_fit = "mesh tensor4 across, iterable"
-    for index, record in enumerate(json.load(open(tmp_path / f"layouts{i}.json")) for i in (0, 1)):
+    for index, record in enumerate(json.load(open(tmp_path / f"layouts{i}.json")) for i in (0, 1)):  # noqa: SIM115 (read in a generator)
         # parallax's meshes are laid out over the processes as px.plan lays out 2 hosts of 4 devices (by the bytes
         # each layout moves across them, the same whatever order the parts are listed in), the batch-splitting axis
         # across them where each process's iterable part must fit; a user mesh whose tensor axis spans the
@@ -332,16 +336,17 @@ def _start_own_init(out, args, launcher):
     for index in range(2):
         env = child_env(devices=2, PARALLAX_COORDINATOR=f"127.0.0.1:{port}", PARALLAX_NUM_PROCESSES="2",
                         PARALLAX_PROCESS_ID=str(index), PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
-        started.append(subprocess.Popen([sys.executable, OWN_INIT, str(out), *args], cwd=ROOT, env=env,
-                                        stdout=open(out / f"out{index}.txt", "w"), stderr=subprocess.STDOUT,
-                                        start_new_session=True))
+        with open(out / f"out{index}.txt", "w") as stdout:
+            started.append(subprocess.Popen([sys.executable, OWN_INIT, str(out), *args], cwd=ROOT, env=env,
+                                            stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True))
     return started
 
 
 @pytest.mark.budget(45, "four launches of 2 processes at once (through the launcher and by hand; a raise and a "
                         "SIGKILL), one of them waiting out a 10 s heartbeat")
 def test_a_script_that_starts_jax_itself_ends_every_process_together_on_short_data_a_raise_or_a_kill(tmp_path):
-    runs = {(mode, fault): tmp_path / f"{mode}_{fault}" for mode in ("launcher", "by_hand") for fault in ("raise", "kill")}
+    runs = {(mode, fault): tmp_path / f"{mode}_{fault}" for mode in ("launcher", "by_hand")
+            for fault in ("raise", "kill")}
     faults = {"raise": ["--short", "1:3", "--raise", "1:5"], "kill": ["--sigkill", "1:7"]}
     started = {key: _start_own_init(out, faults[key[1]], key[0] == "launcher") for key, out in runs.items()}
     ended: dict = {}
@@ -359,10 +364,11 @@ def test_a_script_that_starts_jax_itself_ends_every_process_together_on_short_da
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
     for (mode, fault), out in runs.items():
-        text = {i: open(out / name).read() for i, name in enumerate(sorted(p.name for p in out.glob("out*.txt")))}
+        text = {i: open(out / name).read() for i, name in enumerate(sorted(p.name for p in out.glob("out*.txt")))}  # noqa: SIM115 (read in a comprehension)
         whole = "\n".join(text.values())
         codes = [ended.get(((mode, fault), i), (None, None))[0] for i in range(len(started[mode, fault]))]
-        fault_record = json.load(open(out / "fault.json"))
+        with open(out / "fault.json") as f:
+            fault_record = json.load(f)
         assert fault_record["process"] == 1, whole[-3000:]
         slowest = max(when for (key, _), (_, when) in ended.items() if key == (mode, fault))
         assert slowest - fault_record["time"] < 30, (mode, fault, slowest - fault_record["time"], whole[-3000:])
@@ -371,14 +377,14 @@ def test_a_script_that_starts_jax_itself_ends_every_process_together_on_short_da
         assert mode == "by_hand" or "[Gloo]" not in whole, whole[-2000:]  # the launcher hides Gloo's lines
         if fault == "raise":
             # The generator of process 1 ends 3 batches early: both stop at its last step, saying so.
-            short = [json.load(open(out / f"short{i}.json")) for i in (0, 1)]
+            short = [json.load(open(out / f"short{i}.json")) for i in (0, 1)]  # noqa: SIM115 (read in a comprehension)
             assert short[0] == short[1] and short[0]["stop_reason"] == "data exhausted" and short[0]["step"] == 9, short
             assert whole.count("The training data of process 1 ended after step 9 while the other processes had "
                                "more; every process stops at step 9") == 2, whole[-3000:]
             assert "RuntimeError: planted failure in process 1 at step 5" in whole
             named = ("[launch] process 1 exited with code 1" if mode == "launcher" else  # it ends the others itself
-                     "parallax: process 1 of 2 failed at step 5 (RuntimeError: planted failure in process 1 at step 5); "
-                     "process 0 stops too")
+                     "parallax: process 1 of 2 failed at step 5 (RuntimeError: planted failure in process 1 "
+                     "at step 5); process 0 stops too")
             assert named in whole, whole[-3000:]
             assert codes == ([1] if mode == "launcher" else [1, 1]), (codes, whole[-3000:])
         else:

@@ -161,7 +161,7 @@ def plain_nnx_run(build, tx, data, place=None, at=None):
     return run if at is None else (*run, jax.device_get(at_grads))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name: str, opt_name: str):
     with jax.default_device(jax.devices()[0]):
         return plain_nnx_run(MODELS[name], OPTIMIZERS[opt_name](), batches(name))
@@ -172,7 +172,7 @@ def floor(name, opt_name, state, strategy):
     of the losses and of the params beyond their rounding allowance (``tests/reference.py``), and
     the allowance."""
     mesh, specs = px.step.state_specs_of(state)
-    shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)
     rep = shard(jax.sharding.PartitionSpec())
 
     def place(tree, kind):
@@ -231,7 +231,7 @@ def test_nnx_model_matches_one_device(name, strategy_name, compile_mode, opt_nam
              "params": max_diff(jax.device_get(state.params), ref_params),
              "opt_state": max_diff(jax.device_get(state.opt_state), ref_opt),
              "model_state": max_diff(floats(jax.device_get(state.model_state)), ref_rest)}
-    bounds = {k: TOL for k in diffs}
+    bounds = dict.fromkeys(diffs, TOL)
     if any(v > TOL for v in diffs.values()):  # past 1e-5: the params beyond their rounding allowance
         loss_floor, params_floor, allowance = floor(name, opt_name, state, strategy)
         diffs["params"] = max(px.testing.excess(jax.device_get(state.params), ref_params, allowance).values())
@@ -387,11 +387,13 @@ def test_an_nnx_optimizer_gives_its_transformation_and_its_state():
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     data = batches("mlp", 2)
-    fresh = px.init_state(model, optimizer, data[0], strategy=px.FSDP(min_weight_size=64, split="largest"), loss_fn=loss_fn)
+    fresh = px.init_state(model, optimizer, data[0], strategy=px.FSDP(min_weight_size=64, split="largest"),
+                          loss_fn=loss_fn)
     assert int(fresh.opt_state[0].count) == 0 and fresh.tx is optimizer.tx
     grads = nnx.grad(lambda m: loss_fn(m, data[0]))(model)
     optimizer.update(model, grads)  # the user already trained a step, NNX style
-    state = px.init_state(model, optimizer, data[1], strategy=px.FSDP(min_weight_size=64, split="largest"), loss_fn=loss_fn)
+    state = px.init_state(model, optimizer, data[1], strategy=px.FSDP(min_weight_size=64, split="largest"),
+                          loss_fn=loss_fn)
     mu = nnx.to_pure_dict(nnx.state(optimizer.opt_state[0].mu))  # as the NNX optimizer holds it
     assert max_diff(jax.device_get(state.opt_state[0].mu), mu) == 0.0 and int(state.opt_state[0].count) == 1
     assert state.opt_state[0].mu["hidden"]["kernel"].sharding.spec == state.params["hidden"]["kernel"].sharding.spec
@@ -421,7 +423,7 @@ def test_sharding_annotations_on_nnx_variables_are_respected():
     state = px.init_state(lambda: Annotated(nnx.Rngs(0)), optax.sgd(0.1), batches("mlp", 1)[0], strategy=strategy,
                           loss_fn=loss_fn)
     # Unannotated, FSDP would split the larger dim (64) of up/kernel; the annotation asks for dim 0.
-    assert tuple(state.params["up"]["kernel"].sharding.spec)[0] == "fsdp"
+    assert next(iter(state.params["up"]["kernel"].sharding.spec)) == "fsdp"
     assert tuple(state.params["down"]["kernel"].sharding.spec)[-1] == "tensor"
     state, metrics = px.make_train_step(loss_fn, strategy)(state, batches("mlp", 1)[0])
     assert np.isfinite(float(metrics["loss"]))
@@ -436,7 +438,8 @@ def test_variables_on_different_meshes_are_a_clear_error():
     model.up.kernel.set_value(jax.device_put(model.up.kernel.get_value(), jax.sharding.NamedSharding(first, rep)))
     model.down.kernel.set_value(jax.device_put(model.down.kernel.get_value(),
                                                jax.sharding.NamedSharding(second, rep)))
-    with pytest.raises(ValueError, match=r"different meshes: down/kernel on devices \[4, 5, 6, 7\].*up/kernel on devices \[0, 1, 2, 3\]"):
+    with pytest.raises(ValueError, match=r"different meshes: down/kernel on devices \[4, 5, 6, 7\]"
+                                         r".*up/kernel on devices \[0, 1, 2, 3\]"):
         px.init_state(model, optax.sgd(0.1), batches("mlp", 1)[0], strategy=px.FSDP(), loss_fn=loss_fn)
 
 

@@ -14,8 +14,8 @@ import optax
 import pytest
 from flax import nnx
 
-from parallax import inspect
 import parallax as px
+from parallax import inspect
 from parallax.models.remat_policy import named_policy
 from parallax.state.search import resolve
 from parallax.step.offload import state_memory_kinds
@@ -76,7 +76,7 @@ GRID = [("optimizer", "dots", "sgd"), ("optimizer", "offload_dots", "adamw"),
         (None, "dots_no_batch", "adamw"), (None, "nothing", "sgd")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def initial_params(name: str):
     """The model's initial params, built once on one device: each case starts both runs from them
     (``params=``) rather than compiling the same sharded random init twelve times; that the sharded
@@ -140,7 +140,8 @@ def test_offloaded_state_stays_in_host_memory_and_the_device_peak_drops_by_it(lm
         losses[offload], finals[offload] = float(metrics["loss"]), state
     assert len(set(losses.values())) == 1, losses  # the same update, wherever the state lives
     # A step with offload=None keeps a state where it was built; one with a level moves a state built without.
-    moved = px.make_train_step(lm_loss, FSDP, offload="optimizer+params", compile="jit")(finals["optimizer"], data[0])[0]
+    moved = px.make_train_step(lm_loss, FSDP, offload="optimizer+params", compile="jit")(finals["optimizer"],
+                                                                                         data[0])[0]
     assert state_memory_kinds(moved)["params"] == {"pinned_host"}
 
 
@@ -162,7 +163,8 @@ def test_a_checkpoint_saved_with_offload_restores_without_it_and_on_another_mesh
     assert state_memory_kinds(first.state)["opt_state"] == {"pinned_host"}
     shutil.copytree(saved, copy)
     expected = [row["loss"] for row in whole.history.train][3:]
-    for directory, strategy, devices, offload in ((saved, px.FSDP(4, min_weight_size=0, split="largest"), jax.devices()[:4], None),
+    for directory, strategy, devices, offload in ((saved, px.FSDP(4, min_weight_size=0, split="largest"),
+                                                    jax.devices()[:4], None),
                                                    (copy, px.DataParallel(), None, "optimizer")):
         resumed = trainer(strategy, devices=devices, max_steps=6, checkpoint_dir=directory, offload=offload)
         result = resumed.fit(data, resume=True)
@@ -194,12 +196,13 @@ def test_the_plan_names_the_option_that_fits_and_it_does(lm_steps):
     found = resolve(TinyLM(), optax.adamw(1e-2), data[0], "auto", loss_fn=lm_loss, options=options, among=among)
     assert found.changes == {"offload": "optimizer"}, found.describe()
     assert "with offload='optimizer' to fit the memory budget" in found.describe()
-    from parallax.state.search import _fallbacks
+    from parallax.step.options import memory_fallbacks
 
-    assert list(_fallbacks(px.StepOptions(), lambda: ("Block",))) == [  # the order auto tries, cheapest first
+    # the order auto tries, cheapest first
+    assert [fields for _, fields in memory_fallbacks(px.StepOptions(), lambda: ("Block",))] == [
         {"offload": "optimizer"}, {"remat": ("Block",)}, {"offload": "optimizer+params"},
         {"offload": "optimizer+params", "remat": ("Block",)}]
-    assert list(_fallbacks(px.StepOptions(remat=("Block",)), lambda: ("Block",))) == [
+    assert [fields for _, fields in memory_fallbacks(px.StepOptions(remat=("Block",)), lambda: ("Block",))] == [
         {"offload": "optimizer"}, {"offload": "optimizer+params"}]
     roomy = resolve(TinyLM(), optax.adamw(1e-2), data[0], "auto", loss_fn=lm_loss, among=among,
                     options=px.StepOptions(memory_budget=peaks[None] * 4, compile="jit", timed_candidates=0))
@@ -223,8 +226,9 @@ def test_the_repeated_blocks_remat_may_name_are_read_from_shapes_alone():
 def test_the_cli_takes_offload_and_remat_options(capsys):
     from parallax.plan.__main__ import main
 
-    args = ["tests.test_offload:TWO_BLOCK_LM", "--batch", "tests.test_offload:LM_BATCH", "--loss", "tests.models:lm_loss",
-            "--devices", "8", "--strategies", "fsdp", "--min-weight-size", "0", "--compile", "jit"]  # one path: like with like
+    args = ["tests.test_offload:TWO_BLOCK_LM", "--batch", "tests.test_offload:LM_BATCH",
+            "--loss", "tests.models:lm_loss", "--devices", "8", "--strategies", "fsdp", "--min-weight-size", "0",
+            "--compile", "jit"]  # one path: like with like
     assert main([*args, "--json"]) == 0
     (plain,) = json.loads(capsys.readouterr().out)["rows"]
     assert main([*args, "--offload", "optimizer", "--remat", "Block", "--remat-policy", "dots", "--json"]) == 0

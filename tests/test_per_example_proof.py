@@ -1,6 +1,6 @@
 """Reading from a loss's trace whether it is a mean of per-example terms.
 
-Every case is checked twice: by the proof (``parallax.pricing.per_example_proof``) and by
+Every case is checked twice: by the proof (``parallax.jaxpr.per_example``) and by
 numbers, independently of it: the loss and its metric sums computed on the global batch,
 against each shard's loss averaged over the shards and each shard's sums added up. A proven
 case must agree to float32 rounding; a rejected case that changes meaning per shard must be
@@ -19,13 +19,21 @@ import optax
 import pytest
 
 import parallax as px
+from parallax.jaxpr.per_example import prove_loss
 from parallax.models import ModelRun, adapter_for
-from parallax.pricing.per_example_proof import prove_loss
 from parallax.step.loss import loss_closure
 from tests import tiers
 from tests.models import CNN, MLP, TinyLM, classifier_loss, lm_loss
-from tests.reference import (OPTIMIZERS, bound, drift_floor, max_diff, one_device_state, params_bound, run_plain,
-                             run_steps)
+from tests.reference import (
+    OPTIMIZERS,
+    bound,
+    drift_floor,
+    max_diff,
+    one_device_state,
+    params_bound,
+    run_plain,
+    run_steps,
+)
 
 pytestmark = pytest.mark.core
 
@@ -69,7 +77,8 @@ class KernelAttention(nn.Module):
 
 
 def _kernel(body, grid_over_rows: bool):
-    """A Pallas kernel on a ``(rows, 10)`` value (the interpreter runs it on this CPU), one row a cell or all at once."""
+    """A Pallas kernel on a ``(rows, 10)`` value (the interpreter runs it on this CPU), one row a cell or all
+    at once."""
     from jax.experimental import pallas as pl
 
     def call(x):
@@ -148,7 +157,8 @@ REJECTED = {
 def make_batch(kind: str, rows: int = 16, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     if kind == "tokens":
-        return {"x": rng.integers(0, 64, (rows, 8)).astype(np.int32), "y": rng.integers(0, 64, (rows, 8)).astype(np.int32),
+        return {"x": rng.integers(0, 64, (rows, 8)).astype(np.int32),
+                "y": rng.integers(0, 64, (rows, 8)).astype(np.int32),
                 "mask": (rng.random((rows, 8)) < rng.uniform(0.1, 0.7, (rows, 1))).astype(np.float32)}
     if kind == "image":
         return {"x": rng.normal(size=(rows, 8, 8, 3)).astype(np.float32), "y": rng.integers(0, 10, rows)}
@@ -201,13 +211,15 @@ def test_batchnorm_statistics_synced_over_the_data_shards_are_proven_and_average
     variables = model.init({"params": jax.random.key(0)}, batch["x"], train=False)
     params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     key = jax.random.key(2)
-    synced = loss_closure(adapter_for(model), classifier_loss, ("dropout",), ModelRun(train=True, batch_stats_axes=("data",)))
+    synced = loss_closure(adapter_for(model), classifier_loss, ("dropout",),
+                          ModelRun(train=True, batch_stats_axes=("data",)))
     proof = prove_loss(synced, params, model_state, batch, key, SHARDS, [("data", SHARDS)])
     assert proof, proof.reason
     whole = loss_closure(adapter_for(model), classifier_loss, ("dropout",), ModelRun(train=True))
     value, (_, state) = jax.jit(whole)(params, model_state, batch, key)
     split = jax.tree.map(lambda x: np.stack(np.split(x, SHARDS)), batch)
-    values, (_, states) = jax.vmap(synced, in_axes=(None, None, 0, None), axis_name="data")(params, model_state, split, key)
+    values, (_, states) = jax.vmap(synced, in_axes=(None, None, 0, None), axis_name="data")(params, model_state,
+                                                                                            split, key)
     assert abs(float(value) - float(values.mean())) < 1e-5
     assert max_diff(jax.tree.map(lambda x: x[0], states), state) < 1e-5
     # A psum of a sum (not a mean), or of per-example values, is not the whole batch's.
@@ -237,7 +249,8 @@ def lm_data():
     return [make_batch("tokens", 16, seed) for seed in range(4)]
 
 
-@pytest.mark.parametrize("strategy_name, opt_name", tiers.cases([("dp", "sgd"), ("fsdp", "adamw")], [("fsdp", "adamw")]))
+@pytest.mark.parametrize("strategy_name, opt_name",
+                         tiers.cases([("dp", "sgd"), ("fsdp", "adamw")], [("fsdp", "adamw")]))
 def test_an_unmarked_mean_loss_gets_the_cost_models_choice_and_trains_like_one_device(strategy_name, opt_name, lm_data):
     strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=2**8, split="largest")}[strategy_name]
     start = one_device_state(TinyLM(), OPTIMIZERS[opt_name](), lm_data[0], lm_loss)

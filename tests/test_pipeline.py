@@ -1,4 +1,4 @@
-"""The pipeline schedule (``parallax.models.pipeline``) against a plain ``lax.scan`` on one device.
+"""The pipeline schedule (``parallax.parallel.pipeline.schedule``) against a plain ``lax.scan`` on one device.
 
 The layer divides by the mean of its input, so the zeros a stage sees in its bubble (before its
 first microbatch arrives) give NaN there: any of it reaching an output or a gradient fails.
@@ -11,19 +11,19 @@ import itertools
 import logging
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import parallax as px
-from parallax.models.pipeline import pipeline
-from parallax.models.pipeline_stack import pipelined
-from parallax.sharding.stacked_blocks import StackedBlocks
+from parallax.parallel.pipeline.schedule import pipeline
+from parallax.parallel.pipeline.stack import pipelined
+from parallax.parallel.pipeline.stacked_blocks import StackedBlocks
 from tests import tiers
 
 pytestmark = pytest.mark.core
@@ -75,7 +75,7 @@ def test_the_pipeline_computes_the_stack_and_its_gradients(stages, microbatches,
         out = pipeline(layer, w, x, c, s, mesh=mesh, axis="stage", microbatches=microbatches, repeats=repeats)
         return jnp.sum(out * cotangent), out
 
-    place = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
+    place = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
     args = (place(weights, P("stage") if layers % stages == 0 else P()), place(inputs, P("data")),
             place(constants, P("data")), place(shared, P()))
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
@@ -146,7 +146,7 @@ def test_a_stack_inside_a_jitted_function_over_params_another_one_made_is_found(
     mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
     cast = jax.jit(lambda w: jax.jit(lambda v: v * 1.0)(w))
     stack = jax.jit(lambda w, x: jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0])
-    forward = lambda w, x: stack(cast(w), x).sum()  # noqa: E731
+    forward = lambda w, x: stack(cast(w), x).sum()
     w, x = jnp.ones((4, WIDTH, WIDTH)) / WIDTH, jnp.ones((ROWS, WIDTH))
     piped = pipelined(forward, mesh=mesh, axis="stage", microbatches=2)
     assert "collective_permute" in jax.jit(piped).lower(w, x).as_text()  # pipelined, not run as it was
@@ -166,7 +166,7 @@ def test_layers_that_rematerialise_themselves_are_recomputed_once_with_their_inp
     plain, remat = (lambda h, wl: jnp.tanh(h @ wl)), jax.checkpoint(lambda h, wl: jnp.tanh(h @ wl))
     flops = {}
     for name, layer, keep in (("plain", plain, False), ("iteration", remat, False), ("layer", remat, True)):
-        forward = lambda w, x, layer=layer: jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w)[0].sum()  # noqa: E731
+        forward = lambda w, x, layer=layer: jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w)[0].sum()
         gradient = jax.grad(pipelined(forward, mesh=mesh, axis="stage", microbatches=2, keep_layer_inputs=keep))
         flops[name] = sum(dot_flops(jax.make_jaxpr(gradient)(w, x).jaxpr))
         np.testing.assert_allclose(jax.jit(gradient)(w, x), jax.grad(forward)(w, x), rtol=1e-5, atol=1e-6)
@@ -197,15 +197,15 @@ def test_a_list_of_layers_that_rematerialise_themselves_keeps_each_ones_checkpoi
 def test_what_it_cannot_pipeline_is_an_error_naming_the_cause():
     mesh = Mesh(np.array(jax.devices()[:2]), ("stage",))
     x = jnp.ones((ROWS, WIDTH))
-    rnn = lambda w, x: jax.lax.scan(  # noqa: E731  a scan over time steps, not over layers
+    rnn = lambda w, x: jax.lax.scan(  # a scan over time steps, not over layers
         lambda h, x_t: (jnp.tanh(h @ w + x_t), None), x, jnp.stack([x, 2 * x, 3 * x]))[0].sum()
     with pytest.raises(ValueError, match="No stack of blocks to pipeline"):
         pipelined(rnn, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((WIDTH, WIDTH)), x)
-    summed = lambda w, x: jax.lax.scan(  # noqa: E731
+    summed = lambda w, x: jax.lax.scan(
         lambda carry, wl: ((jnp.tanh(carry[0] @ wl), carry[1] + jnp.sum(wl)), None), (x, 0.0), w)[0]
     with pytest.raises(ValueError, match="carries a value that is not per example"):
         pipelined(summed, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((4, WIDTH, WIDTH)), x)
-    backwards = lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w, reverse=True)[0]  # noqa: E731
+    backwards = lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w, reverse=True)[0]
     with pytest.raises(ValueError, match="reverse=True"):
         pipelined(backwards, mesh=mesh, axis="stage", microbatches=2)(jnp.ones((4, WIDTH, WIDTH)), x)
 
@@ -225,7 +225,8 @@ PIPELINES = {
     "dp4-pp2": lambda: px.combine(px.DataParallel(4), px.PipelineParallel(2, microbatches=4)),
     "pp2-fsdp4": lambda: px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0)),
     "dp2-pp2-tp2": lambda: px.combine(px.DataParallel(2), px.PipelineParallel(2), px.TensorParallel(2)),
-    "dp2-pp2circular-tp2": lambda: px.combine(px.DataParallel(2), px.PipelineParallel(2, schedule="circular", repeats=2),
+    "dp2-pp2circular-tp2": lambda: px.combine(px.DataParallel(2),
+                                              px.PipelineParallel(2, schedule="circular", repeats=2),
                                               px.TensorParallel(2)),
 }
 EQUIVALENCE = ("pp4", "pp2-fsdp4", "dp2-pp2-tp2", "dp2-pp2circular-tp2")  # dp4-pp2: the layout and error tests
@@ -315,7 +316,8 @@ def test_layers_the_stages_do_not_divide_train_like_one_device_each_stage_holdin
                 "3 layer slots per microbatch") in plans[10].describe_layout(), plans[10].describe_layout()
         kernel = plans[10].abstract_arrays().params["blocks"]["Dense_0"]["kernel"]  # (10 layers, 4, 8)
         assert kernel.sharding.spec[0] != "stage" and "stage" in kernel.sharding.spec, kernel.sharding
-        assert np.prod(kernel.sharding.shard_shape(kernel.shape)) == np.prod(kernel.shape) // 8  # the stages split its 8
+        # the stages split its 8
+        assert np.prod(kernel.sharding.shard_shape(kernel.shape)) == np.prod(kernel.shape) // 8
         # Each stage runs 3 layer slots: the step's matmuls per device are 12 layers' over 4 stages, as px.plan
         # prices them (the jaxpr's FLOPs, pricing.fused_bytes.dot_flops).
         flops = {}
@@ -369,7 +371,7 @@ class StackOf(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blocks = nn.scan(self.block, variable_axes={name: 0 for name in self.variables},
+        blocks = nn.scan(self.block, variable_axes=dict.fromkeys(self.variables, 0),
                          split_rngs={"params": True, "dropout": self.split_dropout}, in_axes=nn.broadcast, length=4)
         return nn.Dense(2)(blocks()(nn.Dense(WIDTH)(x), None)[0])
 
@@ -436,17 +438,17 @@ def test_a_random_draw_a_pipeline_cannot_make_as_one_device_is_named():
     key, w, x = jax.random.key(0), jnp.ones((4, WIDTH, WIDTH)) / 3, jnp.ones((ROWS, WIDTH))
 
     def transposed(w, x):  # the batch is not the draw's leading dim
-        drop = lambda h: h * jax.random.bernoulli(key, 0.5, h.shape[::-1]).T  # noqa: E731
+        drop = lambda h: h * jax.random.bernoulli(key, 0.5, h.shape[::-1]).T
         return jax.lax.scan(lambda h, wl: (drop(jnp.tanh(h @ wl)), None), x, w)[0].sum()
 
     def in_a_branch(w, x):  # drawn inside a cond
-        drop = lambda h: jax.lax.cond(h.sum() > 0, lambda: h * jax.random.bernoulli(key, 0.5, h.shape),  # noqa: E731
+        drop = lambda h: jax.lax.cond(h.sum() > 0, lambda: h * jax.random.bernoulli(key, 0.5, h.shape),
                                       lambda: h)
         return jax.lax.scan(lambda h, wl: (drop(jnp.tanh(h @ wl)), None), x, w)[0].sum()
 
     with pytest.raises(ValueError, match=r"shape \(4, 16\) for the batch of 16 rows .* the batch is their leading dim"):
         pipelined(transposed, mesh=mesh, axis="stage", microbatches=2)(w, x)
-    with pytest.raises(ValueError, match="per example inside a cond .* Draw them outside it"):
+    with pytest.raises(ValueError, match=r"per example inside a cond .* Draw them outside it"):
         pipelined(in_a_branch, mesh=mesh, axis="stage", microbatches=2)(w, x)
 
 
@@ -769,7 +771,7 @@ def test_a_list_of_blocks_that_rematerialise_themselves_pipelines_at_the_cost_of
     stack's matmuls, and its peak exceeds the stack's by no more than the copy of the blocks' params
     the list's step stacks for the pipeline (each device's share); and it trains like one device.
     (Before, each block ran plainly inside the iteration's checkpoint: here 0.84× the matmuls.)"""
-    from benchmarks.llama import Llama, ListedLlama, Shape, listed_params, loss_fn
+    from benchmarks.llama import ListedLlama, Llama, Shape, listed_params, loss_fn
     from parallax.pricing.fused_bytes import dot_flops
 
     shape = Shape(layers=4, dim=32, ffn=64, heads=4, kv_heads=2, vocab=64, dtype="float32")
@@ -837,7 +839,8 @@ class KernelStack(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         h = nn.Embed(32, WIDTH)(tokens)
-        h, _ = nn.scan(KernelBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)(name="blocks")(h, None)
+        h, _ = nn.scan(KernelBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=4)(name="blocks")(h, None)
         return nn.Dense(32)(h)
 
 

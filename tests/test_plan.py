@@ -8,8 +8,8 @@ must equal them exactly, for DP, FSDP, TP and hybrids, on the jit and shard_map 
 from __future__ import annotations
 
 import io
-import logging
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 import parallax as px
 from parallax.inspect import collective_bytes, memory_bytes
-from parallax.sharding.named import parse_strategy
+from parallax.parallel.names import parse_strategy
 from parallax.pricing.timing import closest
 from tests.environment import child_env
 from tests.models import CNN, MLP, StackedMLP, TinyLM, batches, classifier_loss, lm_loss
@@ -122,7 +122,7 @@ def test_advice_for_each_device_count_nothing_fits_on():
     report = px.plan(MLP(), optax.adamw(1e-3), batches("mlp", 1, 16)[0], loss_fn=classifier_loss,
                      strategies=[px.DataParallel()], devices=[4, 8], memory_budget="8KB", compile="jit")
     assert set(report.fixes) == {"8KB on 4 devices", "8KB on 8 devices"}, report.fixes
-    assert [fix.row["devices"] for fix in report.fixes["8KB on 4 devices"]][0] == 4  # then more devices, if need be
+    assert next(fix.row["devices"] for fix in report.fixes["8KB on 4 devices"]) == 4  # then more devices, if need be
     assert "Nothing fits 8KB on 4 devices; for DataParallel(data=4)" in str(report)
 
 
@@ -135,7 +135,7 @@ def test_an_option_whose_planning_subprocess_dies_is_reported_and_the_search_goe
     def evaluate(options, devices, strategy=None):
         if options.offload == "optimizer":
             raise RuntimeError("Planning on 16 h100 GPUs failed in its subprocess: it ran out of this machine's memory")
-        return {"strategy": "FSDP(fsdp=%d)" % devices, "peak": 10 if options.offload else 100, "compiled": {}}
+        return {"strategy": f"FSDP(fsdp={devices})", "peak": 10 if options.offload else 100, "compiled": {}}
 
     tried = find_fix(evaluate, px.StepOptions(), 8, 50, ())
     assert [fix.change for fix in tried] == ["offload='optimizer'", "offload='optimizer+params'"], tried
@@ -156,7 +156,7 @@ def test_plan_auto_picks_what_the_trainers_search_picks_and_on_named_hardware_th
     """``px.plan(strategies=["auto"])`` plans the meshes ``strategy="auto"`` prices (a stack of blocks:
     its pipelines too) and picks as the search does: on this backend the same pick as ``resolve``
     (the Trainer's search, nothing timed); on a named GPU the fastest predicted step that fits."""
-    from parallax.sharding.auto import candidates, pipeline_candidates
+    from parallax.parallel.candidates import candidates, pipeline_candidates
     from parallax.state.search import resolve
 
     model, batch = StackedMLP(), batches("mlp", 1, batch_size=32)[0]
@@ -182,7 +182,8 @@ def test_plan_auto_picks_what_the_trainers_search_picks_and_on_named_hardware_th
     # A budget no state fits: every candidate pruned before compiling (the search's rule), and said so.
     none = px.plan(model, optax.adamw(1e-3), batch, loss_fn=classifier_loss, strategies=["auto"], devices=2,
                    memory_budget=1, isolate=False)
-    assert none.picks[0].describe() == f"auto on 2 devices: none of the {len(rows)} candidates that apply fits the memory budget"
+    assert none.picks[0].describe() == (f"auto on 2 devices: none of the {len(rows)} candidates that apply fits "
+                                        "the memory budget")
     assert all(re.fullmatch(r"its state alone is [\d.]+ KiB per device, over the budget of 1 B", row["error"])
                for row in none.rows), none.rows
 
@@ -235,8 +236,8 @@ def test_the_cli_plans_more_devices_than_it_has_and_prints_a_table():
 def test_the_cli_takes_fsdp_options(capsys):
     from parallax.plan.__main__ import main
 
-    args = ["tests.test_plan:cli_model", "--batch", "tests.test_plan:cli_batch", "--loss", "tests.models:classifier_loss",
-            "--devices", "8", "--optimizer", "sgd"]
+    args = ["tests.test_plan:cli_model", "--batch", "tests.test_plan:cli_batch",
+            "--loss", "tests.models:classifier_loss", "--devices", "8", "--optimizer", "sgd"]
     assert main([*args, "--strategies", "dp,dp2+fsdp", "--min-weight-size", "64", "--split", "output", "--json"]) == 0
     dp, hybrid = json.loads(capsys.readouterr().out)["rows"]
     # no note but the close call's, where the compile paths are timed at the first call
@@ -301,7 +302,8 @@ def test_the_lint_finds_a_large_replicated_param_and_says_why():
     plan = px.plan_state(Wide(), optax.sgd(0.1), batch, strategy=px.FSDP(8, min_weight_size=50_000), loss_fn=loss)
     summary = px.summarize(plan, large_bytes=50_000)  # Dense_0/kernel (1000, 10), 40 kB, is below that
     (found,) = summary.lint.replicated
-    assert found.path == "wide/kernel" and found.bytes == 96_000 and "at most FSDP min_weight_size=50000" in found.reason
+    assert (found.path == "wide/kernel" and found.bytes == 96_000
+            and "at most FSDP min_weight_size=50000" in found.reason)
     assert "1 param(s) over 48.8 KiB replicated" in str(summary) and summary.lint.sharded_fraction == 0.0
     with pytest.raises(px.ReplicatedParamError, match=r"(?s)wide/kernel \(24, 1000\) 93.8 KiB: 24000 elements, at most "
                                                       r"FSDP min_weight_size=50000 .*raise fail_if_replicated_over"):
@@ -347,10 +349,12 @@ def test_default_rules_that_match_nothing_are_listed_and_the_trainer_prints_the_
 def test_collective_bytes_read_the_list_and_the_iota_forms_alike():
     step = px.make_train_step(px.per_example_loss(classifier_loss), px.FSDP(min_weight_size=64), compile="shard_map")
     batch = batches("mlp", 1, 16)[0]
-    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=px.FSDP(min_weight_size=64, split="largest"), loss_fn=classifier_loss)
+    state = px.init_state(MLP(), optax.sgd(0.1), batch, strategy=px.FSDP(min_weight_size=64, split="largest"),
+                          loss_fn=classifier_loss)
     text = step.lower(state, jax.device_put(batch, NamedSharding(state.step.sharding.mesh,
                                                                   px.FSDP().batch_spec()))).compile().as_text()
-    lines = [line for line in text.splitlines() if re.search(r"(reduce-scatter|all-gather|all-reduce)(-start)?\(", line)]
+    lines = [line for line in text.splitlines()
+             if re.search(r"(reduce-scatter|all-gather|all-reduce)(-start)?\(", line)]
     assert any("reduce-scatter" in line for line in lines)
 
     def as_list(line):
@@ -361,7 +365,8 @@ def test_collective_bytes_read_the_list_and_the_iota_forms_alike():
         return re.sub(r"replica_groups=(\{\{[0-9,]*\}\}|mesh\[[^\]]*\]\s*\{[^}]*\})", "replica_groups=[1,8]<=[8]", line)
 
     original = collective_bytes("\n".join(lines))
-    assert collective_bytes("\n".join(map(as_list, lines))) == original == collective_bytes("\n".join(map(as_iota, lines)))
+    assert (collective_bytes("\n".join(map(as_list, lines))) == original
+            == collective_bytes("\n".join(map(as_iota, lines))))
     assert original["reduce-scatter"].bytes == 8 * sum(
         int(np.prod([int(d) for d in dims.split(",") if d])) * 4
         for line in lines if "reduce-scatter" in line

@@ -15,9 +15,9 @@ import optax
 import pytest
 
 import parallax as px
+from parallax.parallel.names import parse_strategy
 from parallax.plan.auto import in_bound_order, pick
 from parallax.plan.candidates import evaluate
-from parallax.sharding.named import parse_strategy
 from parallax.step.options import StepOptions
 from tests.models import TinyLM, batches, lm_loss
 
@@ -34,7 +34,8 @@ def test_candidates_compile_in_the_order_of_their_bounds_until_none_left_could_b
     compiled = []
 
     def bounds_for(pool):
-        return [{"strategy": s, "error": "does not apply"} if s == "x" else {"strategy": s, "error": None, "bound": bounds[s]}
+        return [{"strategy": s, "error": "does not apply"} if s == "x"
+                else {"strategy": s, "error": None, "bound": bounds[s]}
                 for s in pool]
 
     def rows_for(pool):
@@ -98,8 +99,8 @@ def test_auto_on_named_hardware_picks_what_compiling_every_candidate_picks_compi
     (the same strategies given by name, nothing pruned), each pruned candidate's bound no less than the
     runner-up's step and no more than its own step had it compiled."""
     from benchmarks.llama import Llama, Shape, batch, loss_fn
-    from parallax.sharding.auto import candidates, pipeline_candidates
-    from parallax.sharding.pipeline import PipelineParallel
+    from parallax.parallel.candidates import candidates, pipeline_candidates
+    from parallax.parallel.pipeline.part import PipelineParallel
 
     model = Llama(Shape(layers=4, dim=256, ffn=512, heads=4, kv_heads=2, vocab=512, chunk=256, dtype="float32"))
     example = batch(16, 1024)

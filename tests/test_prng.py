@@ -85,7 +85,8 @@ def one_device(model, tx, variables, state_key, data):
     params, losses = variables["params"], []
     opt_state = tx.init(params)
     for t, batch in enumerate(data):
-        params, opt_state, value = step(params, opt_state, batch, jax.random.fold_in(jax.random.fold_in(state_key, t), 0))
+        params, opt_state, value = step(params, opt_state, batch,
+                                        jax.random.fold_in(jax.random.fold_in(state_key, t), 0))
         losses.append(float(value))
     return np.array(losses), jax.device_get(params)
 
@@ -129,7 +130,8 @@ def test_the_trainer_with_dropout_checkpoints_and_resumes_exactly_under_every_pr
 
     def trainer(steps):
         return px.Trainer(model, tx, lm_loss, strategy=px.FSDP(min_weight_size=0), batch_size=ROWS, max_steps=steps,
-                          shuffle=False, progress=False, summary=False, checkpoint_dir=str(tmp_path), params=variables["params"])
+                          shuffle=False, progress=False, summary=False, checkpoint_dir=str(tmp_path),
+                          params=variables["params"])
 
     _, first = trainer(2).fit(whole)
     state, second = trainer(3).fit(whole, resume=True)
@@ -149,7 +151,8 @@ def test_typed_keys_in_a_models_state_are_planned_summarized_and_searched():
     rows = px.plan(model, tx, batch, loss_fn=lm_loss, strategies=[px.FSDP(min_weight_size=0), px.TensorParallel()],
                    compile="jit").rows
     assert [row["error"] for row in rows] == [None, None], rows
-    found = px.init_state(model, tx, batch, strategy="auto", loss_fn=lm_loss, options=px.StepOptions(timed_candidates=0))
+    found = px.init_state(model, tx, batch, strategy="auto", loss_fn=lm_loss,
+                          options=px.StepOptions(timed_candidates=0))
     assert jax.dtypes.issubdtype(found.model_state["keys"]["noise"].dtype, jax.dtypes.prng_key)
 
 

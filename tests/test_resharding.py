@@ -66,7 +66,7 @@ def test_every_default_and_hybrid_on_the_test_models_is_free_of_it_or_names_it(f
     """Each of the step's compiled paths: no replicating reshard, or one the step names (the op or
     the params that ask for it) in describe() and a warning. The one-axis defaults have none. FSDP's
     default split is the search's pick: every split it may pick is checked."""
-    fsdp = lambda size, split: px.FSDP(size, min_weight_size=256, split=split)  # noqa: E731
+    fsdp = lambda size, split: px.FSDP(size, min_weight_size=256, split=split)
     strategies = {"dp": px.DataParallel(), "tp": px.TensorParallel()}
     for split in ("largest", "output", "input"):
         strategies |= {

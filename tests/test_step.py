@@ -49,7 +49,7 @@ def test_grad_accumulation_equals_one_big_step(strategy, compile_mode):
     data = batches("lm", 5, batch_size=32)
     tx = optax.adamw(3e-3)
     _, one = train(TinyLM(), tx, lm_loss, strategy, data, compile=compile_mode)
-    state, four = train(TinyLM(), tx, lm_loss, strategy, data, compile=compile_mode, grad_accum=4)
+    _state, four = train(TinyLM(), tx, lm_loss, strategy, data, compile=compile_mode, grad_accum=4)
     np.testing.assert_allclose(losses(four), losses(one), atol=1e-5)
     np.testing.assert_allclose([h["accuracy"] for h in four], [h["accuracy"] for h in one], atol=1e-6)
 

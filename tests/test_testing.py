@@ -22,8 +22,8 @@ from flax import nnx
 
 import parallax as px
 from parallax.sharding import gather as gather_lib
-from parallax.step import update
 from parallax.step import shard_map as shard_map_step
+from parallax.step import update
 from tests.models import CNN, MLP, batches, classifier_loss
 from tests.reference import STRATEGIES
 from tests.scripts.plant_bug import bf16_updates
@@ -64,8 +64,9 @@ def test_batchnorm_and_dropout_pass_on_both_paths(strategy_name, loss, options):
     assert report.mode == options["compile"]
     if "grad_accum" in options:  # unmarked, BatchNorm's statistics over half the batch are refused before training
         with pytest.raises(ValueError, match=r"grad_accum=2 splits each batch into microbatches, but the loss is not a "
-                                             r"mean of per-example terms: it applies square to a batch-wide sum \(batch "
-                                             r"statistics, e\.g\. BatchNorm's\).*mark the loss px\.per_example_loss"):
+                                             r"mean of per-example terms: it applies square to a batch-wide sum "
+                                             r"\(batch statistics, e\.g\. BatchNorm's\)"
+                                             r".*mark the loss px\.per_example_loss"):
             px.testing.assert_equivalent(CNN(dropout_rate=0.5), optax.sgd(0.1), classifier_loss,
                                          batches("cnn", 3, 32), STRATEGIES[strategy_name](), **options)
 
@@ -77,7 +78,7 @@ def test_the_report_says_what_it_compared_on_the_devices_given():
     assert report.strategy == "FSDP(fsdp=4)", report.strategy
     assert "max difference" in str(report) and "(losses and final state), tolerance 1e-05" in str(report), str(report)
     allowed = dataclasses.replace(report, param_allowance={"Dense_0/kernel": 1.0},
-                                  param_excess={path: 0.0 for path in report.state_diffs["params"]})
+                                  param_excess=dict.fromkeys(report.state_diffs["params"], 0.0))
     text = str(allowed)  # with allowances: the held difference first, the raw one beside it
     assert "each param beyond its rounding allowance; " in text and "before the allowances" in text, text
     most = max(report.state_diffs["params"], key=report.state_diffs["params"].get)

@@ -17,8 +17,16 @@ import pytest
 
 import parallax as px
 from tests import tiers
-from tests.reference import (OPTIMIZERS, TOL, assert_like_reference, assert_named, drift_floor, max_diff, run_plain,
-                             run_steps)
+from tests.reference import (
+    OPTIMIZERS,
+    TOL,
+    assert_like_reference,
+    assert_named,
+    drift_floor,
+    max_diff,
+    run_plain,
+    run_steps,
+)
 from tests.third_party import MODELS, batches
 
 pytestmark = pytest.mark.core
@@ -32,16 +40,17 @@ STRATEGIES = {
     "fsdp": lambda: px.FSDP(min_weight_size=MIN, split="largest"),
     "tp": lambda: px.TensorParallel(),
     "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=MIN, split="largest"), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN, split="largest"), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=MIN, split="largest"),
+                                     px.TensorParallel(2)),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module(model_name: str):
     return MODELS[model_name][0]()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model_name: str, opt_name: str):
     _, loss_fn, kind = MODELS[model_name]
     data = batches(kind, STEPS)

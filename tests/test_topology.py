@@ -9,15 +9,14 @@ from __future__ import annotations
 import itertools
 import re
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
-
-import flax.linen as nn
-import parallax as px
 from jax.sharding import NamedSharding
 
+import parallax as px
 from parallax import inspect
 from parallax.pricing import choice as pricing_choice
 from parallax.pricing.cost import DeviceSpeeds, calibrate, estimate
@@ -222,7 +221,7 @@ def test_auto_over_hosts_with_a_slow_link_between_them_picks_data_parallel_acros
     """HSDP from the pricing: each collective priced on the link it runs over (inside a host at the
     calibrated speeds, across at them scaled by the topology's bandwidths)."""
     batch, slow = batches("mlp", 1, 64)[0], px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
-    fsdp = lambda n: px.FSDP(n, min_weight_size=0, split="largest")  # noqa: E731
+    fsdp = lambda n: px.FSDP(n, min_weight_size=0, split="largest")
     among = [fsdp(8), px.combine(px.DataParallel(2), fsdp(4))]
     # On shard_map, whose collectives parallax writes (FSDP's gathers over its axis, the gradients' all-reduce over
     # the data axis); how XLA's partitioner lays out jit's differs between JAX versions.
@@ -263,20 +262,22 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_stack_across_them(quiet_sp
     """A model with a stack: across a slow link the pipeline's stage axis crosses the hosts, where
     only activations move (point to point), rather than FSDP's gathers or the gradients' all-reduce."""
     batch, slow = batches("mlp", 1, 16)[0], px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
-    fsdp = lambda n: px.FSDP(n, min_weight_size=0, split="largest")  # noqa: E731
+    fsdp = lambda n: px.FSDP(n, min_weight_size=0, split="largest")
     among = [fsdp(8), px.combine(px.DataParallel(2), fsdp(4)), px.combine(px.PipelineParallel(2), fsdp(4))]
     found = resolve(DEEP, optax.adamw(1e-3), batch, "auto", loss_fn=classifier_loss, among=among, topology=slow,
                     options=px.StepOptions(timed_candidates=0))
     assert found.choice.picked == "PipelineParallel(stage=2) × FSDP(fsdp=4), jit", found.choice.describe()
     assert crossing_axes(found.mesh, slow) == ("stage",)
     program = {path: compiled for (_, path), (_, compiled) in found.step._compiled.items()}[found.compile]
-    across = inspect.collective_bytes_by_link(program.as_text(), hosts_of(list(found.mesh.devices.flat), slow))["across"]
+    across = inspect.collective_bytes_by_link(program.as_text(),
+                                              hosts_of(list(found.mesh.devices.flat), slow))["across"]
     assert across["collective-permute"].bytes > 0  # the activations between the stages
     # What else crosses is the params outside the stack (their gradients summed over the stages), never the stack's
     # 8 x 2 x 256 x 256 weights' gathers or reductions.
     state = px.init_state(DEEP, optax.adamw(1e-3), batch, strategy=found.strategy, mesh=found.mesh,
                           loss_fn=classifier_loss)
-    outside = sum(leaf.nbytes for name, part in state.params.items() if name != "blocks" for leaf in jax.tree.leaves(part))
+    outside = sum(leaf.nbytes for name, part in state.params.items() if name != "blocks"
+                  for leaf in jax.tree.leaves(part))
     others = sum(stat.bytes for kind, stat in across.items() if kind != "collective-permute")
     assert 0 < others <= outside < sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)) // 100, (others, outside)
 
@@ -291,7 +292,7 @@ def test_auto_over_hosts_with_a_slow_link_pipelines_a_list_of_blocks_held_stacke
 
     model, batch = third_party.gpt2(layers=4), third_party.batches("text", 1)[0]
     slow = px.Topology(2, 4, host_bandwidth=1e12, cross_host_bandwidth=1e9)
-    pipeline = lambda stack: px.combine(  # noqa: E731
+    pipeline = lambda stack: px.combine(
         px.PipelineParallel(2, blocks="FlaxGPT2Block", stack_blocks=stack), px.DataParallel(4))
     among = [px.DataParallel(8), px.combine(px.DataParallel(2), px.TensorParallel(4)), pipeline(True)]
     found = resolve(model, optax.adamw(1e-3), batch, "auto", loss_fn=third_party.causal_lm_loss, among=among,
@@ -324,7 +325,8 @@ def test_the_host_layout_is_the_same_whatever_order_the_parts_are_listed_in():
     the mesh whose axes are listed the other way) were read as one group of every device, so the second
     listing priced the layouts otherwise and kept the tensor axis inside where the first put it across."""
     fsdp = dict(min_weight_size=0, split="largest")
-    listings = [px.combine(px.FSDP(2, **fsdp), px.TensorParallel(4)), px.combine(px.TensorParallel(4), px.FSDP(2, **fsdp))]
+    listings = [px.combine(px.FSDP(2, **fsdp), px.TensorParallel(4)),
+                px.combine(px.TensorParallel(4), px.FSDP(2, **fsdp))]
     rows = px.plan(MLP(), optax.adamw(3e-3), batches("mlp", 1)[0], loss_fn=classifier_loss, strategies=listings,
                    topology=px.Topology(2, 4), compile="jit").rows
     links = [row["links"] for row in rows]

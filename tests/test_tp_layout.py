@@ -24,7 +24,7 @@ from tests.reference import OPTIMIZERS, bound, drift_floor, params_bound, run_pl
 
 pytestmark = pytest.mark.core
 
-TP2 = lambda: px.combine(px.DataParallel(4), px.TensorParallel(2))  # noqa: E731
+TP2 = lambda: px.combine(px.DataParallel(4), px.TensorParallel(2))
 
 
 class AutoMLP(nn.Module):
@@ -87,7 +87,8 @@ class OddHeads(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=9, out_features=x.shape[-1], name="attn")(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=9, out_features=x.shape[-1],
+                                                name="attn")(x)
         x = x + nn.Dense(x.shape[-1], name="down")(nn.relu(nn.Dense(64, name="up")(x)))
         return nn.Dense(10, name="head")(x.mean(axis=1))
 
@@ -145,7 +146,8 @@ def test_scanned_layers_split_a_feature_dim_never_the_layer_dim():
 
 def test_fsdp_never_splits_the_scanned_layer_dim():
     # 8 layers of 8x8 kernels: the layer dim is as large as any other and comes first.
-    plan = _plan(ScannedMLP(layers=8, features=8, hidden=8), _data((16, 24))[0], px.FSDP(min_weight_size=0, split="largest"))
+    plan = _plan(ScannedMLP(layers=8, features=8, hidden=8), _data((16, 24))[0],
+                 px.FSDP(min_weight_size=0, split="largest"))
     assert plan.specs.params["layers"]["up"]["kernel"] == P(None, "fsdp")
     assert plan.specs.params["layers"]["up"]["bias"] == P(None, "fsdp")
 
@@ -170,7 +172,8 @@ def test_too_little_split_is_an_error_naming_the_reason():
         return (model(batch["x"]) ** 2).mean()
 
     batch = _data((8, 4, 9))[0]
-    with pytest.raises(ValueError, match=r"(?s)found a layout for only 0.0%.*attn/.*does not divide.*min_split_fraction=0"):
+    with pytest.raises(ValueError,
+                       match=r"(?s)found a layout for only 0.0%.*attn/.*does not divide.*min_split_fraction=0"):
         _plan(OnlyOddHeads(), batch, TP2(), loss_fn)
     plan = _plan(OnlyOddHeads(), batch, px.combine(px.DataParallel(4), px.TensorParallel(2, min_split_fraction=0)),
                  loss_fn)
@@ -190,7 +193,7 @@ def test_param_specs_without_the_computation_says_how_to_get_them():
         px.TensorParallel().param_specs({"Dense_0": {"kernel": jnp.ones((8, 8))}})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name, opt_name):
     model, shape = MODELS[name]
     data = _data(shape)
@@ -203,7 +206,8 @@ def _reference(name, opt_name):
 MODELS = {"scanned": (ScannedMLP(), (16, 24)), "out_in": (OutInMLP(), (16, 24))}
 HYBRIDS = {
     "fsdp+tp": lambda: px.combine(px.FSDP(4, min_weight_size=64, split="largest"), px.TensorParallel(2)),
-    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64, split="largest"), px.TensorParallel(2)),
+    "dp+fsdp+tp": lambda: px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=64, split="largest"),
+                                     px.TensorParallel(2)),
 }
 
 

@@ -110,7 +110,8 @@ def test_checkpoint_from_fsdp8_restores_under_dp_and_fsdp4(tmp_path):
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     trainer = make_trainer(max_steps=6, checkpoint_dir=ckpt, checkpoint_every=2, shuffle=False)
-    with pytest.raises(px.NonFiniteLossError, match=r"step 5: the loss is nan.*newest checkpoint that verifies, step 4 .* is kept"):
+    with pytest.raises(px.NonFiniteLossError,
+                       match=r"step 5: the loss is nan.*newest checkpoint that verifies, step 4 .* is kept"):
         trainer.fit(data(nan_at=4 * 16 + 3))  # a NaN example in the 5th batch
     trainer.checkpointer.wait()
     assert sorted(int(s) for s in os.listdir(ckpt) if s.isdigit()) == [2, 4]
@@ -133,8 +134,8 @@ def test_mismatched_checkpoint_is_a_clear_error_and_is_not_deleted(tmp_path):
     before = sorted(os.listdir(ckpt))
     other = px.Trainer(MLP(hidden=32), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0),
                        max_steps=4, batch_size=16, checkpoint_dir=ckpt, progress=False)
-    with pytest.raises(CheckpointError, match=r"(?s)different model.*params/up/kernel is float32\(24, 64\) in the checkpoint, "
-                                              r"float32\(24, 32\) here.*Nothing was deleted"):
+    with pytest.raises(CheckpointError, match=r"(?s)different model.*params/up/kernel is float32\(24, 64\) "
+                                              r"in the checkpoint, float32\(24, 32\) here.*Nothing was deleted"):
         other.fit(data(), resume=True)
     assert sorted(os.listdir(ckpt)) == before
 
@@ -147,7 +148,8 @@ def test_corrupted_checkpoint_is_a_clear_error_and_is_not_deleted(tmp_path):
             with open(os.path.join(root, name), "wb") as stream:
                 stream.write(b"\x00garbage")
     before = sorted(str(p) for p in ckpt.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"(?s)No checkpoint in .* verifies:.*step 2 fails verification.*left in place"):
+    with pytest.raises(CheckpointError,
+                       match=r"(?s)No checkpoint in .* verifies:.*step 2 fails verification.*left in place"):
         make_trainer(max_steps=4, checkpoint_dir=str(ckpt)).fit(data(), resume=True)
     assert sorted(str(p) for p in ckpt.rglob("*")) == before
 
@@ -289,7 +291,7 @@ def test_an_error_during_evaluation_leaves_the_newest_state_checkpointed(tmp_pat
     good = {k: v[:16] for k, v in data().items()}
     bad = {"x": data()["x"][:16, :20], "y": data()["y"][:16]}  # only the second eval batch is wrong
     trainer = make_trainer(max_steps=6, eval_every=3, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=100)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (whatever flax/jax raise)
         trainer.fit(data(), eval_data=[good, bad])
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["3"]  # saved at the failing evaluation's step
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import zlib
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -96,7 +95,8 @@ class Given:
         if kind == "linen":
             self.model, self.loss_fn = LinenLM(), lm_loss
             self.params = LinenLM().init(jax.random.key(1), batches()[0]["tokens"][:, :-1])["params"]
-            self._apply = lambda p, batch, key, rest: LinenLM().apply({"params": p}, batch, method=lambda m, b: lm_loss(m, b))
+            self._apply = lambda p, batch, key, rest: LinenLM().apply({"params": p}, batch,
+                                                                      method=lambda m, b: lm_loss(m, b))
             self.initial = jax.device_get(self.params)
         elif kind in ("nnx", "nnx-function"):
             def build():
@@ -107,7 +107,8 @@ class Given:
 
             self.rest = nnx.to_pure_dict(rest)
 
-            def apply(p, batch, key, rest):  # step t's dropout draws from fold_in(fold_in(state key, t), 0), as documented
+            # step t's dropout draws from fold_in(fold_in(state key, t), 0), as documented
+            def apply(p, batch, key, rest):
                 model = nnx.merge(graphdef, p, rest)
                 model.train()
                 stream = model.drop.rngs  # nnx.Rngs(0)'s "default" stream: parallax folds in the hash of its name
@@ -122,7 +123,8 @@ class Given:
         else:  # a Hugging Face Flax model object
             self.model, self.loss_fn = hf_gpt2(), hf_loss
             module = self.model.module
-            self._apply = lambda p, batch, key, rest: module.apply({"params": p}, batch, method=lambda m, b: hf_loss(m, b))
+            self._apply = lambda p, batch, key, rest: module.apply({"params": p}, batch,
+                                                                   method=lambda m, b: hf_loss(m, b))
             self.initial = jax.device_get(self.model.params)
 
     def users_arrays(self):

@@ -47,7 +47,8 @@ class Net(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         if self.call == "reshard":  # Explicit-mode code: no gather by index (an embedding lookup needs out_sharding)
-            x = tokens.astype(jnp.float32) / 32  # inputs of order 1: a loss of order 1 (raw tokens gave ~300, whose ulp is 3e-5)
+            # inputs of order 1: a loss of order 1 (raw tokens gave ~300, whose ulp is 3e-5)
+            x = tokens.astype(jnp.float32) / 32
         else:
             x = nn.Embed(32, 16)(tokens).mean(1)
         x = nn.Dense(64)(x)
@@ -180,12 +181,14 @@ SELF_GRID = [(kind, call) for kind in ["dp", "fsdp", "tp", "dp+fsdp", "dp+fsdp+t
 def test_models_that_shard_themselves_train_like_one_device(call, kind):
     strategy = {"dp": px.DataParallel(), "fsdp": px.FSDP(min_weight_size=0, split="largest"), "tp": px.TensorParallel(),
                 "dp+fsdp": px.combine(px.DataParallel(2), px.FSDP(4, min_weight_size=0, split="largest")),
-                "dp+fsdp+tp": px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=0, split="largest"), px.TensorParallel(2))}[kind]
+                "dp+fsdp+tp": px.combine(px.DataParallel(2), px.FSDP(2, min_weight_size=0, split="largest"),
+                                         px.TensorParallel(2))}[kind]
     spec = ({"dp": ("data", None), "fsdp": ("fsdp", None), "tp": (None, "tensor"),
              "dp+fsdp": (("data", "fsdp"), None), "dp+fsdp+tp": (("data", "fsdp"), "tensor")})[kind]
     model, lf = Net(call, spec), (onehot_loss if call == "reshard" else loss_fn)
     tx = optax.sgd(0.1) if kind in ("dp", "tp") else optax.adam(1e-2)
-    if call == "reshard" and "tp" in kind:  # a row-parallel Dense on Explicit axes needs out_sharding, which linen lacks
+    # a row-parallel Dense on Explicit axes needs out_sharding, which linen lacks
+    if call == "reshard" and "tp" in kind:
         with pytest.warns(UserWarning, match=r"split over \['tensor'\] are gathered whole where the model uses them "
                                              r"\(JAX refuses them split: Contracting dimensions are sharded"):
             state = px.init_state(model, tx, BATCHES[0], strategy=strategy, loss_fn=lf)
@@ -255,7 +258,8 @@ def test_explicit_mode_models_train_inside_your_explicit_set_mesh(model, kind, r
             final, losses = run_steps(step, state, BATCHES)
             with jax.set_mesh(one_device_mesh(names, explicit=True)):  # where its author runs it on one device
                 ref_params, ref_losses = plain_nnx(net, tx, onehot_loss, initial, BATCHES)
-            assert np.abs(losses - ref_losses).max() <= TOL and max_diff(jax.device_get(final.params), ref_params) <= TOL
+            assert (np.abs(losses - ref_losses).max() <= TOL
+                    and max_diff(jax.device_get(final.params), ref_params) <= TOL)
     assert step.mode() == "jit" and "Explicit" in step.describe()
     if kind == "fsdp+tp":  # the tensor split stays in the state (and, for the model that says how, in the step)
         assert "tensor" in jax.tree.leaves(state.params)[0].sharding.spec or \
@@ -316,7 +320,7 @@ def test_the_shard_map_path_refuses_models_that_shard_themselves_by_name():
     strategy, per_example = px.FSDP(min_weight_size=0, split="largest"), px.per_example_loss(loss_fn)
     state = px.init_state(Net("reshard", ("fsdp", None)), optax.sgd(0.1), BATCHES[0], strategy=strategy,
                           loss_fn=onehot_loss)
-    with pytest.raises(ValueError, match="compile='shard_map' needs the shard_map path.*Explicit axes"):
+    with pytest.raises(ValueError, match=r"compile='shard_map' needs the shard_map path.*Explicit axes"):
         px.make_train_step(onehot_loss, strategy, compile="shard_map")(state, BATCHES[0])
     # with_sharding_constraint over a data axis: forced shard_map says so; auto leaves that path out.
     state = px.init_state(Net("wsc", ("fsdp", None)), optax.sgd(0.1), BATCHES[0], strategy=strategy, loss_fn=loss_fn)
@@ -406,12 +410,13 @@ def test_hugging_face_params_start_training_under_fsdp_tp():
                           embd_pdrop=0.0, attn_pdrop=0.0)
     hf = t.FlaxGPT2LMHeadModel(config, seed=7)  # stands in for from_pretrained (no downloads in tests)
     tokens = np.random.RandomState(1).randint(1, VOCAB, (8, SEQ + 1)).astype(np.int32)
-    own = float(jax.jit(lambda params: hf.module.apply({"params": params}, {"tokens": tokens},  # one program, not op by op
+    # one program, not op by op
+    own = float(jax.jit(lambda params: hf.module.apply({"params": params}, {"tokens": tokens},
                                                       method=lambda m, b: causal_lm_loss(m, b)))(hf.params))
     strategy = px.combine(px.FSDP(4, min_weight_size=0, split="largest"), px.TensorParallel(2))
     trainer = px.Trainer(hf.module, optax.adam(1e-3), causal_lm_loss, strategy=strategy, params=hf.params,
                          batch_size=8, max_steps=2, shuffle=False, progress=False)
-    state, history = trainer.fit({"tokens": np.concatenate([tokens, tokens])})
+    _state, history = trainer.fit({"tokens": np.concatenate([tokens, tokens])})
     assert abs(history.train[0]["loss"] - own) <= TOL, (history.train[0]["loss"], own)
     wte = trainer.plan.build().params["transformer"]["wte"]["embedding"]
     assert {s.data.shape for s in wte.addressable_shards} != {wte.shape}  # placed shard by shard
@@ -471,7 +476,8 @@ def test_nnx_pretrained_state_and_fsdp_that_shards_nothing_warns():
 
     batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros((8, 2), np.float32)}
     pretrained = Mlp(3)
-    with pytest.warns(UserWarning, match=r"FSDP\(fsdp=8\) splits only 0.0% of the train state.*min_weight_size=262,144"):
+    with pytest.warns(UserWarning,
+                      match=r"FSDP\(fsdp=8\) splits only 0.0% of the train state.*min_weight_size=262,144"):
         state = px.init_state(Mlp(0), optax.sgd(0.1), batch, strategy=px.FSDP(split="largest"), loss_fn=mse,
                               params=nnx.state(pretrained, nnx.Param))
     assert max_diff(jax.device_get(state.params), nnx.to_pure_dict(nnx.state(pretrained, nnx.Param))) == 0.0

@@ -23,7 +23,7 @@ SEQ = 8
 VOCAB = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _transformers():
     import transformers  # slow to import: only when a test needs it
 

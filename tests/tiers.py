@@ -8,7 +8,7 @@ that show a gradient off by a constant factor (Adam is blind to scale) and the c
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import pytest
 

@@ -8,7 +8,8 @@ by :class:`parallax.models.linen.LinenModel`; another kind of model is another a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 LossFn = Callable[[Any, Any], Any]
 

@@ -21,7 +21,8 @@ import functools
 import inspect
 import math
 import zlib
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,9 +33,8 @@ from flax.core import spmd as core_spmd
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from parallax._tree import unbox
-
 from parallax.models.adapter import LossFn, ModelRun, ParamGather
-from parallax.models.precision import Float32Outputs, cast_floating
+from parallax.models.casts import Float32Outputs, cast_floating
 from parallax.models.nnx_remat import rematerialise
 from parallax.sharding.gather import all_gather_mean_grad, gather_dim
 from parallax.sharding.mesh import is_explicit
@@ -109,7 +109,7 @@ class NNXModel:
     source: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def of(cls, model: Any) -> "NNXModel":
+    def of(cls, model: Any) -> NNXModel:
         """The adapter of an NNX instance, a function that builds one, or a graph definition."""
         if isinstance(model, nnx.graph.GraphDef):
             return cls(model)
@@ -277,7 +277,8 @@ def _gather_dims(gather: ParamGather) -> dict[tuple, tuple[int, str]]:
 
 def _cast_except(params: dict, skip: Mapping[tuple, Any], dtype: Any) -> dict:
     flat = flatten_dict(params)
-    return unflatten_dict({path: value if path in skip else cast_floating(value, dtype) for path, value in flat.items()})
+    return unflatten_dict({path: value if path in skip else cast_floating(value, dtype)
+                           for path, value in flat.items()})
 
 
 def _gather_on_read(module: nnx.Module, gathered: Mapping[tuple, tuple[int, str]], dtype: Any) -> None:

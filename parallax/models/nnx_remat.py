@@ -7,7 +7,8 @@ class, a subclass whose ``__call__`` runs under ``nnx.remat`` with ``remat``'s c
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flax import nnx
 

@@ -8,12 +8,13 @@ module class named beside it; without one, a named module keeps nothing (``nn.re
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from parallax.sharding.chains import REMAT, call_body
+from parallax.jaxpr.chains import REMAT, call_body
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "scan")  # opened to reach the matmuls inside them
 

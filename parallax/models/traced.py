@@ -10,14 +10,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 from parallax._tree import path_str
+from parallax.jaxpr.chains import call_body
+from parallax.jaxpr.tp_layout import scanned_dims
 from parallax.models.remat_policy import rematerialises
-from parallax.sharding.chains import call_body
-from parallax.sharding.tp_layout import scanned_dims
 
 
 def traced_loss(model: Any, example_batch: Any, loss_fn: Any, rng_streams: Sequence[str] = ("dropout",)) -> Any:

@@ -31,26 +31,27 @@ import itertools
 import logging
 import sys
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 from parallax._errors import first_line
 from parallax._units import format_bytes, parse_bytes
+from parallax.models import unwrap_pretrained
+from parallax.models.blocks import repeated_blocks
+from parallax.parallel.candidates import AUTO
+from parallax.parallel.context.attention import model_has_attention
+from parallax.parallel.mesh_context import mesh_in_context
+from parallax.parallel.names import parse_strategy
 from parallax.plan import isolated
 from parallax.plan.auto import plan_auto
 from parallax.plan.candidates import DEFAULT_STRATEGIES, evaluate
-from parallax.models import unwrap_pretrained
-from parallax.models.blocks import repeated_blocks
-from parallax.models.context_attention import model_has_attention
 from parallax.plan.fixes import find_fix
 from parallax.plan.refs import resolve
 from parallax.plan.table import render
 from parallax.plan.target import check_target, deviceless, gpu_target_config
 from parallax.pricing.hardware import Hardware, as_hardware
-from parallax.sharding.auto import AUTO
-from parallax.sharding.context import mesh_in_context
-from parallax.sharding.named import parse_strategy
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
 from parallax.step.options import StepOptions
@@ -132,7 +133,8 @@ class PlanReport:
         planned_on = sorted({row["backend"] for row in self.rows if not row.get("error")})
         named_gpu = self.hardware is not None and gpu_target_config(self.hardware) is not None
         if planned_on and planned_on != [self.target]:
-            hint = " For XLA's GPU compiler's own, without a GPU: pip install 'parallax-flax[gpu]'." if named_gpu else ""
+            hint = (" For XLA's GPU compiler's own, without a GPU: pip install 'parallax-flax[gpu]'." if named_gpu
+                    else "")
             notes.append(f"Temps and peak were compiled for {', '.join(planned_on)}; on {self.target} they are "
                          f"backend-dependent (fusion, layouts, scheduling): an estimate.{hint}")
         elif planned_on == ["gpu"] and named_gpu and jax.default_backend() != "gpu":
@@ -251,7 +253,8 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     on_tpu = hardware is not None and hardware.kind == "tpu"
     on_target = deviceless(hardware) and (on_tpu or isolate is not False)  # a GPU's, unless kept in this process
     if isolate is False and on_tpu:
-        raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; leave isolate unset.")
+        raise ValueError(f"hardware={hardware.name!r} is a TPU, planned by the TPU compiler in a subprocess; "
+                         "leave isolate unset.")
     if isolate is False and max(counts) > len(local):
         raise ValueError(f"devices={max(counts)} but this process has {len(local)}; let it plan in a subprocess "
                          "(isolate=None or True).")
@@ -279,9 +282,11 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
     here = [resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")] if wants_auto else []
     for count in counts if wants_auto else ():
         budget = budgets[0] if budgets else None  # a candidate whose state alone exceeds it is not compiled
-        bounds = None if hardware is None else lambda pool: rows_for(pool, count, options, budget, bound_only=True)
-        found, picked = plan_auto(count, lambda pool: rows_for(pool, count, options, budget), *here,
-                                  options.rng_streams, budget, hardware, bounds,
+        bounds = None if hardware is None else lambda pool, count=count, budget=budget: rows_for(
+            pool, count, options, budget, bound_only=True)
+        found, picked = plan_auto(count,
+                                  lambda pool, count=count, budget=budget: rows_for(pool, count, options, budget),
+                                  *here, options.rng_streams, budget, hardware, bounds,
                                   isolated.side_by_side() if in_child(count) else 1)
         searched += found
         picks.append(picked)
@@ -289,23 +294,24 @@ def plan(model: Any, optimizer: Any, example_batch: Any, *, loss_fn: Any,
                         target or (hardware.kind if hardware is not None else jax.default_backend()), hardware=hardware,
                         picks=tuple(picks))
     fixes, memo = {}, {}
-    for count, (index, (budget, label)) in itertools.product(counts if parsed else (), enumerate(zip(budgets, report.labels))):
+    for count, (index, (budget, label)) in itertools.product(counts if parsed else (),
+                                                             enumerate(zip(budgets, report.labels))):
         planned = [(row, parsed[i % len(parsed)]) for i, row in enumerate(rows)
                    if row["devices"] == count and not row.get("error")]
         if not planned or any(report.fits(row, index) for row, _ in planned):
             continue
-        row, strategy = min(planned, key=lambda pair: pair[0]["peak"])
+        _, strategy = min(planned, key=lambda pair: pair[0]["peak"])
         if "blocks" not in resolved:
             here = {kind: resolve(kind, args[kind]) for kind in ("model", "batch", "loss_fn")}
             try:
                 resolved["blocks"] = repeated_blocks(here["model"], here["batch"], here["loss_fn"])
-            except Exception as err:  # noqa: BLE001 - a model this cannot trace still gets the other options
+            except Exception as err:
                 log.info("Could not read the model's repeated blocks (%s); remat is not tried.", first_line(err))
                 resolved["blocks"] = ()
             try:
                 resolved["attention"] = model_has_attention(here["model"], here["batch"], here["loss_fn"],
                                                             options.rng_streams)
-            except Exception as err:  # noqa: BLE001 - as above: the other options are still tried
+            except Exception as err:
                 log.info("Could not read whether the model computes attention (%s); ContextParallel is not among the "
                          "options tried.", first_line(err))
                 resolved["attention"] = False

@@ -12,10 +12,10 @@ import json
 import sys
 
 from parallax.models.remat_policy import NAMED_POLICIES, named_policy
+from parallax.parallel.names import parse_strategy
 from parallax.plan import plan
 from parallax.plan.candidates import DEFAULT_STRATEGIES, with_options
 from parallax.pricing.hardware import known
-from parallax.sharding.named import parse_strategy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, or package.module:name")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                         help="comma-separated: dp, fsdp, tp, pp, cp, ep joined by + with optional sizes, or auto "
-                             f"(every mesh strategy='auto' prices, and its pick; default {','.join(DEFAULT_STRATEGIES)})")
+                             "(every mesh strategy='auto' prices, and its pick; "
+                             f"default {','.join(DEFAULT_STRATEGIES)})")
     parser.add_argument("--min-weight-size", type=int, default=None,
                         help="FSDP option: params with at most this many elements stay replicated (default 2**18)")
     parser.add_argument("--split", default=None, choices=("largest", "output", "input", "auto"),
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                              "TPU compiler (needs libtpu: pip install 'parallax-flax[tpu]')")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH",
-                        help="also draw the plan (mesh and bytes per device by part) to PATH (.png, .svg); needs matplotlib")
+                        help="also draw the plan (mesh and bytes per device by part) to PATH (.png, .svg); "
+                             "needs matplotlib")
     args = parser.parse_args(argv)
     try:
         devices = None if args.devices is None else [int(n) for n in args.devices.split(",")]

@@ -1,8 +1,8 @@
 """``strategies=["auto"]`` in a plan: the meshes ``strategy="auto"`` would price, planned as rows, and the pick.
 
 For each device count, :func:`plan_auto` plans what the Trainer's search prices
-(:func:`parallax.sharding.auto.candidates`: every DP × FSDP × TP mesh, and the pipeline, context
-and expert meshes the model calls for, :mod:`parallax.state.more_candidates`); each is planned as
+(:func:`parallax.parallel.candidates.candidates`: every DP × FSDP × TP mesh, and the pipeline, context
+and expert meshes the model calls for, :func:`parallax.parallel.candidates.more_candidates`); each is planned as
 a row like any strategy's, and :func:`pick` chooses as the search chooses, without running
 anything (the devices are not in hand): the fastest that fits the first memory budget, by the
 step's predicted time on the named hardware (``hardware=``), else by the cost model's estimate on
@@ -28,21 +28,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from parallax.models.traced import stacked_layers
+from parallax.parallel.candidates import candidates, layout_suffix, more_candidates, read_or_none
 from parallax.pricing.hardware import Hardware
-from parallax.sharding.auto import candidates, layout_suffix
 from parallax.sharding.strategy import Strategy
-from parallax.state.more_candidates import more_candidates, read_or_none
-
 
 Rows = Callable[[list[Strategy]], list[dict]]
 
 
 def plan_auto(device_count: int, rows_for: Rows, model: Any, example_batch: Any, loss_fn: Any,
               rng_streams: Sequence[str], budget: int | None, hardware: Hardware | None,
-              bounds_for: Rows | None = None, width: int = 1) -> tuple[list[dict], "Pick"]:
+              bounds_for: Rows | None = None, width: int = 1) -> tuple[list[dict], Pick]:
     """The rows of ``"auto"``'s candidates on ``device_count`` devices (``rows_for`` plans a list of
     strategies), each marked ``auto``, and its :class:`Pick`. As the search: every DP × FSDP × TP
     mesh first, then what the model calls for (its stack of blocks read from its trace, nothing
@@ -90,7 +89,8 @@ def in_bound_order(pool: list[Strategy], rows_for: Rows, bounds_for: Rows, befor
             rows[i] = row
         queue = [i for i in queue if i not in batch]
     for i in queue:
-        rows[i] = {**rows[i], "pruned": True, "error": f"not compiled: its step takes at least {_time(bound[i])} on this "
+        rows[i] = {**rows[i], "pruned": True,
+                   "error": f"not compiled: its step takes at least {_time(bound[i])} on this "
                    f"hardware (its compute and memory, from its jaxpr), no less than the runner-up's {_time(limit)}"}
     return rows
 
@@ -118,12 +118,12 @@ def _fastest_two(fitting: list[dict], seconds: Callable[[dict], float | None]) -
     peak, bytes moved and time, e.g. an FSDP that splits no param beside DP); ``None`` where there is none."""
     if not fitting:
         return None, None
-    alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))  # noqa: E731
+    alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))
     return fitting[0], next((row for row in fitting[1:] if alike(row) != alike(fitting[0])), None)
 
 
 def _labelled(rows: list[dict], strategies: Sequence[Strategy]) -> list[dict]:
-    """``rows`` labelled as the search labels its candidates (:func:`parallax.sharding.auto.layout_suffix`): those
+    """``rows`` labelled as the search labels its candidates (:func:`parallax.parallel.candidates.layout_suffix`): those
     planned, and those bounded and not compiled."""
     return [row if row.get("error") and not row.get("pruned") else
             {**row, "strategy": row["strategy"] + layout_suffix(strategy)} for row, strategy in zip(rows, strategies)]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -17,21 +18,21 @@ from jax.sharding import NamedSharding
 from parallax import inspect
 from parallax._errors import first_line
 from parallax._units import format_bytes
+from parallax.parallel.mesh_context import mesh_in_context, mesh_on
 from parallax.pricing.choice import choose
-from parallax.pricing.timing import closest
+from parallax.pricing.fused_bytes import matmul_dtype
 from parallax.pricing.hardware import Hardware
 from parallax.pricing.host_layout import cheapest_layout, link_seconds
-from parallax.pricing.fused_bytes import matmul_dtype
 from parallax.pricing.step_time import lower_bound, speeds, step_time
-from parallax.sharding.context import mesh_in_context, mesh_on
+from parallax.pricing.timing import closest
 from parallax.sharding.strategy import Strategy, combine
 from parallax.sharding.topology import Topology, crossing_axes, hosts_of
 from parallax.state.plan import plan_state, unsharded_reason, warn_if_crossing
 from parallax.state.search import abstract_batch
 from parallax.state.summary import summarize
 from parallax.step.build import make_train_step
-from parallax.step.options import StepOptions
 from parallax.step.offload import offloaded_parts
+from parallax.step.options import StepOptions
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
 
@@ -109,7 +110,7 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
         jaxpr = step.trace(plan.abstract_arrays(), batch).jaxpr.jaxpr if hardware is not None else None
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": first_line(err)}
-    except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program its device cannot hold
+    except Exception as err:
         if "RESOURCE_EXHAUSTED" not in str(err) or "totals" not in locals():
             raise
         return over_memory(row, str(err), totals, plan.strategy.describe(mesh))
@@ -215,8 +216,8 @@ def over_memory(row: dict, message: str, totals: dict, strategy: str) -> dict:
             "compiled": {"arguments": state, "outputs": state, "temporaries": temporaries, "aliased": state, "host": 0},
             "peak": state + temporaries, "collective_bytes": 0, "params": totals["params"]["count"], "timed": [],
             "collectives": {kind: {"count": 0, "bytes": 0} for kind in inspect.COLLECTIVES},
-            "note": f"does not fit: the {row['backend'].upper()} compiler stopped ({said}); the peak is the state + the "
-                    "temporaries it said it needs, and nothing else was read"}
+            "note": f"does not fit: the {row['backend'].upper()} compiler stopped ({said}); the peak is the state + "
+                    "the temporaries it said it needs, and nothing else was read"}
 
 
 def _runs_on(mesh: Any) -> str:

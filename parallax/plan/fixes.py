@@ -18,14 +18,12 @@ reported so, and the search goes on.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
-
-import jax
+from collections.abc import Callable, Sequence
 
 from parallax._errors import first_line
-from parallax.sharding.context_parallel import METHODS, ContextParallel
+from parallax.parallel.context.part import METHODS, ContextParallel
 from parallax.sharding.strategy import Strategy, combine
-from parallax.step.options import StepOptions
+from parallax.step.options import StepOptions, memory_fallbacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,30 +49,6 @@ class Fix:
                 "error": self.row.get("error")}
 
 
-def options_to_try(options: StepOptions, blocks: Sequence[str]) -> list[tuple[str, StepOptions]]:
-    """The step options to try, cheapest in speed first, each with how it reads."""
-    tries: list[tuple[str, dict]] = []
-    remat = () if options.remat or not blocks else tuple(blocks)
-    if options.offload is None:
-        tries.append(("offload='optimizer'", {"offload": "optimizer"}))
-    if remat:
-        tries.append((_remat_text(remat, "jax.checkpoint_policies.dots_saveable"),
-                      {"remat": (*remat, jax.checkpoint_policies.dots_saveable)}))
-        tries.append((_remat_text(remat), {"remat": remat}))
-    if options.offload != "optimizer+params":
-        tries.append(("offload='optimizer+params'", {"offload": "optimizer+params"}))
-    if remat:
-        tries.append((f"offload='optimizer+params', {_remat_text(remat)}",
-                      {"offload": "optimizer+params", "remat": remat}))
-    return [(change, dataclasses.replace(options, **fields)) for change, fields in tries]
-
-
-def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
-    """``remat=('Block',)`` or ``remat=('Block', jax.checkpoint_policies.dots_saveable)``, as written."""
-    entries = [repr(target) for target in targets] + ([policy] if policy else [])
-    return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
-
-
 def with_context(strategy: Strategy, size: int, method: str = "all_gather",
                  load_balance: bool = False) -> Strategy | None:
     """``strategy`` with the sequence split over ``size`` more devices (``None`` if it splits it already);
@@ -90,8 +64,10 @@ def with_context(strategy: Strategy, size: int, method: str = "all_gather",
 def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, budget: int,
              blocks: Sequence[str], more_devices: Sequence[int] = (2, 4), strategy: Strategy | None = None,
              attention: bool = False) -> list[Fix]:
-    """Tries :func:`options_to_try`, then more devices (each also with the sequence split over the
-    added ones, where the model has attention), until one fits ``budget``.
+    """Tries the option changes that trade speed for memory
+    (:func:`parallax.step.options.memory_fallbacks`, the selective remat policy among them), then more
+    devices (each also with the sequence split over the added ones, where the model has attention),
+    until one fits ``budget``.
 
     Args:
         evaluate: ``evaluate(options, devices, strategy=None) -> row`` plans the candidate with those
@@ -102,13 +78,14 @@ def find_fix(evaluate: Callable[..., dict], options: StepOptions, devices: int, 
         blocks: module class names ``remat`` may name (:func:`parallax.models.blocks.repeated_blocks`).
         more_devices: factors of ``devices`` to try last, with ``options`` as given.
         strategy: the candidate's strategy (to add a context axis to); ``None``: devices alone.
-        attention: the model computes attention (:func:`parallax.models.context_attention.model_has_attention`).
+        attention: the model computes attention (:func:`parallax.parallel.context.attention.model_has_attention`).
 
     Returns:
         Every option tried, in order; the last fits if any does.
     """
     tried = []
-    attempts = [(change, opts, devices, None, False) for change, opts in options_to_try(options, blocks)]
+    attempts = [(change, dataclasses.replace(options, **fields), devices, None, False)
+                for change, fields in memory_fallbacks(options, lambda: blocks, selective=True)]
     for factor in more_devices:
         attempts.append((f"devices={devices * factor}", options, devices * factor, None, False))
         for method in METHODS if strategy is not None and attention else ():  # gathered, then a block at a time

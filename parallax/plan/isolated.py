@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from parallax.plan.target import deviceless
 
@@ -83,7 +84,7 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
     on_target = deviceless(hardware)  # its devices are the target compiler's, not simulated CPU devices
     try:
         data = [cloudpickle.dumps({**payload, "devices": devices, "deviceless": on_target}) for payload in payloads]
-    except Exception as err:  # noqa: BLE001 - name the argument that cannot travel
+    except Exception as err:
         bad = next((k for k, v in first.items() if not _picklable(v)), "an argument")
         raise ValueError(f"Planning for {devices} devices runs in a subprocess, and {bad} cannot be sent to it "
                          f"({type(err).__name__}: {err}). Pass it as a 'package.module:name' string the subprocess "
@@ -108,7 +109,7 @@ def _run(payloads: list[Mapping[str, Any]], devices: int, timeout: float) -> lis
                        PARALLAX_COMPILER_STDERR=compiler)
             with open(source, "wb") as f:
                 f.write(sent)
-            stderr = open(os.path.join(folder, f"stderr-{i}"), "w+")
+            stderr = open(os.path.join(folder, f"stderr-{i}"), "w+")  # noqa: SIM115 (read once the child ends)
             proc = subprocess.Popen([sys.executable, "-m", "parallax.plan.isolated", source, target], env=env,
                                     stdout=subprocess.DEVNULL, stderr=stderr)
             children.append((proc, stderr, target, compiler))
@@ -175,7 +176,7 @@ def _picklable(value: Any) -> bool:
     try:
         cloudpickle.dumps(value)
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -185,8 +186,8 @@ def main(argv: list[str]) -> None:
 
     import jax
 
+    from parallax.parallel.names import parse_strategy
     from parallax.plan.candidates import evaluate
-    from parallax.sharding.named import parse_strategy
     from parallax.plan.refs import resolve
     from parallax.plan.target import gpu_devices, tpu_devices
 

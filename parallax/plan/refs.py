@@ -55,6 +55,6 @@ def resolve(kind: str, value: Any) -> Any:
         try:
             if isinstance(nnx.eval_shape(found), nnx.Module):
                 return found  # builds an NNX module: planned from shapes
-        except Exception:  # noqa: BLE001 - not an NNX builder: a factory of a linen module
+        except Exception:
             pass
     return _called(found)

@@ -40,7 +40,8 @@ def render(report: Any) -> str:
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in [header, *cells]]
-    said = [f"{row['devices']} devices: {row['note']}" for row in report.rows if not row.get("error") and row.get("note")]
+    said = [f"{row['devices']} devices: {row['note']}" for row in report.rows
+            if not row.get("error") and row.get("note")]
     return "\n".join(lines + [f"  {s}" for s in skipped + said + report.fix_lines()]
                      + [pick.describe() for pick in report.picks]
                      + [f"note: {n}" for n in report.notes])

@@ -105,7 +105,7 @@ def gpu_devices(hardware: Hardware, devices: int) -> list[Any]:
     try:
         described = topologies.get_topology_desc("parallax", "cuda", target_config=gpu_target_config(hardware),
                                                  topology=f"1x{devices // per_host}x{per_host}")
-    except Exception as err:  # noqa: BLE001 - the GPU compiler's refusal, said in a line
+    except Exception as err:
         raise ValueError(f"XLA's GPU compiler cannot describe {devices} {hardware.name} devices "
                          f"({devices // per_host} hosts of {per_host}): "
                          f"{first_line(err)}") from None
@@ -154,7 +154,7 @@ def tpu_devices(hardware: Hardware, devices: int) -> list[Any]:
     try:
         described = topologies.get_topology_desc(platform="tpu", topology_name=f"{hardware.tpu_name}:{shape}",
                                                  **options)
-    except Exception as err:  # noqa: BLE001 - the TPU compiler's refusal, said in a line
+    except Exception as err:
         raise ValueError(f"The TPU compiler cannot describe {hardware.tpu_name} slices {shape} ({devices} chips): "
                          f"{first_line(err)}") from None
     found = list(described.devices)

@@ -9,7 +9,8 @@ bytes per device exceed the budget are dropped before the fastest is taken.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 

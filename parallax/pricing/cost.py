@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,8 @@ def _from_stored(key: str, stored: dict, calibration_seconds: float = 0.0) -> De
     return DeviceSpeeds(key, stored["seconds_per_flop"], stored["seconds_per_byte"], stored["seconds_per_layout_byte"],
                         {k: tuple(v) for k, v in stored["collectives"].items()}, stored["overhead"],
                         calibration_seconds,
-                        None if stored.get("cross_host") is None else {k: tuple(v) for k, v in stored["cross_host"].items()})
+                        None if stored.get("cross_host") is None
+                        else {k: tuple(v) for k, v in stored["cross_host"].items()})
 
 
 def _timed(fn: Any, *args: Any, repeats: int = 5) -> tuple[float, Any]:

@@ -23,24 +23,28 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
 
+from parallax.jaxpr.chains import sub_jaxprs
 from parallax.pricing.kernel_cost import kernel_cost, kernel_flops, value_bytes
-from parallax.sharding.chains import sub_jaxprs
 
 __all__ = ["Moved", "dot_flops", "fused_bytes", "matmul_dtype"]
 
-_ELEMENTWISE = frozenset("""
-    abs add and atan2 broadcast_in_dim ceil clamp convert_element_type copy copy_p cos cumsum cummax cumlogsumexp
-    div eq erf erf_inv erfc exp exp2 expand_dims floor ge gt integer_pow iota is_finite le log log1p logistic lt
-    max mesh_cast min mul ne neg nextafter not or pow pvary random_bits random_unwrap random_wrap reduce_precision
-    rem reshape reshard round rsqrt select_n sharding_constraint shift_left shift_right_arithmetic
-    shift_right_logical sign sin sqrt square squeeze stop_gradient sub tan tanh threefry2x32 transpose xor
-""".split())
-_REDUCTIONS = frozenset("argmax argmin reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum".split())
+_ELEMENTWISE = frozenset(["abs", "add", "and", "atan2", "broadcast_in_dim", "ceil", "clamp", "convert_element_type",
+                          "copy", "copy_p", "cos", "cumsum", "cummax", "cumlogsumexp", "div", "eq", "erf", "erf_inv",
+                          "erfc", "exp", "exp2", "expand_dims", "floor", "ge", "gt", "integer_pow", "iota", "is_finite",
+                          "le", "log", "log1p", "logistic", "lt", "max", "mesh_cast", "min", "mul", "ne", "neg",
+                          "nextafter", "not", "or", "pow", "pvary", "random_bits", "random_unwrap", "random_wrap",
+                          "reduce_precision", "rem", "reshape", "reshard", "round", "rsqrt", "select_n",
+                          "sharding_constraint", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign",
+                          "sin", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh", "threefry2x32",
+                          "transpose", "xor"])
+_REDUCTIONS = frozenset(["argmax", "argmin", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod",
+                         "reduce_sum"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +62,10 @@ class Moved:
     state: float = 0.0
     local: float = 0.0
 
-    def __add__(self, other: "Moved") -> "Moved":
+    def __add__(self, other: Moved) -> Moved:
         return Moved(self.total + other.total, self.state + other.state, self.local + other.local)
 
-    def times(self, count: float) -> "Moved":
+    def times(self, count: float) -> Moved:
         return Moved(self.total * count, self.state * count, self.local * count)
 
     def per_device(self, devices: int, state_fraction: float) -> float:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from parallax.sharding.topology import Topology
 
-__all__ = ["Hardware", "PROFILES", "known"]
+__all__ = ["PROFILES", "Hardware", "known"]
 
 # Data sheets (dense figures: the sparse ones are twice these): NVIDIA H100/H200 (Hopper),
 # A100 (Ampere), HGX/DGX B200 (Blackwell); Google Cloud TPU v4, v5e, v5p, v6e system architecture
@@ -37,16 +38,19 @@ __all__ = ["Hardware", "PROFILES", "known"]
 _NVIDIA = "https://www.nvidia.com/en-us/data-center/"
 _TPU = "https://cloud.google.com/tpu/docs/"
 PROFILES: dict[str, dict[str, Any]] = {
-    "h100": dict(kind="gpu", device_kind="NVIDIA H100 80GB HBM3", peak_tflops={"bf16": 989, "fp16": 989, "fp32": 494, "fp8": 1979},
+    "h100": dict(kind="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                 peak_tflops={"bf16": 989, "fp16": 989, "fp32": 494, "fp8": 1979},
                  memory_gib=80, memory_tbps=3.35, devices_per_host=8, fast_domain=8, intra_host_gbps=3600,
                  inter_host_gbps=400, host_link_gbps=512, sources=(_NVIDIA + "h100/",)),
-    "h200": dict(kind="gpu", device_kind="NVIDIA H200", peak_tflops={"bf16": 989, "fp16": 989, "fp32": 494, "fp8": 1979},
+    "h200": dict(kind="gpu", device_kind="NVIDIA H200",
+                 peak_tflops={"bf16": 989, "fp16": 989, "fp32": 494, "fp8": 1979},
                  memory_gib=141, memory_tbps=4.8, devices_per_host=8, fast_domain=8, intra_host_gbps=3600,
                  inter_host_gbps=400, host_link_gbps=512, sources=(_NVIDIA + "h200/",)),
     "a100": dict(kind="gpu", device_kind="NVIDIA A100-SXM4-80GB", peak_tflops={"bf16": 312, "fp16": 312, "fp32": 156},
                  memory_gib=80, memory_tbps=2.039, devices_per_host=8, fast_domain=8, intra_host_gbps=2400,
                  inter_host_gbps=200, host_link_gbps=256, sources=(_NVIDIA + "a100/",)),
-    "b200": dict(kind="gpu", device_kind="NVIDIA B200", peak_tflops={"bf16": 2250, "fp16": 2250, "fp32": 1100, "fp8": 4500},
+    "b200": dict(kind="gpu", device_kind="NVIDIA B200",
+                 peak_tflops={"bf16": 2250, "fp16": 2250, "fp32": 1100, "fp8": 4500},
                  memory_gib=180, memory_tbps=8.0, devices_per_host=8, fast_domain=8, intra_host_gbps=7200,
                  inter_host_gbps=400, host_link_gbps=512, sources=(_NVIDIA + "dgx-b200/",)),
     "v4": dict(kind="tpu", device_kind="TPU v4", peak_tflops={"bf16": 275, "fp32": 275},

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -52,10 +53,10 @@ class HostLayout:
         """One line: which axes stay inside a host, and the bytes across hosts against the kinds' order."""
         crossing = [a for a in self.inside_first if self.mesh.shape[a] > 1]
         inside = ", ".join(repr(a) for a in crossing[:-1]) or "nothing"
-        saved = (f"; the kinds' order would move {self.kinds_order_across:,} B" if self.kinds_order_across != self.across
-                 else "")
-        return (f"Laid out over hosts by measured bytes: {inside} inside each host first, {crossing[-1]!r} outermost "
-                f"({self.across:,} B per device per step across hosts{saved}).")
+        saved = (f"; the kinds' order would move {self.kinds_order_across:,} B"
+                 if self.kinds_order_across != self.across else "")
+        return (f"Laid out over hosts by measured bytes: {inside} inside each host first, {crossing[-1]!r} "
+                f"outermost ({self.across:,} B per device per step across hosts{saved}).")
 
 
 def orders(strategy: Strategy, mesh: Mesh) -> list[tuple[str, ...]]:
@@ -120,7 +121,8 @@ def link_seconds(inside: int, across: int, topology: Topology | None) -> float |
 
 
 def laid_out_by_bytes(compile_step: Callable[[Mesh], Any], strategy: Strategy, devices: Sequence[jax.Device],
-                      topology: Topology | None = None, allowed: Callable[[Mesh], bool] | None = None) -> HostLayout | None:
+                      topology: Topology | None = None,
+                      allowed: Callable[[Mesh], bool] | None = None) -> HostLayout | None:
     """Compiles the step once on the kinds' layout (``compile_step(mesh)`` returns the compiled
     program) and returns :func:`cheapest_layout`; ``None`` where the devices are one host or at
     most one axis has more than one device (then every layout is the same)."""

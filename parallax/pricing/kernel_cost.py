@@ -33,12 +33,13 @@ import dataclasses
 import itertools
 import math
 import operator
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
 
-from parallax.sharding.chains import sub_jaxprs
+from parallax.jaxpr.chains import sub_jaxprs
 
 __all__ = ["KernelCost", "kernel_calls", "kernel_cost", "kernel_flops", "value_bytes"]
 

@@ -20,7 +20,8 @@ import logging
 import re
 import statistics
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh

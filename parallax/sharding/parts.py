@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec
 
@@ -17,7 +18,7 @@ from parallax.sharding import rules as tp_rules
 from parallax.sharding import specs as spec_lib
 from parallax.sharding.strategy import Strategy
 
-__all__ = ["DataParallel", "FSDP", "TensorParallel"]
+__all__ = ["FSDP", "DataParallel", "TensorParallel"]
 
 
 def check_axis(kind: str, size: Any, axis: Any) -> None:
@@ -102,7 +103,8 @@ class FSDP(Strategy):
 
     def __post_init__(self):
         check_axis("FSDP", self.size, self.axis)
-        if isinstance(self.min_weight_size, bool) or not isinstance(self.min_weight_size, int) or self.min_weight_size < 0:
+        if (isinstance(self.min_weight_size, bool) or not isinstance(self.min_weight_size, int)
+                or self.min_weight_size < 0):
             raise ValueError(
                 f"FSDP(min_weight_size={self.min_weight_size!r}): use an integer >= 0 "
                 "(0 splits every param whose dims allow it)."
@@ -110,7 +112,7 @@ class FSDP(Strategy):
         if self.split not in FSDP_SPLITS:
             raise ValueError(f"FSDP(split={self.split!r}): use 'largest', 'output' (last dim), 'input' or 'auto'.")
 
-    def skipping_scanned(self, scanned: Mapping[str, tuple[int, ...]]) -> "FSDP":
+    def skipping_scanned(self, scanned: Mapping[str, tuple[int, ...]]) -> FSDP:
         """This strategy, told which param dims a ``scan`` steps over (never split those).
 
         Set when the state is planned (the loss is traced): splitting the stacked layer dim
@@ -118,7 +120,7 @@ class FSDP(Strategy):
         """
         return dataclasses.replace(self, scanned=dict(scanned))
 
-    def fit_to_computation(self, computation: Any) -> "FSDP":
+    def fit_to_computation(self, computation: Any) -> FSDP:
         scanned = computation.scanned_dims()
         return self.skipping_scanned(scanned) if scanned else self
 
@@ -160,7 +162,7 @@ class TensorParallel(Strategy):
 
     With no rules, the layout is derived when the state is planned (``init_state``,
     ``plan_state``, ``Trainer``): the loss is traced once and each param's dims are
-    followed through the matmuls and convolutions (see :mod:`parallax.sharding.tp_layout`). A
+    followed through the matmuls and convolutions (see :mod:`parallax.jaxpr.tp_layout`). A
     hidden dim produced by one weight and consumed by the next is split (the first
     column-wise, the second row-wise), attention by heads, embeddings by vocabulary,
     whatever the layers are called and however their kernels are stored. Name rules,
@@ -180,7 +182,7 @@ class TensorParallel(Strategy):
         min_split_fraction: a derived layout that splits less than this fraction of the
             param elements is an error naming the reason (heads not divisible by the
             axis size, no matmul chain); ``0`` allows any layout.
-        layout: the derived :class:`parallax.sharding.tp_layout.TensorLayout` (set by
+        layout: the derived :class:`parallax.jaxpr.tp_layout.TensorLayout` (set by
             :meth:`with_layout` when the state is planned; not part of the strategy's identity).
 
     Example:
@@ -232,7 +234,7 @@ class TensorParallel(Strategy):
     def uses_computation(self) -> bool:
         return self.needs_layout
 
-    def fit_to_computation(self, computation: Any) -> "TensorParallel":
+    def fit_to_computation(self, computation: Any) -> TensorParallel:
         """This part with its layout derived from the traced loss (params its rules or the
         model's annotations place are fixed, the rest derived)."""
         if not self.needs_layout:
@@ -250,7 +252,7 @@ class TensorParallel(Strategy):
                 fixed[path] = (next((d for d, entry in enumerate(ruled) if entry == self.axis), None), "rule")
         return self.with_layout(computation.derive_layout(self.axis, fixed))
 
-    def with_layout(self, layout: Any) -> "TensorParallel":
+    def with_layout(self, layout: Any) -> TensorParallel:
         """This strategy with a derived layout in place.
 
         Raises:

@@ -19,11 +19,11 @@ A rule is ``(regex, layout)``. The regex is searched in the param's path, render
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from jax.sharding import PartitionSpec
 
-Layout = Union[str, PartitionSpec, tuple]
+Layout = str | PartitionSpec | tuple
 Rule = tuple[str, Layout]
 
 LAYOUTS = ("column", "row", "vocab", "replicate")

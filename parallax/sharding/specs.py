@@ -16,7 +16,8 @@ A placer is any object with
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np

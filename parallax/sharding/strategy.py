@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -23,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 from parallax.sharding import specs as spec_lib
 from parallax.sharding.mesh import build_mesh, resolve_axis_sizes
 
-__all__ = ["Strategy", "Combined", "combine"]
+__all__ = ["Combined", "Strategy", "combine"]
 
 # What every single-axis part must declare (see Strategy): checked when its class is defined.
 PART_DECLARATIONS = ("splits_batch", "gathers_params", "placement_priority", "place")
@@ -43,7 +44,7 @@ class Strategy:
       how it places a param (lower priorities place first);
     * optionally ``check_params(paths, axis_sizes)``, and ``fit_to_computation(facts)``
       with ``uses_computation`` for what only the traced loss shows (see
-      :class:`parallax.sharding.computation.Computation`);
+      :class:`parallax.jaxpr.computation.Computation`);
     * optionally ``run_change``: a description of how the part changes the way the model runs
       (a pipeline over the stack), which the step carries out on the traced loss
       (:mod:`parallax.step.run_changes`); parts that only place arrays have none.
@@ -73,24 +74,24 @@ class Strategy:
             )
 
     @property
-    def parts(self) -> tuple["Strategy", ...]:
+    def parts(self) -> tuple[Strategy, ...]:
         return (self,)
 
-    def with_size(self, size: int) -> "Strategy":
+    def with_size(self, size: int) -> Strategy:
         """This part with ``size`` devices on its axis."""
         return dataclasses.replace(self, size=size)
 
     @property
     def run_changes(self) -> tuple[Any, ...]:
         """How the parts change the way the model runs (e.g. a pipeline's
-        :class:`~parallax.sharding.pipeline.PipelineRun`), carried out by the step on the traced
+        :class:`~parallax.parallel.pipeline.part.PipelineRun`), carried out by the step on the traced
         loss; empty for parts that only place arrays."""
         return tuple(part.run_change for part in self.parts if getattr(part, "run_change", None) is not None)
 
     def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int]) -> None:
         """Raises ``ValueError`` for param paths this part cannot place (default: accepts all)."""
 
-    def fit_to_computation(self, computation: Any) -> "Strategy":
+    def fit_to_computation(self, computation: Any) -> Strategy:
         """This part, told what the traced loss shows (default: unchanged)."""
         return self
 
@@ -143,7 +144,7 @@ class Strategy:
         ranked = sorted(enumerate(self.parts), key=lambda pair: (pair[1].link_rank, pair[0]))
         return tuple(part.axis for _, part in ranked)
 
-    def resolved(self, mesh: Mesh) -> "Strategy":
+    def resolved(self, mesh: Mesh) -> Strategy:
         """This strategy with each ``-1`` size replaced by the size ``mesh`` gives its axis
         (itself when every size is already the mesh's).
 
@@ -275,7 +276,7 @@ class Strategy:
         """Whether a part (a ``TensorParallel`` that derives) still needs the computation to place params."""
         return any(part.needs_layout for part in self.parts if part is not self)
 
-    def fitted_to(self, computation: Any) -> "Strategy":
+    def fitted_to(self, computation: Any) -> Strategy:
         """This strategy with every part told what the traced loss shows (see :meth:`fit_to_computation`)."""
         if self.parts == (self,):
             return self.fit_to_computation(computation)
@@ -293,7 +294,8 @@ class Strategy:
             'DataParallel(data=2) × FSDP(fsdp=4): no part derives a layout (no tensor-parallel axis).'
         """
         reports = [report for part in self.parts if (report := part.layout_report()) is not None]
-        return "\n".join(reports) if reports else f"{self.describe()}: no part derives a layout (no tensor-parallel axis)."
+        return ("\n".join(reports) if reports
+                else f"{self.describe()}: no part derives a layout (no tensor-parallel axis).")
 
     described_options = ""  # what a part's one-line summary adds after its axis's size (", method='ring'")
 

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -74,7 +74,7 @@ class Topology:
         return self.hosts * self.devices_per_host
 
     @classmethod
-    def of(cls, devices: Sequence[jax.Device] | None = None) -> "Topology":
+    def of(cls, devices: Sequence[jax.Device] | None = None) -> Topology:
         """The hosts ``devices`` (all of ``jax.devices()`` by default) really span: one per
         process (per slice and process where JAX reports slices).
 
@@ -219,7 +219,7 @@ def host_crossing(strategy, mesh: jax.sharding.Mesh, topology: Topology | None =
         >>> topology = px.Topology(hosts=2, devices_per_host=4)
         >>> print(host_crossing(strategy, jax.make_mesh((4, 2), ("tensor", "fsdp")), topology))  # doctest: +ELLIPSIS
         The mesh's axis 'tensor' (size 4) spans hosts: ... strategy.make_mesh() keeps 'tensor' inside each host and lets 'fsdp' cross: ...
-    """
+    """  # noqa: E501 (a doctest's output)
     devices = list(mesh.devices.flat)
     if not spans_hosts(devices, topology):
         return None

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import optax
 from jax.sharding import Mesh
 
 from parallax.models import LossFn, unwrap_pretrained
-from parallax.sharding.auto import as_strategy
-from parallax.sharding.context import mesh_or_context
+from parallax.parallel.candidates import as_strategy
+from parallax.parallel.mesh_context import mesh_or_context
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import plan_state, warn_if_crossing, warn_if_unsharded
 from parallax.state.search import describe_changes, resolve

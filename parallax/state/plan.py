@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +17,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallax._compat import mesh_context
 from parallax._errors import first_line
 from parallax._tree import is_box, path_str
+from parallax.jaxpr.computation import Computation
 from parallax.models import LinenModel, LossFn, ModelAdapter, ModelRun, adapter_for, unwrap_pretrained
-from parallax.sharding.computation import Computation
-from parallax.sharding.expert_parallel import NoExpertsError
+from parallax.parallel.experts.part import NoExpertsError
+from parallax.parallel.pipeline.part import NoStackError
+from parallax.parallel.pipeline.stacked_blocks import stacked, unstacked
+from parallax.parallel.pipeline.stacking import stacking_groups, storage_specs
 from parallax.sharding.mesh import is_explicit
-from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import dims_axes, is_spec
-from parallax.sharding.stacked_blocks import stacked, unstacked
 from parallax.sharding.strategy import Strategy
-from parallax.state.direct import build_directly
+from parallax.state.given_params import build_directly
 from parallax.state.pretrained import place_params, put_own
-from parallax.state.stacking import stacking_groups, storage_specs
 from parallax.step.jit import jit_loss
 from parallax.step.mesh_mode import DETECT, check_sharding_mode, planned_in_mode
 from parallax.step.offload import check_offload, with_memory_kinds
@@ -169,7 +170,8 @@ def plan_state(
         abstract = _abstract(lambda k, b: make(k, b, boxed=True), key, example_batch)
         fitted = strategy
         if strategy.needs_computation:
-            computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, strategy, rng_streams)
+            computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, strategy,
+                                            rng_streams)
             try:
                 fitted = strategy.fitted_to(computation)
             except NoStackError as err:  # no stack: the model's one repeated block class, kept in a list, if it has one
@@ -253,7 +255,7 @@ def unsharded_reason(plan: StatePlan) -> str | None:
         >>> from parallax.state.plan import unsharded_reason
         >>> print(unsharded_reason(plan))  # doctest: +ELLIPSIS
         FSDP(fsdp=8) splits only 0.0% of the train state over 'fsdp': every param has at most min_weight_size=262,144 ...
-    """
+    """  # noqa: E501 (a doctest's output)
     fraction = plan.sharded_fraction()
     fsdp = next((part for part in plan.strategy.parts if part.gathers_params), None)
     if fraction >= UNSHARDED_FRACTION or fsdp is None or plan.mesh.shape[fsdp.axis] == 1:

@@ -39,7 +39,7 @@ def check_params(given: Any, expected: Any, where: str = "the pretrained params"
         Traceback (most recent call last):
         ...
         ValueError: The pretrained params do not fit the model: Dense_0/kernel is (3, 4) there but (4, 4) in the model. ...
-    """
+    """  # noqa: E501 (a doctest's output)
     got, want = _flat(given), _flat(expected)
     problems = []
     for path in sorted(set(got) | set(want)):
@@ -80,7 +80,7 @@ def read_params(path: str | os.PathLike, expected: Any, shardings: Any) -> Any:
     checkpointer = ocp.PyTreeCheckpointer()
     try:
         metadata = checkpointer.metadata(path)
-    except Exception as err:  # noqa: BLE001 - orbax raises many kinds for a folder that is not a checkpoint
+    except Exception as err:
         raise ValueError(f"params={path!r} is not an orbax checkpoint ({type(err).__name__}: "
                          f"{first_line(err, 200)}).") from err
     tree = getattr(metadata, "item_metadata", None) or getattr(metadata, "tree", None) or metadata
@@ -121,7 +121,7 @@ def _fits(tree: Any, expected: Any) -> bool:
 def _buffers(leaf: Any) -> set[int]:
     try:
         return {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
-    except Exception:  # noqa: BLE001 - a leaf whose buffers cannot be read (deleted, a typed key): compare nothing
+    except Exception:
         return set()
 
 

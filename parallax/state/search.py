@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,21 +30,31 @@ from parallax._errors import first_line
 from parallax._units import format_bytes
 from parallax.models import LossFn
 from parallax.models.blocks import repeated_blocks
+from parallax.parallel.candidates import (
+    AUTO,
+    candidates,
+    every_param,
+    is_auto,
+    layout_family,
+    layout_suffix,
+    more_candidates,
+    split_candidates,
+    split_label,
+    stacks,
+    with_split,
+)
+from parallax.parallel.mesh_context import mesh_on
 from parallax.pricing.choice import Choice, memory_budget, rank
 from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
-from parallax.sharding.auto import (AUTO, candidates, every_param, is_auto, layout_family, layout_suffix, split_candidates,
-                                    split_label, with_split)
-from parallax.sharding.context import mesh_on
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
-from parallax.state.more_candidates import more_candidates, stacks
 from parallax.state.plan import plan_state
 from parallax.state.search_budget import SearchBudget
 from parallax.state.summary import summarize
 from parallax.step.batch import check_batch_devices
 from parallax.step.build import Step, make_train_step
-from parallax.step.options import StepOptions
+from parallax.step.options import StepOptions, memory_fallbacks
 
 log = logging.getLogger("parallax")
 
@@ -76,8 +87,9 @@ class Resolved:
         seconds: what the search took (planning and compiling every candidate, and timing).
         changes: the step options the search changed because no candidate fitted the memory
             budget with the options given (``offload``, then ``remat`` of the model's repeated
-            blocks: :func:`_fallbacks`), as ``StepOptions`` fields; build the state and the step
-            with them (the Trainer and ``init_state`` do). Empty when nothing had to change.
+            blocks: :func:`~parallax.step.options.memory_fallbacks`), as ``StepOptions`` fields;
+            build the state and the step with them (the Trainer and ``init_state`` do). Empty when
+            nothing had to change.
         compile: the compile path the pick was priced on (``None`` when nothing was searched);
             with ``compile="auto"`` the Trainer builds its step on it (an FSDP split is only
             priced on the paths it is fast on: :data:`SPLIT_PLANS`).
@@ -164,14 +176,17 @@ def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_
 def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy | str, *, loss_fn: LossFn | None,
             devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
             options: StepOptions | None = None, rng: Any = 0, rng_streams: Sequence[str] = ("dropout",),
-            among: Sequence[Strategy] | None = None, steps: int | None = None, topology: Topology | None = None) -> Resolved:
+            among: Sequence[Strategy] | None = None, steps: int | None = None,
+            topology: Topology | None = None) -> Resolved:
     """The concrete strategy for ``strategy``: itself unless it is ``"auto"`` or has ``FSDP(split="auto")``.
 
     Args:
         model, optimizer, example_batch, loss_fn, rng, rng_streams: as for :func:`parallax.init_state`.
-        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices, :func:`~parallax.sharding.auto.candidates`,
-            and the pipeline, context and expert meshes the model calls for: :mod:`~parallax.state.more_candidates`)
-            or a strategy whose FSDP part has ``split="auto"`` (each split on the given mesh); any other is returned as is.
+        strategy: ``"auto"`` (every DP/FSDP/TP mesh of the devices,
+            :func:`~parallax.parallel.candidates.candidates`, and the pipeline, context and expert
+            meshes the model calls for: :func:`~parallax.parallel.candidates.more_candidates`) or a
+            strategy whose FSDP part has ``split="auto"`` (each split on the given mesh); any other
+            is returned as is.
         devices: the devices to search meshes over (all of this process's by default).
         mesh: for a split search, the mesh to use; ``strategy="auto"`` picks its own.
         options: the step's :class:`parallax.StepOptions` (``memory_budget``, ``grad_accum``,
@@ -204,11 +219,12 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
     pool = priced_candidates([strategy] if splitting else list(among or candidates(len(devices))), options.compile)
     spent = SearchBudget(options.search_seconds, steps, device_key(devices),
                          [_pool_label(candidate, splitting, split_open, path) for candidate, path, split_open in pool])
-    price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,  # noqa: E731
+    price = lambda opts: _price(pool, opts, model, optimizer, example_batch, loss_fn, mesh, devices, budget,
                                 splitting, rng, rng_streams, spent, topology)
     estimates, found, skipped, runnable = price(options)
-    fits = lambda found: budget is None or any(e.peak <= budget for e in found.values())  # noqa: E731
-    extra = more_candidates(stacks(found), model, example_batch, loss_fn, rng_streams, len(devices), not fits(estimates)) \
+    fits = lambda found: budget is None or any(e.peak <= budget for e in found.values())
+    extra = more_candidates(stacks(found), model, example_batch, loss_fn, rng_streams, len(devices),
+                            not fits(estimates)) \
         if strategy == AUTO and among is None else []  # pipelines, the sequence or experts over the devices
     if extra:
         more = _price(priced_candidates(extra, options.compile), options, model, optimizer, example_batch, loss_fn,
@@ -217,7 +233,7 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
             mine.update(theirs)
     changes: dict = {}
     if not fits(estimates):
-        for fields in _fallbacks(options, lambda: repeated_blocks(model, example_batch, loss_fn)):
+        for _, fields in memory_fallbacks(options, lambda: repeated_blocks(model, example_batch, loss_fn)):
             trial = price(dataclasses.replace(options, **fields))  # only when nothing fits without
             if fits(trial[0]):
                 log.info("No candidate fits the memory budget of %s per device as given; with %s some do.",
@@ -228,16 +244,17 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         reasons = "; ".join(f"{label}: {why}" for label, why in skipped.items())
         if budget is not None and all("over the budget" in why for why in skipped.values()):
             raise ValueError(f"strategy={strategy!r}: no candidate fits the memory budget of {format_bytes(budget)} "
-                             f"per device on {len(devices)} devices, with all state on the devices or offloaded to host "
-                             f"memory ({reasons}). Raise memory_budget, use more devices, rematerialise the model's "
-                             "blocks (remat=), or shrink the model or optimizer state.")
+                             f"per device on {len(devices)} devices, with all state on the devices or offloaded to "
+                             f"host memory ({reasons}). Raise memory_budget, use more devices, rematerialise the "
+                             "model's blocks (remat=), or shrink the model or optimizer state.")
         if splitting:  # the search could not compile this model's step: the split that needs no pricing
             log.info("FSDP(split='auto') could not price the splits (%s); each param is split along its largest dim.",
                      reasons)
             return _largest(strategy, mesh, devices, skipped, topology)
         raise ValueError(f"strategy={strategy!r}: no candidate applies on {len(devices)} devices ({reasons}).")
     choice, leaves = rank(estimates, budget, what="FSDP" if splitting else "strategy"), jax.tree.leaves(example_batch)
-    if not spent.stopped(estimates) and topology is None and all(isinstance(x, (np.ndarray, jax.Array)) for x in leaves):
+    if not spent.stopped(estimates) and topology is None and all(isinstance(x, (np.ndarray, jax.Array))
+                                                                 for x in leaves):
         families = None if splitting else {label: layout_family(found[label][0]) for label in estimates}
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices, families)
@@ -251,7 +268,8 @@ def _largest(strategy: Strategy, mesh: Mesh | None, devices: Sequence[jax.Device
              skipped: dict[str, str] | None = None, topology: Topology | None = None) -> Resolved:
     """An open split settled without pricing: each param split along its largest dim."""
     largest = with_split(strategy, "largest")
-    return Resolved(largest, mesh if mesh is not None else mesh_on(largest, devices, topology), skipped=dict(skipped or {}))
+    return Resolved(largest, mesh if mesh is not None else mesh_on(largest, devices, topology),
+                    skipped=dict(skipped or {}))
 
 
 def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Strategy, str | None, bool]]:
@@ -277,21 +295,6 @@ def priced_candidates(pool: Sequence[Strategy], compile: str) -> list[tuple[Stra
     return priced
 
 
-def _fallbacks(options: StepOptions, blocks: Callable[[], tuple[str, ...]]) -> Iterator[dict[str, Any]]:
-    """The option changes ``strategy="auto"`` tries when nothing fits, cheapest in speed first: the
-    optimizer state offloaded, the model's repeated blocks rematerialised (read only if needed),
-    the params offloaded too, and both."""
-    if options.offload is None:
-        yield {"offload": "optimizer"}
-    remat = () if options.remat else blocks()
-    if remat:
-        yield {"remat": remat}
-    if options.offload != "optimizer+params":
-        yield {"offload": "optimizer+params"}
-    if remat:
-        yield {"offload": "optimizer+params", "remat": remat}
-
-
 def describe_changes(changes: dict[str, Any]) -> str:
     """``offload='optimizer', remat=('Block',)``: option changes as you would write them."""
     return ", ".join(f"{name}={value!r}" for name, value in changes.items())
@@ -302,9 +305,10 @@ def _pool_label(candidate: Strategy, splitting: bool, split_open: bool, path: st
     return _label(candidate, None, splitting, split_open) + (f", {path}" if path else "")
 
 
-def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptions, model: Any, optimizer: Any, example_batch: Any,
-           loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None, splitting: bool, rng: Any,
-           rng_streams: Sequence[str], spent: SearchBudget | None = None, topology: Topology | None = None) -> tuple:
+def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptions, model: Any, optimizer: Any,
+           example_batch: Any, loss_fn: LossFn, mesh: Mesh | None, devices: Sequence[jax.Device], budget: int | None,
+           splitting: bool, rng: Any, rng_streams: Sequence[str], spent: SearchBudget | None = None,
+           topology: Topology | None = None) -> tuple:
     """Plans and compiles each candidate with ``options``, in order, until ``spent`` says stop: the
     cost model's estimates, the strategies and meshes, the skipped with their reasons, and what
     timing needs, by label."""
@@ -325,7 +329,8 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
                                  mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
             candidate_mesh = planned.mesh  # the state's (with a size-1 axis for one the model's sharding names)
-            layout = (tuple(candidate_mesh.shape.items()), str(planned.strategy.batch_spec()), repr(planned.strategy.run_changes),
+            layout = (tuple(candidate_mesh.shape.items()), str(planned.strategy.batch_spec()),
+                      repr(planned.strategy.run_changes),
                       str(jax.tree.leaves(planned.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
             if (path, layout) in laid_out:  # another split placed every array alike: the same program
                 skipped[label] = f"{SAME_AS}{laid_out[path, layout]} (every array laid out alike, on the same path)"
@@ -336,7 +341,8 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             if budget is not None and state_bytes > budget:  # pruned by memory before compiling
                 skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
                 continue
-            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) if path else (), topology=topology)
+            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) if path else (),
+                        topology=topology)
             placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
             step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
                                                                   abstract_batch(example_batch, placement))
@@ -357,4 +363,5 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
 def _timed(runnable: tuple, example_batch: Any, peak: int) -> Timed:
     """A priced candidate ready to run: its step on its mesh, its state's builder, the batch placed."""
     step, program, build, placement, state_bytes = runnable
-    return Timed(on_mesh(step, placement.mesh), program, build, jax.device_put(example_batch, placement), state_bytes, peak)
+    return Timed(on_mesh(step, placement.mesh), program, build, jax.device_put(example_batch, placement), state_bytes,
+                 peak)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from parallax import _cache, _multihost
 from parallax.pricing.timing import program_text

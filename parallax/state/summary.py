@@ -199,7 +199,8 @@ class Summary:
                                      ("state", self._total_header(), self._total_cells())):
             table = Table(title=title)
             for name in header:
-                table.add_column(name, justify="left" if name in ("param", "shape", "dtype", "spec", "state") else "right")
+                table.add_column(name,
+                                 justify="left" if name in ("param", "shape", "dtype", "spec", "state") else "right")
             for row in cells:
                 table.add_row(*row)
             console.print(table)

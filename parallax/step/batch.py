@@ -3,7 +3,8 @@ step is specific to."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -64,7 +65,7 @@ def check_batch_devices(batch: Any, mesh: Mesh | Sequence[jax.Device], taken: Na
         Traceback (most recent call last):
         ...
         ValueError: batch['x'] is laid out on a mesh with axes {'rows': 4, 'cols': 2} (P('rows',)), not as the step takes it ...
-    """
+    """  # noqa: E501 (a doctest's output)
     mesh_devices = set(mesh.devices.flat) if isinstance(mesh, Mesh) else set(mesh)
     target = f"the state's mesh {dict(mesh.shape)}" if isinstance(mesh, Mesh) else (
         f"the {len(mesh_devices)} devices the state is laid out over")
@@ -122,5 +123,6 @@ def host_leaves_placed(batch: Any, sharding: NamedSharding) -> Any:
     placed arrays (a search's pick) instead of compiling another for host arrays."""
     if jax.process_count() > 1:
         return batch
-    return jax.tree.map(lambda x: x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jax.device_put(x, sharding),
+    return jax.tree.map(lambda x: x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+                        else jax.device_put(x, sharding),
                         batch)  # device arrays, tracers and shapes (a step lowered from shapes) as they are

@@ -9,7 +9,7 @@ Two ways to compile, driven by the same spec tree and the same loss closure
   inserts every collective. Always used for pure tensor parallelism.
 
 ``compile="auto"`` is exact for any loss: ``jit`` unless the loss is a mean of per-example terms (marked
-:func:`parallax.per_example_loss`, or read so from its trace by :mod:`parallax.pricing.per_example_proof`),
+:func:`parallax.per_example_loss`, or read so from its trace by :mod:`parallax.jaxpr.per_example`),
 then whichever path the cost model prices faster for this model, strategy and batch (see ``Step.mode``).
 
 The optimizer update always runs outside ``shard_map`` on the global (sharded) arrays, so transformations that need
@@ -25,18 +25,24 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax._compat import mesh_context
+from parallax.jaxpr.per_example import Proof
 from parallax.models import LossFn
+from parallax.parallel.candidates import AUTO, as_strategy, from_mesh
+from parallax.parallel.pipeline.part import NoStackError
 from parallax.pricing.choice import Choice
-from parallax.pricing.per_example_proof import Proof
-from parallax.sharding.auto import AUTO, as_strategy, from_mesh
 from parallax.sharding.mesh import is_explicit
-from parallax.sharding.pipeline import NoStackError
 from parallax.sharding.specs import is_spec
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
+from parallax.step.batch import (
+    check_batch,
+    check_batch_devices,
+    host_leaves_placed,
+    layout_key,
+    leading_dims,
+    state_specs_of,
+)
 from parallax.step.compiled import CompiledPaths
-from parallax.step.batch import (check_batch, check_batch_devices, host_leaves_placed, layout_key, leading_dims,
-                                 state_specs_of)
 from parallax.step.jit import jit_gradients
 from parallax.step.mesh_mode import check_jit_only
 from parallax.step.offload import moved, placement, with_memory_kinds
@@ -88,8 +94,8 @@ class Step(CompiledPaths):
         self._fast: dict = {}  # (state layout, batch shapes) already checked -> jitted function
         self.choice: Choice | None = None  # the cost model's pick of the compile path, once made
         self.proof: Proof | None = None  # read from the loss's trace at the first call
-        self._microbatches_proven = False
-        self.searched = False  # its strategy is the pick of a search (FSDP's split='auto', strategy='auto')  # grad_accum's microbatches compute the batch's (read at the first call)
+        self._microbatches_proven = False  # grad_accum's microbatches compute the batch's (read at the first call)
+        self.searched = False  # its strategy is the pick of a search (FSDP's split='auto', strategy='auto')
         self.auto_strategy = strategy == AUTO
         self.explicit = False  # the state's mesh has Explicit axes (read at the first call)
         self._placement: dict = {}  # memory kinds of a state's leaves -> already where offload says
@@ -136,7 +142,7 @@ class Step(CompiledPaths):
             "compile path auto: jit, or the cost model's pick if the loss's trace shows a mean of per-example terms (read at the first call)"
             >>> px.make_eval_step(loss_fn, px.FSDP()).describe()
             'compile path jit: the loss sees the global batch'
-        """
+        """  # noqa: E501 (a doctest's output)
         if self.choice is not None:
             basis = "marked px.per_example_loss" if is_per_example_loss(self.loss_fn) else self.proof.reason
             return f"{self.choice.describe()}; both paths exact: {basis}{self._resharded()}"
@@ -184,7 +190,8 @@ class Step(CompiledPaths):
     def _taken(self, batch: Any, mesh: Mesh) -> Any:
         """``batch`` as the step takes it, its host leaves placed: every program of the step is compiled
         for placed arrays and called with them (one program, whether the caller placed them or not)."""
-        return batch if self.replicated_batch else host_leaves_placed(batch, NamedSharding(mesh, self.strategy.batch_spec()))
+        return (batch if self.replicated_batch
+                else host_leaves_placed(batch, NamedSharding(mesh, self.strategy.batch_spec())))
 
     def _placed(self, state: TrainState) -> tuple[TrainState, tuple[str, ...]]:
         """``state`` in the memory the step keeps each part in, and the parts in host memory
@@ -218,7 +225,8 @@ class Step(CompiledPaths):
             leading_dims(batch)
         else:
             check_batch(batch, self.strategy, mesh, self.options.grad_accum if self.train else 1)
-        parts, params_layout, batch = self._placed(state)[1], (state.params, specs.params, mesh), self._taken(batch, mesh)
+        parts, params_layout, batch = (self._placed(state)[1], (state.params, specs.params, mesh),
+                                       self._taken(batch, mesh))
         key = layout_key(state, parts)
         if key not in self._cache:
             with mesh_context(mesh):  # the loss's proof decides the paths
@@ -274,7 +282,8 @@ class Step(CompiledPaths):
         if self.proof is not None or len(self._allowed()[0]) == 1 or is_per_example_loss(self.loss_fn):
             return self.proof
         self.proof = read_proof(self.loss_fn, self.strategy, self.options, self.train, state, batch, mesh)
-        log.info("Loss as written: %s", self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
+        log.info("Loss as written: %s",
+                 self.proof.reason if self.proof else f"not proven per-example ({self.proof.reason})")
         return self.proof
 
     def _function(self, mode: str, mesh: Mesh, specs: TrainState, offloaded: tuple[str, ...]):
@@ -293,7 +302,8 @@ class Step(CompiledPaths):
                 jax.jit(eval_step, in_shardings=(shardings, batch_sharding), out_shardings=replicated))
 
 
-def make_train_step(loss_fn: LossFn, strategy: Strategy | str, options: StepOptions | None = None, **overrides: Any) -> Step:
+def make_train_step(loss_fn: LossFn, strategy: Strategy | str, options: StepOptions | None = None,
+                    **overrides: Any) -> Step:
     """A jitted ``step(state, batch) -> (state, metrics)`` for any strategy.
 
     Args:

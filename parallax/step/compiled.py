@@ -9,8 +9,8 @@ from typing import Any
 
 from parallax._compat import mesh_context
 from parallax._errors import first_line
+from parallax.parallel.pipeline.part import NoStackError
 from parallax.pricing.choice import Choice, choose, memory_budget
-from parallax.sharding.pipeline import NoStackError
 from parallax.step.batch import layout_key, state_specs_of
 from parallax.step.resharding import compile_reporting
 from parallax.step.run_changes import pipelined_blocks

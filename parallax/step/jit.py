@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -78,7 +79,7 @@ def _refused(loss: Callable, params: Any, rest: tuple) -> BaseException | None:
 
     try:
         jax.eval_shape(jax.value_and_grad(loss, has_aux=True), *jax.tree.map(typed, (params, *rest)))
-    except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
+    except Exception as err:
         if not is_mode_error(err):
             raise
         return err

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from jax.sharding import Mesh
 
@@ -96,14 +97,14 @@ def planned_in_mode(attempt: Callable[[Mesh], T], mesh: Mesh, mode: str = DETECT
             try:
                 with mesh_context(train_mesh):
                     result = attempt(train_mesh)
-            except Exception as err:  # noqa: BLE001 - JAX's sharding errors have no common type
+            except Exception as err:
                 found = _UNKNOWN_AXIS.search(str(err))
                 if found and found.group("axis") not in train_mesh.axis_names:  # kept whole along it
                     log.warning("The model's own sharding names mesh axis %r (in %s), which the mesh (%s) lacks: its "
                                 "params stay whole along it (the mesh gets a %r axis of size 1). Give the strategy a "
-                                "part on that axis to split them (e.g. px.TensorParallel(axis=%r)).", found.group("axis"),
-                                found.group("spec"), describe_axis_types(train_mesh), found.group("axis"),
-                                found.group("axis"))
+                                "part on that axis to split them (e.g. px.TensorParallel(axis=%r)).",
+                                found.group("axis"), found.group("spec"), describe_axis_types(train_mesh),
+                                found.group("axis"), found.group("axis"))
                     train_mesh = with_unit_axis(train_mesh, found.group("axis"))
                     continue
                 foreign = _FOREIGN_MESH.search(str(err))
@@ -145,8 +146,8 @@ def _foreign_mesh_message(ours: str, theirs: str) -> str:
     """The fix for a model whose shardings name a mesh it was built against, not the one it is trained on.
 
     Example:
-        >>> print(_foreign_mesh_message("AbstractMesh('data': 8, axis_types=(Auto,))",
-        ...                             "AbstractMesh('data': 1, 'fsdp': 8, axis_types=(Auto, Auto))"))  # doctest: +ELLIPSIS
+        >>> print(_foreign_mesh_message("AbstractMesh('data': 8, axis_types=(Auto,))",  # doctest: +ELLIPSIS
+        ...                             "AbstractMesh('data': 1, 'fsdp': 8, axis_types=(Auto, Auto))"))
         The model's own shardings name the mesh it was built against (fsdp=8 (and 1 more of size 1)), ...
     """
     return (f"The model's own shardings name the mesh it was built against ({_axes(theirs)}), and JAX runs them only "

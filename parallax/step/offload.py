@@ -62,13 +62,15 @@ def with_memory_kinds(shardings: TrainState, offload: str | tuple[str, ...] | No
     Example:
         >>> shardings = px.plan_state(model, optax.adam(1e-3), batch, strategy=px.FSDP(), loss_fn=loss_fn).shardings
         >>> placed = with_memory_kinds(shardings, "optimizer")
-        >>> {s.memory_kind for s in jax.tree.leaves(placed.opt_state)}, {s.memory_kind for s in jax.tree.leaves(placed.params)}
+        >>> ({s.memory_kind for s in jax.tree.leaves(placed.opt_state)},
+        ...  {s.memory_kind for s in jax.tree.leaves(placed.params)})
         ({'pinned_host'}, {'device'})
     """
     parts = offloaded_parts(offload)
     if not parts:  # nothing offloaded: the shardings as they are (the default memory)
         return shardings
-    kinds = {field: HOST if field in parts else DEVICE for field in ("step", "params", "opt_state", "rng", "model_state")}
+    kinds = {field: HOST if field in parts else DEVICE
+             for field in ("step", "params", "opt_state", "rng", "model_state")}
     return shardings.replace(**{field: _kind(getattr(shardings, field), kind) for field, kind in kinds.items()})
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from parallax._names import did_you_mean
 from parallax._units import parse_bytes
 from parallax.models.remat_policy import check_remat, is_policy
 from parallax.step.offload import check_offload
-from parallax.step.precision import Precision
-from parallax.step.precision import resolve as resolve_precision
+from parallax.step.precision_policy import Precision
+from parallax.step.precision_policy import resolve as resolve_precision
 
 COMPILE_MODES = ("auto", "shard_map", "jit")
 BATCH_STATS_MODES = ("global", "local")
@@ -71,7 +72,7 @@ class StepOptions:
             :mod:`parallax.state.search_budget`), so a rerun trains on the same plan.
         scan_lists: a list of identical blocks the model checkpoints (``nn.remat``, or ``remat=``
             naming their class) and calls in turn runs as one loop over their params stacked,
-            as a scanned stack runs (:mod:`parallax.models.list_scan`): the same operations, a
+            as a scanned stack runs (:mod:`parallax.step.list_scan`): the same operations, a
             compile time that does not grow with the depth, and FSDP gathering one block's params
             at a time. The state keeps the model's own tree. Where FSDP splits the params (with
             data and tensor parallelism or without): the loop copies each device's share of the
@@ -118,7 +119,8 @@ class StepOptions:
             raise ValueError(f"timed_candidates={self.timed_candidates!r}; use an integer >= 0 (0: no timing).")
         if self.search_seconds is not None and (isinstance(self.search_seconds, bool) or not isinstance(
                 self.search_seconds, (int, float)) or not self.search_seconds > 0):
-            raise ValueError(f"search_seconds={self.search_seconds!r}; use a number of seconds > 0, or None (no limit).")
+            raise ValueError(f"search_seconds={self.search_seconds!r}; use a number of seconds > 0, "
+                             "or None (no limit).")
         if not isinstance(self.scan_lists, bool):
             raise ValueError(f"scan_lists={self.scan_lists!r}; use True (a list of checkpointed blocks runs as a "
                              "loop) or False (unrolled).")
@@ -138,7 +140,7 @@ class StepOptions:
 
     @property
     def policy(self) -> Precision:
-        """The resolved :class:`parallax.step.precision.Precision`."""
+        """The resolved :class:`parallax.step.precision_policy.Precision`."""
         return resolve_precision(self.precision)
 
     @classmethod
@@ -147,7 +149,7 @@ class StepOptions:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def create(cls, options: "StepOptions | Mapping[str, Any] | None" = None, **overrides: Any) -> "StepOptions":
+    def create(cls, options: StepOptions | Mapping[str, Any] | None = None, **overrides: Any) -> StepOptions:
         """``options`` (an instance or a mapping) with ``overrides`` applied; unknown names are an error."""
         base = dict(options) if isinstance(options, Mapping) else (
             {name: getattr(options, name) for name in cls.names()} if isinstance(options, StepOptions) else {})
@@ -159,3 +161,42 @@ class StepOptions:
             raise ValueError(f"Unknown step option(s) {unknown}{did_you_mean(unknown, cls.names())}; the options are "
                              f"{sorted(cls.names())}.")
         return cls(**base)
+
+
+def memory_fallbacks(options: StepOptions, blocks: Callable[[], Sequence[str]], *,
+                     selective: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The option changes that trade speed for memory where nothing fits, cheapest in speed first: each as it is
+    written and as ``StepOptions`` fields. The optimizer state offloaded, the model's repeated blocks rematerialised
+    (``blocks()`` is read only where ``options`` leave remat open; with ``selective``, first with the matmuls'
+    outputs saved, ``jax.checkpoint_policies.dots_saveable``), the params offloaded too, and both.
+
+    ``strategy="auto"``'s search (:mod:`parallax.state.search`) tries them in this order without the selective
+    policy; ``px.plan``'s advice for a budget nothing fits (:mod:`parallax.plan.fixes`) with it.
+
+    Example:
+        >>> [text for text, _ in memory_fallbacks(StepOptions(offload="optimizer"), lambda: ("Block",))]
+        ["remat=('Block',)", "offload='optimizer+params'", "offload='optimizer+params', remat=('Block',)"]
+    """
+    tries: list[tuple[str, dict[str, Any]]] = []
+    if options.offload is None:
+        tries.append(("offload='optimizer'", {"offload": "optimizer"}))
+    remat = () if options.remat else tuple(blocks())
+    if remat and selective:
+        import jax
+
+        tries.append((_remat_text(remat, "jax.checkpoint_policies.dots_saveable"),
+                      {"remat": (*remat, jax.checkpoint_policies.dots_saveable)}))
+    if remat:
+        tries.append((_remat_text(remat), {"remat": remat}))
+    if options.offload != "optimizer+params":
+        tries.append(("offload='optimizer+params'", {"offload": "optimizer+params"}))
+    if remat:
+        tries.append((f"offload='optimizer+params', {_remat_text(remat)}",
+                      {"offload": "optimizer+params", "remat": remat}))
+    return tries
+
+
+def _remat_text(targets: Sequence[str], policy: str | None = None) -> str:
+    """``remat=('Block',)`` or ``remat=('Block', jax.checkpoint_policies.dots_saveable)``, as written."""
+    entries = [repr(target) for target in targets] + ([policy] if policy else [])
+    return f"remat=({', '.join(entries)}{',' if len(entries) == 1 else ''})"

@@ -9,8 +9,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from parallax.jaxpr.per_example import Proof, prove_loss
 from parallax.models import adapter_for
-from parallax.pricing.per_example_proof import Proof, prove_loss
 from parallax.sharding.strategy import Strategy
 from parallax.step.batch import leading_dims
 from parallax.step.jit import jit_run
@@ -83,7 +83,7 @@ def preferred(allowed: tuple[tuple[str, ...], str], prefer: tuple[str, ...]) -> 
 def read_proof(loss_fn: Any, strategy: Strategy, options: StepOptions, train: bool, state: Any, batch: Any,
                mesh: Mesh) -> Proof:
     """Whether the loss as written is a mean of per-example terms, read from its trace on one
-    microbatch (nothing compiles or runs): :func:`parallax.pricing.per_example_proof.prove_loss`."""
+    microbatch (nothing compiles or runs): :func:`parallax.jaxpr.per_example.prove_loss`."""
     # The model as the shard_map path runs it: BatchNorm's statistics summed over the data
     # shards (batch_stats="global"), which the proof reads as the whole batch's.
     data_axes = tuple(strategy.data_axes)
@@ -100,7 +100,7 @@ def check_microbatches(loss_fn: Any, options: StepOptions, state: Any, batch: An
 
     Accumulating ``k`` microbatches' gradients is one step on the batch exactly when the loss is
     a mean of per-example terms: read from the loss's trace at the batch and at one microbatch
-    (:func:`parallax.pricing.per_example_proof.prove_loss`, each per-example random draw read as
+    (:func:`parallax.jaxpr.per_example.prove_loss`, each per-example random draw read as
     a per-example value: a microbatch draws its rows' mask from its own key). A loss marked
     :func:`parallax.per_example_loss` is taken as its author says: each microbatch on its own.
 
@@ -118,9 +118,10 @@ def check_microbatches(loss_fn: Any, options: StepOptions, state: Any, batch: An
     where = f" (at {proof.where})" if proof.where else ""
     raise ValueError(
         f"grad_accum={options.grad_accum} splits each batch into microbatches, but the loss is not a mean of "
-        f"per-example terms: {proof.reason}{where}. Each microbatch would compute it on its own rows (a capacity, a batch "
-        "statistic or a normaliser over fewer examples), another objective than the whole batch's. Compute it within "
-        "each example (route a mixture of experts' tokens in groups of one sequence; normalise a masked mean by a "
-        "count that does not depend on the batch), or train with grad_accum=1 (more devices, or a smaller batch); or, "
+        f"per-example terms: {proof.reason}{where}. Each microbatch would compute it on its own rows "
+        "(a capacity, a batch statistic or a normaliser over fewer examples), another objective than the whole "
+        "batch's. Compute it within each example (route a mixture of experts' tokens in groups of one sequence; "
+        "normalise a masked mean by a count that does not depend on the batch), or train with grad_accum=1 (more "
+        "devices, or a smaller batch); or, "
         "if each microbatch computing on its own rows is what you want (as other libraries accumulate), mark the loss "
         "px.per_example_loss.")

@@ -2,7 +2,7 @@
 
 parallax's default is exact for any loss: ``compile="auto"`` runs the loss on the global
 batch (``jit`` with shardings) unless the loss is a mean of per-example terms, which it reads
-from the loss's trace (:mod:`parallax.pricing.per_example_proof`) or from this mark. A loss
+from the loss's trace (:mod:`parallax.jaxpr.per_example`) or from this mark. A loss
 normalised by a batch-wide count (masked LM: ``sum(token_losses) / num_masked``), one that
 reads batch-wide statistics (an MoE load-balancing term) or one that compares examples with
 each other (in-batch negatives, CLIP/SimCLR) is *not* a mean of per-example terms: computed
@@ -18,7 +18,8 @@ Marking a loss that is not per-example trains a different objective, exactly as
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)

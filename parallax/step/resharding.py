@@ -17,7 +17,7 @@ Example:
     ...         "As the last resort, SPMD will replicate the tensor and then partition it")
     >>> print(parse(text)[0].describe())
     f32[8,768] at jit(train_step)/transpose(jvp(Stack))/select_n: {devices=[8,1]<=[8]} -> {devices=[1,4,2]<=[2,4]T(1,0) last_tile_dim_replicate}
-"""
+"""  # noqa: E501 (a doctest's output)
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import re
 import sys
 import tempfile
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -195,7 +196,7 @@ def avoiding(strategy: Any, mode: str, paths: tuple[str, ...], searched: bool = 
         "Exact, but each copy costs memory and time. Laid out without them: compile='shard_map' (each FSDP param gathered whole before its layer); FSDP(split='largest') or split='input' (the params named lie along another dim); or FSDP's default split='auto', which prices every split and path"
         >>> avoiding(px.FSDP(split="largest"), "jit", ("jit",), searched=True)  # the split search's own pick
         "Exact, but each copy costs memory and time. Laid out without them: FSDP(split='input') or split='output' (the params named lie along another dim) (FSDP's split='auto' priced them and picked split='largest')"
-    """
+    """  # noqa: E501 (a doctest's output)
     ways = []
     if mode == "jit" and "shard_map" in paths:
         ways.append("compile='shard_map' (each FSDP param gathered whole before its layer)")

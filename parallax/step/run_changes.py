@@ -2,10 +2,10 @@
 
 A part that only places arrays leaves the loss as it is. A part with a ``run_change``
 (:attr:`parallax.sharding.strategy.Strategy.run_changes`) changes how the model computes it: a
-:class:`~parallax.sharding.pipeline.PipelineRun` runs the model's stack of blocks as a pipeline
-over its axis (:mod:`parallax.models.pipeline_stack`); a
-:class:`~parallax.sharding.context_parallel.ContextRun` splits each attention along its queries'
-sequence over its axis (:mod:`parallax.models.context_attention`). Each change is carried out on
+:class:`~parallax.parallel.pipeline.part.PipelineRun` runs the model's stack of blocks as a pipeline
+over its axis (:mod:`parallax.parallel.pipeline.stack`); a
+:class:`~parallax.parallel.context.part.ContextRun` splits each attention along its queries'
+sequence over its axis (:mod:`parallax.parallel.context.attention`). Each change is carried out on
 the traced loss, so the model's own code runs unchanged, and only on the ``jit`` path (the
 compiler places every other axis's collectives around it).
 """
@@ -14,24 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from jax.sharding import Mesh
 
 from parallax.models import ModelRun
-from parallax.models.batch_pins import batch_pinned
 from parallax.models.blocks import listed_siblings, repeated_blocks
-from parallax.models.context_attention import context_parallel
-from parallax.models.expert_dispatch import expert_parallel
-from parallax.models.list_scan import scanned_lists
-from parallax.models.pipeline_stack import pipelined
 from parallax.models.remat_policy import remat_parts
-from parallax.pricing.per_example_proof.layer import prove_layer
-from parallax.sharding.context_parallel import ContextRun
-from parallax.sharding.expert_parallel import ExpertRun
+from parallax.parallel.context.attention import context_parallel
+from parallax.parallel.context.part import ContextRun
+from parallax.parallel.experts.dispatch import expert_parallel
+from parallax.parallel.experts.part import ExpertRun
+from parallax.parallel.pipeline.layer_proof import prove_layer
+from parallax.parallel.pipeline.part import NoStackError, PipelineRun, blocks_unnamed, with_found_blocks
+from parallax.parallel.pipeline.stack import pipelined
 from parallax.sharding.mesh import is_explicit
-from parallax.sharding.pipeline import NoStackError, PipelineRun, blocks_unnamed, with_found_blocks
 from parallax.sharding.strategy import Strategy
+from parallax.step.batch_pins import batch_pinned
+from parallax.step.list_scan import scanned_lists
 
 log = logging.getLogger("parallax")
 
@@ -43,8 +43,8 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
     strategy that only places arrays and splits the batch (data parallelism, FSDP, with tensor
     parallelism) runs a list of identical checkpointed blocks as a loop where ``scan_lists`` and FSDP
     splits the params
-    (:mod:`parallax.models.list_scan`) and keeps the batch's split through the model's loops
-    (:mod:`parallax.models.batch_pins`)."""
+    (:mod:`parallax.step.list_scan`) and keeps the batch's split through the model's loops
+    (:mod:`parallax.step.batch_pins`)."""
     policy = remat_parts(remat)[1]
     spec = strategy.batch_spec()
     batch = spec[0] if spec else None
@@ -56,7 +56,7 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         loss = scanned_lists(loss, params_argnum=0)
     if batch and all(isinstance(c, ContextRun) for c in strategy.run_changes) and not is_explicit(mesh):
         # The batch's split kept through the model's loops (a scanned stack), which the compiler may
-        # otherwise gather to keep the weights where they are (parallax.models.batch_pins).
+        # otherwise gather to keep the weights where they are (parallax.step.batch_pins).
         loss = batch_pinned(loss, mesh=mesh, batch_axes=(batch,) if isinstance(batch, str) else tuple(batch),
                             batch_argnum=2)
     tiled = [c for c in strategy.run_changes if isinstance(c, ContextRun) and (c.method == "ring" or c.load_balance)]
@@ -78,7 +78,7 @@ def with_run_changes(loss: Callable, strategy: Strategy, mesh: Mesh, remat: tupl
         elif isinstance(change, PipelineRun):
             stages, shards = int(mesh.shape[change.axis]), strategy.data_shards(mesh)
             loss = pipelined(loss, mesh=mesh, axis=change.axis, repeats=change.repeats, policy=policy,
-                             microbatches=lambda rows, c=change: c.microbatches_for(rows, stages, shards),
+                             microbatches=lambda rows, c=change, n=stages, d=shards: c.microbatches_for(rows, n, d),
                              params_argnum=0, batch_argnums=(2,), state_argnums=(1,), prove=prove_layer,
                              keep_layer_inputs=change.remat == "layer",
                              marked=marks_blocks(change.blocks, remat))
@@ -96,14 +96,14 @@ def marks_blocks(blocks: str | type | None, remat: tuple) -> bool:
         >>> marks_blocks("Block", ()), marks_blocks("Block", ("Block",)), marks_blocks(None, ())
         (True, False, False)
     """
-    name = lambda entry: entry if isinstance(entry, str) else getattr(entry, "__name__", None)  # noqa: E731
+    name = lambda entry: entry if isinstance(entry, str) else getattr(entry, "__name__", None)
     return blocks is not None and name(blocks) not in {name(target) for target in remat_parts(remat)[0]}
 
 
 def with_blocks_marked(run: ModelRun, strategy: Strategy) -> ModelRun:
     """``run`` with the block classes a pipeline runs, and the expert classes expert parallelism
     runs, rematerialised: each call is then one call in the traced loss, which
-    :mod:`parallax.sharding.chains` (blocks called in turn) and :mod:`parallax.sharding.siblings`
+    :mod:`parallax.jaxpr.chains` (blocks called in turn) and :mod:`parallax.jaxpr.siblings`
     (experts called side by side) find: a list leaves no ``scan`` or stacked param to find. The
     pipeline runs each block's body itself, rematerialised per iteration; the experts run as one
     batch, rematerialised."""
@@ -122,7 +122,7 @@ def pipelined_blocks(strategy: Strategy, model: object, example_batch: object, l
     ``error`` raised, naming the block classes the model calls at several places, if any."""
     try:
         found = repeated_blocks(model, example_batch, loss_fn) if blocks_unnamed(strategy) else ()
-    except Exception:  # noqa: BLE001 (the error it adds to stands as it is)
+    except Exception:
         found = ()
     if len(found) != 1:
         hint = (f" The model calls {', '.join(found)} at several places: if those are its blocks, kept in a list, "
@@ -138,7 +138,7 @@ def listed_experts_hint(model: object, example_batch: object, loss_fn: object) -
     model calls side by side under one module, as ``ExpertParallel(modules=...)`` takes them."""
     try:
         found = listed_siblings(model, example_batch, loss_fn)
-    except Exception:  # noqa: BLE001 (a hint only: the error it adds to stands as it is)
+    except Exception:
         return ""
     return (f" The model calls {', '.join(found)} side by side: if those are its experts, kept in a list, "
             f"ExpertParallel(modules={found[0]!r}) runs them as one batch split by expert." if found else "")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +19,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from parallax._compat import shard_map
 from parallax.models import LossFn, ModelRun, ParamGather, adapter_for
-from parallax.models.list_scan import scanned_lists
 from parallax.sharding.gather import gather_once, scatter_mean
 from parallax.sharding.specs import dims_axes, is_spec, without_axes
 from parallax.sharding.strategy import Strategy
 from parallax.step.accumulate import accumulated
+from parallax.step.list_scan import scanned_lists
 from parallax.step.loss import loss_closure
 from parallax.step.options import StepOptions
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import optax
 from flax import struct
 
 from parallax.models import adapter_for
-from parallax.sharding.stacked_blocks import as_written
+from parallax.parallel.pipeline.stacked_blocks import as_written
 
 
 class TrainState(struct.PyTreeNode):
@@ -20,7 +21,7 @@ class TrainState(struct.PyTreeNode):
     Attributes:
         step: number of updates applied (int32 scalar).
         params: the model's params, unboxed (plain arrays, sharded as the strategy says); a
-            pipeline's list of blocks held stacked (:class:`parallax.sharding.stacked_blocks.StackedBlocks`,
+            pipeline's list of blocks held stacked (:class:`parallax.parallel.pipeline.stacked_blocks.StackedBlocks`,
             which reads as the list's mapping).
         opt_state: the optimizer state; moments are sharded like their params.
         rng: base PRNG key; step ``t`` uses ``fold_in(rng, t)``, so a resumed run

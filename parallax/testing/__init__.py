@@ -23,8 +23,26 @@ also twice what the optimizer amplifies of twice the gradients' rounding (:mod:`
 
 from parallax.testing.devices import fake_devices
 from parallax.testing.equivalence import EquivalenceReport, NotEquivalentError, assert_equivalent
-from parallax.testing.rounding import (LEVEL_MARGIN, ROUNDING_MARGIN, dither, excess, gradient_rounding,
-                                      optimizer_rounding, rounding_allowance)
+from parallax.testing.rounding import (
+                                      LEVEL_MARGIN,
+                                      ROUNDING_MARGIN,
+                                      dither,
+                                      excess,
+                                      gradient_rounding,
+                                      optimizer_rounding,
+                                      rounding_allowance,
+)
 
-__all__ = ["EquivalenceReport", "LEVEL_MARGIN", "NotEquivalentError", "ROUNDING_MARGIN", "assert_equivalent", "dither",
-           "excess", "fake_devices", "gradient_rounding", "optimizer_rounding", "rounding_allowance"]
+__all__ = [
+                                      "LEVEL_MARGIN",
+                                      "ROUNDING_MARGIN",
+                                      "EquivalenceReport",
+                                      "NotEquivalentError",
+                                      "assert_equivalent",
+                                      "dither",
+                                      "excess",
+                                      "fake_devices",
+                                      "gradient_rounding",
+                                      "optimizer_rounding",
+                                      "rounding_allowance",
+]

@@ -6,7 +6,8 @@ The tolerance policy (``tolerance="auto"``) is in :mod:`parallax.testing.roundin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,9 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from parallax._compat import mesh_context
 from parallax._tree import path_str
 from parallax.models import LossFn, adapter_for, unwrap_pretrained
-from parallax.sharding.auto import AUTO, as_strategy, from_mesh, is_auto
-from parallax.sharding.context import mesh_or_context
-from parallax.sharding.stacked_blocks import stacked_like, unstacked
+from parallax.parallel.candidates import AUTO, as_strategy, from_mesh, is_auto
+from parallax.parallel.mesh_context import mesh_or_context
+from parallax.parallel.pipeline.stacked_blocks import stacked_like, unstacked
 from parallax.sharding.strategy import Strategy
 from parallax.state.initialize import init_state
 from parallax.state.search import resolve
@@ -261,7 +262,8 @@ def _auto_tolerance(report, reference, ref: Run, initial, batches, final, state,
                                    jax.device_get(other), jax.device_get(dithered))
     compared = report.state_diffs["params"]  # the floating leaves
     allowed = {path: float(np.max(a)) for path, a in _by_path(allowance).items() if path in compared}
-    drift = dataclasses.replace(_report(strategy, mesh, "", placed.losses, ref.losses, placed.final, ref.final, 0.0, ""),
+    drift = dataclasses.replace(_report(strategy, mesh, "", placed.losses, ref.losses, placed.final, ref.final, 0.0,
+                                        ""),
                                 param_allowance=allowed,
                                 param_excess=excess(placed.final.params, ref.final.params, allowance))
     floor = drift.max_held

@@ -8,7 +8,7 @@ over the shards, BatchNorm over all of them) and averages, as that path declares
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,7 @@ class Reference:
             return grads, value, model_state
         total, values = None, []
         for index in range(self.accum):  # each microbatch keeps rows of every data shard
-            part = jax.tree.map(lambda x: self._microbatch(x, index), batch)
+            part = jax.tree.map(lambda x, index=index: self._microbatch(x, index), batch)
             (value, model_state), grads = jax.value_and_grad(self._loss, has_aux=True)(params, model_state, part,
                                                                                        key, index)
             total = grads if total is None else jax.tree.map(jnp.add, total, grads)
@@ -84,8 +84,8 @@ class Reference:
 
     def run(self, initial: TrainState, batches, place: Callable | None = None) -> Run:
         """Trains from ``initial`` on ``batches``, every step's inputs placed by ``place(tree, kind)``
-        (``kind``: ``"state"``, ``"batch"`` or ``"key"``) if given (so that one program runs them all: jit would compile again for outputs the
-        compiler laid out otherwise)."""
+        (``kind``: ``"state"``, ``"batch"`` or ``"key"``) if given (so that one program runs them all: jit
+        would compile again for outputs the compiler laid out otherwise)."""
         params, model_state, opt_state = initial.params, initial.model_state, initial.opt_state
         losses, inputs, grads = [], [], []
         for t, batch in enumerate(batches):
@@ -106,7 +106,8 @@ class Reference:
         ``place`` as :meth:`run` places them: read from the program ``run(..., place)`` runs (the
         optimizer's part of it, from ``initial``'s optimizer state, is not used)."""
         opt_state = place((initial.params, initial.model_state, initial.opt_state), "state")[2]  # placed once
-        return [self.step(*place((params, model_state, opt_state), "state"), place(batch, "batch"), place(key, "key"))[4]
+        return [self.step(*place((params, model_state, opt_state), "state"), place(batch, "batch"),
+                          place(key, "key"))[4]
                 for (params, model_state, key), batch in zip(inputs, batches, strict=True)]
 
     def dithered_gradients(self, inputs: list, batches, initial: TrainState) -> list:

@@ -38,7 +38,8 @@ as before.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,8 @@ from parallax._tree import path_str
 __all__ = ["LEVEL_MARGIN", "ROUNDING_MARGIN", "dither", "excess", "gradient_rounding", "optimizer_rounding",
            "rounding_allowance"]
 
-ROUNDING_MARGIN = 2.0  # the sensitivity alone was 1.9–4.1× the drift seen across stacks and ISAs (docs/guides/testing-your-model.md)
+# the sensitivity alone was 1.9–4.1× the drift seen across stacks and ISAs (docs/guides/testing-your-model.md)
+ROUNDING_MARGIN = 2.0
 LEVEL_MARGIN = 2.0  # a strategy's own roundings of a gradient were up to 1.8× the level read on one device (a ring's)
 
 

@@ -28,7 +28,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ written under FSDP on 8 devices restores under DP, on 4, or under a pipeline."""
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,9 +24,8 @@ if TYPE_CHECKING:
     import orbax.checkpoint as ocp
 
 from parallax import _multihost
-from parallax.sharding.stacked_blocks import as_written, stacked_like, unstacked
+from parallax.parallel.pipeline.stacked_blocks import as_written, stacked_like, unstacked
 from parallax.train.state_record import describe_optimizer_change, differences, signature, state_arrays, structure
-
 
 log = logging.getLogger("parallax")
 

@@ -11,7 +11,7 @@ import optax
 
 from parallax import _multihost
 from parallax.models import LossFn, ModelAdapter, ModelRun
-from parallax.sharding.stacked_blocks import unstacked
+from parallax.parallel.pipeline.stacked_blocks import unstacked
 from parallax.state.plan import StatePlan
 from parallax.state.summary import summarize
 from parallax.step.train_state import TrainState, model_rngs
@@ -29,13 +29,15 @@ def check_optimizer(optimizer: Any) -> None:
             f"optimizer is {getattr(optimizer, '__module__', '')}.{name}, a function; pass the optimizer it "
             f"builds, e.g. {name}(1e-3) (an optax GradientTransformation)."
         )
-    raise ValueError(f"optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {optimizer!r:.80}.")
+    raise ValueError("optimizer must be an optax GradientTransformation (e.g. optax.adam(1e-3)), "
+                     f"got {optimizer!r:.80}.")
 
 
 def check_loss_fn(loss_fn: Any, what: str) -> None:
     """Raises a clear error for a loss function that cannot be called as ``loss_fn(model, batch)``."""
     if not callable(loss_fn):
-        raise ValueError(f"{what} must be a function loss_fn(model, batch) -> loss | (loss, metrics), got {loss_fn!r:.80}.")
+        raise ValueError(f"{what} must be a function loss_fn(model, batch) -> loss | (loss, metrics), "
+                         f"got {loss_fn!r:.80}.")
     try:
         parameters = inspect.signature(loss_fn)
     except (TypeError, ValueError):

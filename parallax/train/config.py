@@ -134,7 +134,7 @@ class TrainerConfig:
         raise AttributeError(f"TrainerConfig has no option {name!r}")
 
     @classmethod
-    def create(cls, config: Any = None, **options: Any) -> "TrainerConfig":
+    def create(cls, config: Any = None, **options: Any) -> TrainerConfig:
         """Merges a ConfigDict/dict (first) and keywords (override) into a config."""
         merged: dict[str, Any] = {}
         if config is not None:
@@ -148,8 +148,10 @@ class TrainerConfig:
         unknown = sorted(set(merged) - own - step_names)
         if unknown:
             options = sorted((own | step_names) - {'step'} - set(_TRAINER_OWNED))
-            raise ValueError(f"Unknown Trainer option(s) {unknown}{did_you_mean(unknown, options)}; the options are {options}.")
-        step = StepOptions.create(merged.pop("step", None), **{k: merged.pop(k) for k in list(merged) if k in step_names})
+            raise ValueError(f"Unknown Trainer option(s) {unknown}{did_you_mean(unknown, options)}; "
+                             f"the options are {options}.")
+        step = StepOptions.create(merged.pop("step", None),
+                                  **{k: merged.pop(k) for k in list(merged) if k in step_names})
         return cls(**merged, step=step)
 
 
@@ -174,7 +176,7 @@ class FitResult(tuple):
 
     stop_reason: str
 
-    def __new__(cls, state: Any, history: History, stop_reason: str = "") -> "FitResult":
+    def __new__(cls, state: Any, history: History, stop_reason: str = "") -> FitResult:
         result = super().__new__(cls, (state, history))
         result.stop_reason = stop_reason
         return result
@@ -188,4 +190,5 @@ class FitResult(tuple):
         return self[1]
 
     def __repr__(self) -> str:
-        return f"FitResult(state=<step {getattr(self.state, 'step', '?')}>, history={len(self.history.train)} steps, stop_reason={self.stop_reason!r})"
+        return (f"FitResult(state=<step {getattr(self.state, 'step', '?')}>, history={len(self.history.train)} steps, "
+                f"stop_reason={self.stop_reason!r})")

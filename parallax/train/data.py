@@ -5,13 +5,14 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from parallax.train.rows import rows_held
+from parallax.train.process_rows import rows_held
 
 log = logging.getLogger("parallax")
 
@@ -88,7 +89,7 @@ class ArrayData:
 
     def hold(self, sharding: NamedSharding | None) -> None:
         """Lays each global batch out with ``sharding`` from now on: each process takes the rows its
-        devices hold (:func:`parallax.train.rows.rows_held`), whatever the mesh; ``None``: an equal
+        devices hold (:func:`parallax.train.process_rows.rows_held`), whatever the mesh; ``None``: an equal
         slice per process, by process index."""
         self._layout: NamedSharding | None = sharding
         self._held: dict[int, np.ndarray] = {}  # batch rows -> the positions this process takes

@@ -15,7 +15,8 @@ Example:
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from parallax import _multihost
 from parallax.step import metrics as metric_lib
 from parallax.train.data import ArrayData, to_global
-from parallax.train.rows import parts_fit
+from parallax.train.process_rows import parts_fit
 from parallax.train.sources import as_data
 
 
@@ -39,7 +40,7 @@ def eval_batches(source: Any, shards: int, sharding: Any = None) -> Iterator[tup
 
     An iterable yields each process's own part of every batch; with several processes
     they must yield the same number of batches (a clear error otherwise), and a batch whose
-    parts do not fit ``sharding`` (:func:`parallax.train.rows.parts_fit`) is given whole.
+    parts do not fit ``sharding`` (:func:`parallax.train.process_rows.parts_fit`) is given whole.
     """
     processes = jax.process_count()
     if isinstance(source, ArrayData):

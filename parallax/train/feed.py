@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -84,7 +85,7 @@ class Feed:
         finally:
             self._batches.close()
 
-    def __iter__(self) -> "Feed":
+    def __iter__(self) -> Feed:
         return self
 
     def __next__(self) -> tuple[Any, Any]:

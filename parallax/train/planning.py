@@ -13,9 +13,9 @@ from jax.dtypes import canonicalize_dtype
 from jax.sharding import NamedSharding
 
 from parallax import _multihost
+from parallax.parallel.candidates import AUTO, is_auto
+from parallax.parallel.mesh_context import mesh_or_context
 from parallax.pricing.host_layout import laid_out_by_bytes
-from parallax.sharding.auto import AUTO, is_auto
-from parallax.sharding.context import mesh_or_context
 from parallax.sharding.mesh import build_mesh, is_explicit
 from parallax.state.plan import StatePlan, plan_state, warn_if_crossing, warn_if_unsharded
 from parallax.state.search import abstract_batch, resolve
@@ -74,7 +74,8 @@ def lay_out_by_bytes(trainer: Any, example_batch: Any) -> None:
     ``px.plan`` compiles it), among the layouts where each process's part of an iterable still fits;
     process 0's choice on every process."""
     cfg, strategy, devices = trainer.config, trainer.strategy, list(trainer.mesh.devices.flat)
-    rows = trainer.batch_size or np.shape(jax.tree.leaves(example_batch)[0])[0]  # the global batch, as the step takes it
+    # the global batch, as the step takes it
+    rows = trainer.batch_size or np.shape(jax.tree.leaves(example_batch)[0])[0]
     example_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), canonicalize_dtype(x.dtype)),
                                  example_batch)
 

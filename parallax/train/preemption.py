@@ -51,7 +51,7 @@ class Preemption:
             if self._shared:
                 os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier, which tells every process
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         self.requested, self._agreed = None, False
         self._shared = jax.process_count() > 1 and _preemption_service() is not None
         if jax.process_count() > 1 and not self._shared:

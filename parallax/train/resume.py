@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 log = logging.getLogger("parallax")
 

@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from parallax.train.data import ArrayData, IterableData, check_batch_leaves, is_array_data
 from parallax.train.grain_data import MapData, allow_grain_workers, grain_kind
-from parallax.train.rows import check_parts_fit, parts_fit
+from parallax.train.process_rows import check_parts_fit, parts_fit
 
 log = logging.getLogger("parallax")
 _FORMS = {"map": "a grain.MapDataset", "iter": "a grain.IterDataset", "loader": "a grain.DataLoader"}
@@ -130,7 +131,7 @@ def check_first_batch(first: Any, source: Any, batch_size: int | None) -> None:
 
 def layouts_it_fits(source: Any, batch_size: int) -> Callable[[Any, Any], bool] | None:
     """For an iterable of each process's parts: whether a mesh and strategy lay the batch out so that
-    they fit (:func:`parallax.train.rows.parts_fit`); ``None`` for data read row by row (any mesh)."""
+    they fit (:func:`parallax.train.process_rows.parts_fit`); ``None`` for data read row by row (any mesh)."""
     if isinstance(source, ArrayData):
         return None
     return lambda mesh, strategy: parts_fit(NamedSharding(mesh, strategy.batch_spec()), batch_size)
@@ -140,7 +141,7 @@ def lay_out(source: Any, sharding: Any, batch_size: int) -> None:
     """Each process feeds the rows of every batch its devices hold under ``sharding``, whatever the
     mesh: array data and a ``grain.MapDataset`` read exactly those rows; an iterable's per-process
     parts must fit the layout (a ``ValueError`` before training otherwise:
-    :func:`parallax.train.rows.check_parts_fit`)."""
+    :func:`parallax.train.process_rows.check_parts_fit`)."""
     if isinstance(source, ArrayData):
         source.hold(sharding)
     else:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallax import _multihost
 from parallax.models import LossFn, adapter_for, unwrap_pretrained
-from parallax.sharding.auto import AUTO, as_strategy
+from parallax.parallel.candidates import AUTO, as_strategy
 from parallax.sharding.parts import DataParallel
 from parallax.sharding.strategy import Strategy
 from parallax.state.plan import StatePlan
@@ -31,19 +32,25 @@ from parallax.step.train_state import TrainState
 from parallax.train import elastic
 from parallax.train.callbacks import ProgressBar, StepInfo, due, read_wanted, state_wanted
 from parallax.train.checkpoint import Checkpointer, resume_step_of
-from parallax.train.checks import (check_eval_data, check_later_batch, check_loss_fn,
-                                   check_mesh_option, check_optimizer, check_plan)
+from parallax.train.checks import (
+    check_eval_data,
+    check_later_batch,
+    check_loss_fn,
+    check_mesh_option,
+    check_optimizer,
+    check_plan,
+)
 from parallax.train.config import FitResult, History, TrainerConfig
 from parallax.train.data import batch_signature, check_batch_leaves
 from parallax.train.evaluation import evaluate
 from parallax.train.feed import Feed, saved_state
 from parallax.train.guard import NonFiniteGuard
 from parallax.train.hooks import Checkpointing, Evaluation, Hook
-from parallax.train.peers import Peers
 from parallax.train.planning import plan_run
 from parallax.train.preemption import Preemption
+from parallax.train.process_failure import Peers
+from parallax.train.process_rows import rows_held
 from parallax.train.resume import data_position
-from parallax.train.rows import rows_held
 from parallax.train.sources import as_data, check_first_batch, epoch_steps, lay_out, layouts_it_fits
 
 log = logging.getLogger("parallax")
@@ -134,7 +141,8 @@ class Trainer:
         self.train_step = make_train_step(self.loss_fn, strategy, options)
         self.train_step.reuse(getattr(self.search, "step", None))  # the program the search compiled for its pick
         self.eval_step = make_eval_step(self.eval_loss_fn, strategy, options)
-        self.eval_step_any_size = make_eval_step(self.eval_loss_fn, strategy, options, compile="auto", replicated_batch=True)
+        self.eval_step_any_size = make_eval_step(self.eval_loss_fn, strategy, options, compile="auto",
+                                                 replicated_batch=True)
         self.batch_sharding = NamedSharding(mesh, strategy.batch_spec()) if mesh is not None else None
         self.replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
 
@@ -199,7 +207,8 @@ class Trainer:
                 with self._preemption:
                     held = len(rows_held(self.batch_sharding, self.batch_size))  # once, not at every step
                     check = lambda batch, step: check_later_batch(batch, step, self.batch_size, self.strategy,
-                                                                  self.batch_sharding, self.config.step.grad_accum, held)
+                                                                  self.batch_sharding, self.config.step.grad_accum,
+                                                                  held)
                     self.feed = Feed(source, self.start_step + self.data_offset, self.saved_data, self.batch_sharding,
                                      cfg.prefetch, check, self.start_step + 1, self.max_steps - self.start_step)
                     stop_reason = self._loop(source)
@@ -237,14 +246,16 @@ class Trainer:
                               "itself: arrays or a grain.MapDataset with batch_size=.")
         self.max_steps = cfg.max_steps if cfg.max_steps is not None else epoch_steps(source, cfg.epochs)
         summary = (cfg.progress if cfg.summary is None else cfg.summary) and _multihost.is_primary()
-        self.batch_size = int(getattr(source, "batch_size", None) or np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
+        self.batch_size = int(getattr(source, "batch_size", None)
+                              or np.shape(jax.tree.leaves(first)[0])[0] * jax.process_count())
         self.layout_allowed = layouts_it_fits(source, self.batch_size)
         check_plan(self._plan(first), summary, cfg.fail_if_replicated_over)
         lay_out(source, self.batch_sharding, self.batch_size)  # each process feeds the rows its devices hold
         if eval_data is not None:
             check_eval_data(self.adapter, self.plan.abstract, eval_data, self.eval_loss_fn, cfg)
         if self.checkpointer is not None:
-            self.checkpointer.check_writable(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.plan.abstract_arrays())))
+            self.checkpointer.check_writable(sum(x.size * x.dtype.itemsize
+                                                 for x in jax.tree.leaves(self.plan.abstract_arrays())))
         self.steps_per_epoch = source.steps_per_epoch
         self.start_step = self._start(first, resume_step, metadata)
         self._stop_reason = None
@@ -339,7 +350,8 @@ class Trainer:
             self.history.train.append({"step": step, **host})
             last = index == len(pending) - 1
             info = StepInfo(step=step, epoch=epoch, metrics=host, eval_metrics=eval_metrics if last else None,
-                            max_steps=self.max_steps, trainer=self, state=self.state if step == self._live_step else None)
+                            max_steps=self.max_steps, trainer=self,
+                            state=self.state if step == self._live_step else None)
             for callback in self.callbacks:
                 if due(callback, info):
                     callback.on_step(info)

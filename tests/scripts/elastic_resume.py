@@ -13,13 +13,13 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_p
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import logging  # noqa: E402
+import logging
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import parallax as px  # noqa: E402
-from tests.test_elastic import make_trainer, train_data  # noqa: E402
+import parallax as px
+from tests.test_elastic import make_trainer, train_data
 
 
 def main(argv):

@@ -25,13 +25,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import grain  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import grain
+import jax
+import numpy as np
+import optax
 
-import parallax as px  # noqa: E402
-from tests.models import MLP, classifier_loss  # noqa: E402
+import parallax as px
+from tests.models import MLP, classifier_loss
 
 EXAMPLES, BATCH = 256, 16
 
@@ -85,9 +85,10 @@ class KillAt:
 def trainer(out: str, steps: int, callbacks=(), devices=None) -> px.Trainer:
     # The split pinned: split="auto" times its candidates only for runs long enough to repay it, so a run of
     # 5 steps and one of 10 could pick two layouts (one float32 ulp apart) once a machine's timings are cached.
-    return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0, split="largest"), max_steps=steps,
-                      batch_size=BATCH, seed=0, compile="jit", checkpoint_dir=os.path.join(out, "ckpt"),
-                      checkpoint_every=1, async_checkpoints=False, progress=False, callbacks=callbacks,
+    return px.Trainer(MLP(), optax.adam(1e-2), classifier_loss, strategy=px.FSDP(min_weight_size=0, split="largest"),
+                      max_steps=steps, batch_size=BATCH, seed=0, compile="jit",
+                      checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1, async_checkpoints=False,
+                      progress=False, callbacks=callbacks,
                       devices=None if devices is None else jax.devices()[:devices])
 
 

@@ -24,15 +24,15 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
 
-import parallax as px  # noqa: E402
-from parallax.pricing.cost import calibrate  # noqa: E402
-from parallax.sharding.topology import crossing_axes  # noqa: E402
-from tests.models import MLP, StackedMLP, classifier_loss  # noqa: E402
+import parallax as px
+from parallax.pricing.cost import calibrate
+from parallax.sharding.topology import crossing_axes
+from tests.models import MLP, StackedMLP, classifier_loss
 
 BATCH, STEPS = 16, 3
 FSDP = dict(min_weight_size=0, split="largest")  # the split is not under test: nothing to search

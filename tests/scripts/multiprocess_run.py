@@ -38,12 +38,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import numpy as np
+import optax
 
-import parallax as px  # noqa: E402
-from tests.models import TinyLM, lm_loss  # noqa: E402
-from tests.reference import wait_for_newest_save  # noqa: E402
+import parallax as px
+from tests.models import TinyLM, lm_loss
+from tests.reference import wait_for_newest_save
 
 BATCH = 16
 

@@ -81,7 +81,7 @@ def main(argv):
     index, count = jax.process_index(), jax.process_count()
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(ROWS, 16)).astype(np.float32), "y": rng.integers(0, 4, ROWS).astype(np.int32)}
-    trainer = lambda **options: px.Trainer(MLP(), optax.sgd(0.1), loss_fn, strategy="dp", compile="jit",  # noqa: E731
+    trainer = lambda **options: px.Trainer(MLP(), optax.sgd(0.1), loss_fn, strategy="dp", compile="jit",
                                            batch_size=BATCH, shuffle=False, progress=False, **options)
     if args.short:
         process, fewer = at(args.short)

@@ -9,20 +9,21 @@ A signal "at N" is sent while step N's metrics are read (after step N+1 was disp
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # the suite's flags kept
+# the suite's flags kept
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import logging  # noqa: E402
-import signal  # noqa: E402
+import logging
+import signal
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import numpy as np
+import optax
 
-import parallax as px  # noqa: E402
-from tests.models import TinyLM, lm_loss  # noqa: E402
-from tests.reference import wait_for_newest_save  # noqa: E402
+import parallax as px
+from tests.models import TinyLM, lm_loss
+from tests.reference import wait_for_newest_save
 
 
 class Interrupt:

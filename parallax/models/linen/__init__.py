@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -18,12 +19,12 @@ from flax import errors as flax_errors
 
 from parallax._tree import unbox
 from parallax.models.adapter import LossFn, ModelRun
+from parallax.models.casts import Float32Outputs, cast_floating
 from parallax.models.linen.batchnorm import batch_stats_over
 from parallax.models.linen.constraints import constraints_within
 from parallax.models.linen.gather_box import GatherOnUse, box_for_gather, cast_box
 from parallax.models.linen.remat import remat_modules
 from parallax.models.linen.wrap import wrap_for_shard_map
-from parallax.models.precision import Float32Outputs, cast_floating
 from parallax.sharding.gather import gather_all
 
 __all__ = ["LinenModel", "is_linen_model", "wrap_for_shard_map"]
@@ -127,7 +128,7 @@ class LinenModel:
                                    cast_leaf=cast_box)
             batch = cast_floating(batch, run.compute_dtype)
             inner = method
-            method = lambda module, b: inner(Float32Outputs(module), b)  # noqa: E731
+            method = lambda module, b: inner(Float32Outputs(module), b)
         with batch_stats_over(run.batch_stats_axes), remat_modules(run.remat), constraints_within(run.constraint_axes):
             try:
                 output, updates = self.model.apply(

@@ -9,7 +9,7 @@ an axis that does not exist here), so the mean and variance are the global batch
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import flax.linen as nn
 

@@ -13,7 +13,8 @@ layout of the data axes inside ``shard_map`` is fixed by ``shard_map`` itself).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import flax.linen as nn
 

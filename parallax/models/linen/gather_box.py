@@ -37,13 +37,13 @@ class GatherOnUse(struct.PyTreeNode, meta.AxisMetadata):
         full = all_gather_mean_grad(self.value, self.axis_name, self.dim)
         return full if self.dtype is None else full.astype(self.dtype)
 
-    def replace_boxed(self, val: Any) -> "GatherOnUse":
+    def replace_boxed(self, val: Any) -> GatherOnUse:
         return self.replace(value=val)
 
-    def add_axis(self, index: int, params: dict[Any, Any]) -> "GatherOnUse":
+    def add_axis(self, index: int, params: dict[Any, Any]) -> GatherOnUse:
         return self.replace(dim=self.dim + (1 if index <= self.dim else 0))
 
-    def remove_axis(self, index: int, params: dict[Any, Any]) -> "GatherOnUse":
+    def remove_axis(self, index: int, params: dict[Any, Any]) -> GatherOnUse:
         if index == self.dim:
             raise ValueError(
                 f"A lifted transform (nn.scan / nn.vmap) maps over dim {index}, which FSDP "

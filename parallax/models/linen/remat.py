@@ -9,7 +9,7 @@ backward pass rather than gathering it again; the all-gather count is unchanged.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import flax.linen as nn
 
