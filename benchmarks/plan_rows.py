@@ -107,7 +107,7 @@ def _pick(pick) -> dict:
             "pruned": pick.pruned}
 
 
-def record(only: set[str] | None = None) -> dict:
+def record(only: set[str] | None = None, out_path: str | None = None) -> dict:
     import jax
     import optax
 
@@ -122,6 +122,7 @@ def record(only: set[str] | None = None) -> dict:
         start = time.perf_counter()
         report = px.plan(model, optax.adamw(1e-3), batch, loss_fn=loss_fn, strategies=strategies, timed_candidates=0)
         out["plans"][name] = [_row(row) for row in report.rows]
+        _save(out, out_path)
         print(f"plan {name}: {len(report.rows)} rows, {time.perf_counter() - start:.1f} s", flush=True)
     for name in ("mlp", "lm", "nnx_lm", "cnn"):
         if only and name not in only:
@@ -131,6 +132,7 @@ def record(only: set[str] | None = None) -> dict:
         state = px.init_state(model, optax.adamw(1e-3), batch, strategy=px.FSDP(min_weight_size=0), loss_fn=loss_fn,
                               options=px.StepOptions(timed_candidates=0, search_seconds=600))
         out["splits"][name] = _specs(state)
+        _save(out, out_path)
         print(f"split {name}: {time.perf_counter() - start:.1f} s", flush=True)
     for name in ("lm", "nnx_lm", "switch"):
         if only and name not in only:
@@ -144,9 +146,17 @@ def record(only: set[str] | None = None) -> dict:
             picks[hardware or "here"] = {"picks": [_pick(p) for p in report.picks],
                                          "rows": [_row(r) for r in report.rows]}
         out["auto"][name] = picks
+        _save(out, out_path)
         print(f"auto {name}: {[p['picks'][0]['strategy'] for p in picks.values()]}, "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     return out
+
+
+def _save(out: dict, path: str | None) -> None:
+    """The record so far (a long run leaves what it has recorded if it is stopped)."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(out, indent=1, sort_keys=True, default=str))
 
 
 def _specs(state) -> dict:
@@ -192,13 +202,9 @@ def main() -> int:
             diffs = compare(json.load(a), json.load(b))
         print("\n".join(diffs) if diffs else "identical: every row, split and pick")
         return 1 if diffs else 0
-    result = record(set(args.only.split(",")) if args.only else None)
-    text = json.dumps(result, indent=1, sort_keys=True, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    else:
-        print(text)
+    result = record(set(args.only.split(",")) if args.only else None, args.out)
+    if not args.out:
+        print(json.dumps(result, indent=1, sort_keys=True, default=str))
     return 0
 
 

@@ -148,8 +148,14 @@ class Trainer:
 
     # --- state ---------------------------------------------------------------------------
     def _plan(self, example_batch: Any) -> StatePlan:
-        """The run's plan, made at the first use of a batch (:func:`parallax.train.planning.plan_run`)."""
-        return plan_run(self, example_batch)
+        """The run's plan, made at the first use of a batch (:func:`parallax.train.planning.plan_run`): the
+        trainer takes its strategy, mesh, devices, config and search, and builds its steps on them."""
+        if self.plan is None:
+            run = plan_run(self, example_batch)
+            self.devices, self.config, self.search = run.devices, run.config, run.search
+            self._use(run.strategy, run.mesh)
+            self.plan = run.plan
+        return self.plan
 
     def init(self, example_batch: Any) -> TrainState:
         """Builds a fresh sharded state from an example (host) batch."""
