@@ -1,17 +1,18 @@
 """What planning finds, recorded so that a restructuring can be shown to change none of it.
 
-    python -m benchmarks.plan_rows --out /tmp/before.json     # record (8 simulated CPU devices, ~6 min)
+    python -m benchmarks.plan_rows --out /tmp/before.json     # record (8 simulated CPU devices, ~30 min on 2 cores)
+    python -m benchmarks.plan_rows --only lm,moe --sections plans --out /tmp/part.json   # some of it
     python -m benchmarks.plan_rows --compare /tmp/before.json /tmp/after.json
 
-Recorded per case: ``px.plan``'s rows for every strategy kind (DP, FSDP, TP, their hybrids, PP over a scan and
-over listed blocks, CP, EP over stacked and listed experts) on linen, NNX and Hugging Face models — each row's
-mesh, compile path, state bytes, compiled memory, peak and collective bytes by kind (every figure the compiler
-decides, none timed); FSDP's split pick (``FSDP(split="auto")`` through ``px.init_state``'s search: each param's
-spec, its candidates priced and never timed: ``timed_candidates=0``); and ``"auto"``'s pick and runner-up on three
-models, predicted on a named accelerator (``hardware="h100"``) and estimated by this machine's cost model.
-``--compare`` prints every difference and exits 1 if there is one. The step times the cost model estimates are
-recorded with the picks they decide but compared only through them: they read this machine's measured speeds
-(``~/.cache/parallax``), the same before and after on one machine.
+Recorded per case: ``px.plan``'s rows for every strategy kind (DP, FSDP, TP, their hybrids, PP over a scan and over
+listed blocks, CP gathered, by ring and load-balanced, EP over stacked and listed experts) on linen, NNX and
+Hugging Face models — each row's mesh, compile path, state bytes, compiled memory, peak and collective bytes by
+kind (every figure the compiler decides, none timed); FSDP's split pick (``FSDP(split="auto")`` through
+``px.init_state``'s search: each param's spec, its candidates priced and never timed: ``timed_candidates=0``); and
+``"auto"``'s pick and runner-up on three models, predicted on a named accelerator (``hardware="h100"``) and
+estimated by this machine's cost model. ``--compare`` prints every difference and exits 1 if there is one. The step
+times the cost model estimates are recorded with the picks they decide but compared only through them: they read
+this machine's measured speeds (``~/.cache/parallax``), the same before and after on one machine.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _models():
 
     rng = np.random.default_rng(0)
     lm_batch = {"x": rng.integers(0, 64, (16, 17)).astype(np.int32)}
-    long_batch = {"x": rng.integers(0, 64, (2, 129)).astype(np.int32)}
+    long_batch = {"x": rng.integers(0, 64, (4, 129)).astype(np.int32)}
+    from tests.test_expert_parallel import CapacityMoE, moe_loss
     del nn, jnp
     return {
         "mlp": (tm.MLP(), tm.classifier_loss, tm.batches("mlp", 1)[0]),
@@ -76,6 +78,7 @@ def _models():
         "nnx_lm": (lambda: NnxLM(nnx.Rngs(0)), nnx_loss, lm_batch),
         "gpt2": (third_party.gpt2(layers=2), third_party.causal_lm_loss, third_party.batches("text", 1)[0]),
         "switch": (ListedSwitch(16, 32, 4), tm.lm_loss, lm_batch),
+        "moe": (CapacityMoE(top_k=2, capacity_factor=1.25), moe_loss, lm_batch),
     }
 
 
@@ -88,12 +91,15 @@ def _cases(px):
                         px.combine(px.PipelineParallel(2), px.FSDP(4, min_weight_size=0))],
         "lm": ["dp", px.FSDP(min_weight_size=0), "tp", "fsdp+tp2",
                px.combine(px.PipelineParallel(2, blocks="Block"), px.DataParallel(4))],
-        "lm_long": [px.combine(px.ContextParallel(2), px.FSDP(4)),
+        "lm_long": [px.combine(px.ContextParallel(2), px.FSDP(4)), px.combine(px.ContextParallel(2, method="ring"),
+                                                                              px.DataParallel(4)),
                     px.combine(px.ContextParallel(4, load_balance=True), px.DataParallel(2))],
         "nnx_lm": ["dp", px.FSDP(min_weight_size=0), "tp"],
         "gpt2": [px.FSDP(min_weight_size=0), "tp",
                  px.combine(px.PipelineParallel(2, blocks="FlaxGPT2Block"), px.DataParallel(4))],
-        "switch": ["dp", px.ExpertParallel(4), px.combine(px.ExpertParallel(4), px.DataParallel(2))],
+        "switch": ["dp", px.combine(px.ExpertParallel(4, modules="Expert"), px.DataParallel(2)),
+                   px.combine(px.ExpertParallel(2, modules="Expert"), px.FSDP(4, min_weight_size=0))],
+        "moe": ["dp", px.ExpertParallel(8), px.combine(px.ExpertParallel(4), px.FSDP(2, min_weight_size=0))],
     }
 
 
@@ -107,7 +113,8 @@ def _pick(pick) -> dict:
             "pruned": pick.pruned}
 
 
-def record(only: set[str] | None = None, out_path: str | None = None) -> dict:
+def record(only: set[str] | None = None, out_path: str | None = None,
+           sections: tuple[str, ...] = ("plans", "splits", "auto")) -> dict:
     import jax
     import optax
 
@@ -116,7 +123,7 @@ def record(only: set[str] | None = None, out_path: str | None = None) -> dict:
     out = {"jax": jax.__version__, "devices": jax.device_count(), "plans": {}, "splits": {}, "auto": {}}
     models = _models()
     for name, strategies in _cases(px).items():
-        if only and name not in only:
+        if (only and name not in only) or "plans" not in sections:
             continue
         model, loss_fn, batch = models[name]
         start = time.perf_counter()
@@ -125,7 +132,7 @@ def record(only: set[str] | None = None, out_path: str | None = None) -> dict:
         _save(out, out_path)
         print(f"plan {name}: {len(report.rows)} rows, {time.perf_counter() - start:.1f} s", flush=True)
     for name in ("mlp", "lm", "nnx_lm", "cnn"):
-        if only and name not in only:
+        if (only and name not in only) or "splits" not in sections:
             continue
         model, loss_fn, batch = models[name]
         start = time.perf_counter()
@@ -135,7 +142,7 @@ def record(only: set[str] | None = None, out_path: str | None = None) -> dict:
         _save(out, out_path)
         print(f"split {name}: {time.perf_counter() - start:.1f} s", flush=True)
     for name in ("lm", "nnx_lm", "switch"):
-        if only and name not in only:
+        if (only and name not in only) or "auto" not in sections:
             continue
         model, loss_fn, batch = models[name]
         start = time.perf_counter()
@@ -195,6 +202,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the record here (JSON)")
     parser.add_argument("--only", help="comma-separated model names")
+    parser.add_argument("--sections", default="plans,splits,auto", help="of plans, splits, auto")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     if args.compare:
@@ -202,7 +210,7 @@ def main() -> int:
             diffs = compare(json.load(a), json.load(b))
         print("\n".join(diffs) if diffs else "identical: every row, split and pick")
         return 1 if diffs else 0
-    result = record(set(args.only.split(",")) if args.only else None, args.out)
+    result = record(set(args.only.split(",")) if args.only else None, args.out, tuple(args.sections.split(",")))
     if not args.out:
         print(json.dumps(result, indent=1, sort_keys=True, default=str))
     return 0

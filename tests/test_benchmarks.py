@@ -69,3 +69,21 @@ def test_fsdp_split_benchmark_smoke():
     default = re.search(r"the loss as written: mlp (largest/\w+)\)", proc.stdout).group(1)  # the cost model's pick
     assert len(rows) == 4 and "| mlp | largest/jit |" in proc.stdout, proc.stdout
     assert "1.00 (1.00–1.00)" in next(row for row in rows if row.startswith(f"| mlp | {default} |")), proc.stdout
+
+
+def test_plan_rows_compare_names_every_difference_but_the_cost_models_seconds():
+    """benchmarks/plan_rows.py's comparison (what shows a restructuring changed no plan) sees a changed figure, a
+    changed pick and a missing case, and ignores the estimated seconds (they read this machine's speeds)."""
+    from benchmarks.plan_rows import compare
+
+    before = {"jax": "0.10.2", "plans": {"mlp": [{"peak": 100, "collectives": {"all-gather": {"bytes": 8}}}]},
+              "auto": {"lm": {"h100": {"picks": [{"strategy": "DataParallel(data=8)", "seconds": 1.0}]}}}}
+    same = {"jax": "0.12.0", "plans": {"mlp": [{"peak": 100, "collectives": {"all-gather": {"bytes": 8}}}]},
+            "auto": {"lm": {"h100": {"picks": [{"strategy": "DataParallel(data=8)", "seconds": 1.5}]}}}}
+    assert compare(before, same) == []
+    moved = {"plans": {"mlp": [{"peak": 100, "collectives": {"all-gather": {"bytes": 16}}}]},
+             "auto": {"lm": {"h100": {"picks": [{"strategy": "FSDP(fsdp=8)", "seconds": 1.0}]}}}}
+    assert compare(before, moved) == [
+        ".auto.lm.h100.picks[0].strategy: 'DataParallel(data=8)' before, 'FSDP(fsdp=8)' after",
+        ".plans.mlp[0].collectives.all-gather.bytes: 8 before, 16 after"]
+    assert compare(before, {"plans": {"mlp": []}}) == [".auto: only before", ".plans.mlp: 1 entries before, 0 after"]
