@@ -5,7 +5,7 @@ The causal LM of ``benchmarks/context_speed.py`` (``TransformerLM``: 2 blocks of
 ``nn.MultiHeadDotProductAttention`` with ``nn.make_causal_mask``, width 64, 4 heads) trains on a batch
 of 8 sequences over 8 devices under ``ContextParallel(8)`` by the ring and load-balanced (gathered
 and round the ring). Each is compiled twice in this process: as parallax runs it (its softmax's
-weights in one pass over the tiles: ``parallax.parallel.context.online_softmax``) and with that form turned
+weights in one pass over the tiles: ``parallax.parallel.context.tiles``) and with that form turned
 off for its compile (a pass over the tiles for the maximum, one for the sum, one for the weights
 times the values: what ran before). Step times in interleaved rounds (each the mean of 3 steps);
 ``one pass ÷ passes`` is the ratio of the two step times within each round (min / median / max over

@@ -25,8 +25,8 @@ from parallax.parallel.context.attention import context_parallel
 from parallax.parallel.context.part import ContextRun
 from parallax.parallel.experts.dispatch import expert_parallel
 from parallax.parallel.experts.part import ExpertRun
-from parallax.parallel.pipeline.layer_proof import prove_layer
 from parallax.parallel.pipeline.part import NoStackError, PipelineRun, blocks_unnamed, with_found_blocks
+from parallax.parallel.pipeline.rows import prove_layer
 from parallax.parallel.pipeline.stack import pipelined
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.strategy import Strategy

@@ -13,7 +13,7 @@ model's own, traced at the whole sequence's shapes. They are re-run here at a bl
 value's queries' and keys' dims followed through them. Where they are a softmax's (a mask, a scale
 or dropout around it), the ring goes round once, each block's exponentials taken against the
 running maximum and the running sum and weighted values rescaled as it grows
-(:mod:`parallax.parallel.context.online_softmax`, as flash attention does). Otherwise a reduction over the
+(:mod:`parallax.parallel.context.tiles`, as flash attention does). Otherwise a reduction over the
 keys needs every block: each one gets a pass of the ring of its own, its blocks' partial results
 combined (max, sum or min), before the ops after it run on the combined value; the weights times
 ``v``, a sum over the keys, are summed over the blocks in the last pass. Values the ops read
@@ -36,8 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from parallax._compat import shard_map
-from parallax.parallel.context.online_softmax import find
-from parallax.parallel.context.tiles import Tiles
+from parallax.parallel.context.tiles import Tiles, find
 
 COMBINE = {"reduce_max": jax.lax.max, "reduce_min": jax.lax.min, "reduce_sum": jax.lax.add}
 IDENTITY = {jax.lax.max: -jnp.inf, jax.lax.min: jnp.inf, jax.lax.add: 0}
@@ -76,7 +75,7 @@ class Ring:
         online = find(tiles)
 
         def one_pass(q, k, v, sides):
-            """A softmax's weights in one pass round the ring (:mod:`parallax.parallel.context.online_softmax`)."""
+            """A softmax's weights in one pass round the ring (:mod:`parallax.parallel.context.tiles`)."""
             index = jax.lax.axis_index(self.axis)
             perm = [(i, (i + 1) % size) for i in range(size)]
 

@@ -71,7 +71,7 @@ def pipelined(fn: Callable, *, mesh: Mesh, axis: str, microbatches: int | Callab
         state_argnums: the arguments holding the model's mutable state (BatchNorm statistics):
             a stack that updates it is refused by name.
         prove: proves each layer computes every example on its own, so that microbatches
-            compute what the batch does (:func:`parallax.parallel.pipeline.layer_proof.prove_layer`,
+            compute what the batch does (:func:`parallax.parallel.pipeline.rows.prove_layer`,
             passed in by the step); a layer it does not prove is refused, naming the operation.
         keep_layer_inputs: where the blocks checkpoint themselves, keep each one's input too: each
             recomputed once, not twice (``PipelineParallel(remat="layer")``).
