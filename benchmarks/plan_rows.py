@@ -34,8 +34,6 @@ ROW_KEYS = ("strategy", "devices", "mesh", "compile", "state", "compiled", "peak
 
 
 def _models():
-    import flax.linen as nn
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -68,7 +66,6 @@ def _models():
     lm_batch = {"x": rng.integers(0, 64, (16, 17)).astype(np.int32)}
     long_batch = {"x": rng.integers(0, 64, (4, 129)).astype(np.int32)}
     from tests.test_expert_parallel import CapacityMoE, moe_loss
-    del nn, jnp
     return {
         "mlp": (tm.MLP(), tm.classifier_loss, tm.batches("mlp", 1)[0]),
         "cnn": (tm.CNN(), tm.classifier_loss, tm.batches("cnn", 1)[0]),

@@ -34,16 +34,21 @@ def _module_name(path: pathlib.Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imports(path: pathlib.Path) -> set[str]:
-    """Every module name an import statement in ``path`` names (``from a import b`` gives ``a`` and ``a.b``)."""
-    found = set()
+def import_statements(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """Each absolute import statement in ``path``, at the top or inside a function, as ``(module, names)``:
+    ``import a.b`` gives ``("a.b", [])``, ``from a import b, c`` gives ``("a", ["b", "c"])``."""
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.extend((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            found.append((node.module, [alias.name for alias in node.names]))
     return found
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    """Every module name an import statement in ``path`` names (``from a import b`` gives ``a`` and ``a.b``)."""
+    return {name for module, names in import_statements(path) for name in (module, *(f"{module}.{n}" for n in names))}
 
 
 def layer(module: str) -> int | None:
@@ -120,12 +125,11 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     """The parallax modules ``path`` imports, at the top or inside a function: for ``from a import b``, the module
     ``a.b`` where there is one, else ``a`` (the package whose ``__init__`` defines ``b``)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
-                         for alias in node.names)
+    for module, names in import_statements(path):
+        if not names:  # import a.b
+            found.add(module)
+        for name in names:
+            found.add(f"{module}.{name}" if f"{module}.{name}" in MODULES else module)
     return {name for name in found if name in MODULES}
 
 

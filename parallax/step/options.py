@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from parallax._names import did_you_mean
 from parallax._units import parse_bytes
 from parallax.models.remat_policy import check_remat, is_policy
@@ -182,8 +184,6 @@ def memory_fallbacks(options: StepOptions, blocks: Callable[[], Sequence[str]], 
         tries.append(("offload='optimizer'", {"offload": "optimizer"}))
     remat = () if options.remat else tuple(blocks())
     if remat and selective:
-        import jax
-
         tries.append((_remat_text(remat, "jax.checkpoint_policies.dots_saveable"),
                       {"remat": (*remat, jax.checkpoint_policies.dots_saveable)}))
     if remat:
