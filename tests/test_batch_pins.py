@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import parallax as px
 from parallax.pricing.cost import program_costs
 from parallax.pricing.fused_bytes import dot_flops
-from parallax.state.search import abstract_batch
+from parallax.state.candidate import abstract_batch
 
 pytestmark = pytest.mark.core
 

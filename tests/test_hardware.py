@@ -352,7 +352,7 @@ def test_a_gpu_steps_bytes_from_its_jaxpr_price_the_h200_runs_within_a_quarter()
     from benchmarks.gpu import MEMORY_CONFIGS, build
     from benchmarks.plan_hardware import RESULTS, measured
     from parallax.pricing.fused_bytes import dot_flops, fused_bytes
-    from parallax.state.search import abstract_batch
+    from parallax.state.candidate import abstract_batch
 
     with open(os.path.join(RESULTS, "gpu.json")) as f:
         truth = measured(json.load(f))

@@ -308,7 +308,7 @@ def test_layers_the_stages_do_not_divide_train_like_one_device_each_stage_holdin
     assert report.mode == "jit" and (model == "gpt2" or report.max_diff <= 1e-5), report
     if (model, layout, optimizer) == ("stack", "pp4-fsdp2", "adam"):
         from parallax.pricing.fused_bytes import dot_flops
-        from parallax.state.search import abstract_batch
+        from parallax.state.candidate import abstract_batch
 
         plans = {layers: px.plan_state(Stacked(layers), tx, batches[0], strategy=strategy, loss_fn=loss)
                  for layers in (10, 12)}

@@ -22,7 +22,8 @@ from parallax.pricing import choice as pricing_choice
 from parallax.pricing.cost import DeviceSpeeds, calibrate, estimate
 from parallax.sharding.mesh import build_mesh
 from parallax.sharding.topology import crossing_axes, hosts_of
-from parallax.state.search import abstract_batch, resolve
+from parallax.state.candidate import abstract_batch
+from parallax.state.search import resolve
 from tests.models import MLP, StackedMLP, batches, classifier_loss
 
 pytestmark = pytest.mark.core

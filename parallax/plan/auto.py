@@ -33,6 +33,7 @@ from typing import Any
 
 from parallax.models.traced import stacked_layers
 from parallax.parallel.candidates import candidates, layout_suffix, more_candidates, read_or_none
+from parallax.pricing.choice import ranked, runner_up
 from parallax.pricing.hardware import Hardware
 from parallax.sharding.strategy import Strategy
 
@@ -98,7 +99,7 @@ def in_bound_order(pool: list[Strategy], rows_for: Rows, bounds_for: Rows, befor
 def _runner_up_seconds(rows: Sequence[dict], budget: int | None) -> float:
     """The predicted step of the second fastest of ``rows`` that fit ``budget``, laid out otherwise than
     the fastest (infinite where there is none)."""
-    runner = _fastest_two(_fitting(rows, budget, _predicted), _predicted)[1]
+    runner = _best_two(rows, budget, _predicted)[1]
     return float("inf") if runner is None else _predicted(runner)
 
 
@@ -107,19 +108,28 @@ def _predicted(row: dict) -> float | None:
     return (row.get("step") or {}).get("seconds")
 
 
-def _fitting(rows: Sequence[dict], budget: int | None, seconds: Callable[[dict], float | None]) -> list[dict]:
-    """The ``rows`` planned (no error) that fit ``budget`` and have ``seconds``, fastest first."""
-    return sorted((row for row in rows if not row.get("error") and (budget is None or row["peak"] <= budget)
-                   and seconds(row) is not None), key=seconds)
+@dataclasses.dataclass(frozen=True)
+class _Cost:
+    """A row as a pick reads it (:class:`parallax.pricing.choice.Priced`)."""
+
+    seconds: float
+    peak: int
 
 
-def _fastest_two(fitting: list[dict], seconds: Callable[[dict], float | None]) -> tuple[dict | None, dict | None]:
-    """The first of ``fitting`` (fastest first) and the next laid out otherwise: not the same program (the same
-    peak, bytes moved and time, e.g. an FSDP that splits no param beside DP); ``None`` where there is none."""
-    if not fitting:
-        return None, None
-    alike = lambda row: (row["peak"], row["collective_bytes"], seconds(row))
-    return fitting[0], next((row for row in fitting[1:] if alike(row) != alike(fitting[0])), None)
+def _best_two(rows: Sequence[dict], budget: int | None,
+              seconds: Callable[[dict], float | None]) -> tuple[dict | None, dict | None, int]:
+    """The pick among ``rows`` (those planned, with ``seconds``) by the search's rule
+    (:func:`parallax.pricing.choice.ranked`: the fastest that fits ``budget``), its runner-up laid out otherwise (not
+    the same program: the same peak, bytes moved and time, e.g. an FSDP that splits no param beside DP), and how
+    many fit. ``None`` for a pick where none fits, for a runner-up where there is none."""
+    priced = {str(i): _Cost(seconds(row), row["peak"]) for i, row in enumerate(rows)
+              if not row.get("error") and seconds(row) is not None}
+    ordered, over, picked = ranked(priced, budget)
+    if picked is None or picked in over:
+        return None, None, 0
+    alike = {i: (rows[int(i)]["peak"], rows[int(i)]["collective_bytes"], cost.seconds) for i, cost in ordered.items()}
+    other = runner_up(ordered, picked, over, alike)
+    return rows[int(picked)], None if other is None else rows[int(other)], len(ordered) - len(over)
 
 
 def _labelled(rows: list[dict], strategies: Sequence[Strategy]) -> list[dict]:
@@ -168,17 +178,18 @@ class Pick:
 
 
 def pick(rows: Sequence[dict], devices: int, budget: int | None, hardware: Hardware | None) -> Pick:
-    """The fastest of ``rows`` (one device count's ``"auto"`` rows) that fits ``budget`` bytes a device."""
+    """The fastest of ``rows`` (one device count's ``"auto"`` rows) that fits ``budget`` bytes a device: the
+    search's rule (:func:`parallax.pricing.choice.ranked`), on the named hardware's predicted steps or the cost
+    model's estimates here."""
     planned = [row for row in rows if not row.get("error") or row.get("over_budget") or row.get("pruned")]
 
     seconds = _predicted if hardware is not None else lambda row: row.get("estimate")
-    fitting = _fitting(planned, budget, seconds)
     basis = "predicted" if hardware is not None else "est."
-    best, other = _fastest_two(fitting, seconds)
+    best, other, fitting = _best_two(planned, budget, seconds)
     if best is None:
         return Pick(devices, None, None, None, basis, 0, len(planned))
     runner = (other["strategy"], seconds(other)) if other is not None else None
-    return Pick(devices, best["strategy"], seconds(best), runner, basis, len(fitting), len(planned),
+    return Pick(devices, best["strategy"], seconds(best), runner, basis, fitting, len(planned),
                 sum(bool(row.get("pruned")) for row in planned))
 
 

@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 
 from parallax import inspect
 from parallax._errors import first_line
-from parallax._units import format_bytes
 from parallax.parallel.mesh_context import mesh_in_context, mesh_on
 from parallax.pricing.choice import choose
 from parallax.pricing.fused_bytes import matmul_dtype
@@ -27,11 +25,8 @@ from parallax.pricing.step_time import lower_bound, speeds, step_time
 from parallax.pricing.timing import closest
 from parallax.sharding.strategy import Strategy, combine
 from parallax.sharding.topology import Topology, crossing_axes, hosts_of
-from parallax.state.plan import plan_state, unsharded_reason, warn_if_crossing
-from parallax.state.search import abstract_batch
-from parallax.state.summary import summarize
-from parallax.step.build import make_train_step
-from parallax.step.offload import offloaded_parts
+from parallax.state.candidate import plan_candidate, without_memories
+from parallax.state.plan import unsharded_reason, warn_if_crossing
 from parallax.step.options import StepOptions
 
 DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "dp2+fsdp", "fsdp+tp2")
@@ -89,24 +84,19 @@ def evaluate(model: Any, optimizer: Any, example_batch: Any, loss_fn: Any, strat
     try:  # a jax.set_mesh's mesh where it fits; laid out over the topology's hosts where one is given
         mesh = mesh_on(strategy, devices, topology)
         row["mesh"] = {name: int(size) for name, size in mesh.shape.items()}
-        strategy.check_batch_size(int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0]), mesh,
-                                  multiple=options.grad_accum)
-        plan = plan_state(model, optimizer, example_batch, strategy=strategy, rng=rng, loss_fn=loss_fn, mesh=mesh,
-                          rng_streams=options.rng_streams, offload=options.offload)
-        totals = host_counted(summarize(plan, find_frozen=False).totals, options.offload, list(mesh.devices.flat))
-        state = totals["total"]["per_device"] - totals["total"]["host"]  # in device memory
-        if state_budget is not None and state > state_budget:  # pruned before compiling, as the search prunes
-            return {**row, "error": f"its state alone is {format_bytes(state)} per device, over the budget of "
-                                    f"{format_bytes(state_budget)}", "over_budget": True}
-        step = make_train_step(loss_fn, plan.strategy, options)
-        step.topology = topology  # its compile paths priced on the topology's links
+        candidate = plan_candidate(model, optimizer, example_batch, loss_fn, strategy, mesh=mesh, options=options,
+                                   rng=rng, topology=topology)  # its compile paths priced on the topology's links
+        plan, totals, step = candidate.plan, candidate.totals, candidate.step
+        over = candidate.over_budget(state_budget)
+        if over:  # pruned before compiling, as the search prunes
+            return {**row, "error": over, "over_budget": True}
         if hardware is not None:  # and at the hardware's speeds, not measured on devices that stand in for it
             step.speeds = speeds(hardware, "bf16" if options.policy.casts else "fp32")
-        batch = abstract_batch(example_batch, NamedSharding(mesh, plan.strategy.batch_spec()))
+        batch = candidate.batch
         if bound_only:
             return {**row, "strategy": plan.strategy.describe(mesh), "error": None, "state": state_bytes(totals),
                     "bound": None if hardware is None else _bound(step, plan, batch, hardware, mesh, totals)}
-        compiled = step.program(plan.abstract_arrays(), batch)  # the program the step compiled, not a second one
+        compiled = candidate.compiled()  # the program the step compiled, not a second one
         jaxpr = step.trace(plan.abstract_arrays(), batch).jaxpr.jaxpr if hardware is not None else None
     except (ValueError, TypeError) as err:  # a candidate that does not apply: the sizes, a rule, the batch
         return {**row, "error": first_line(err)}
@@ -169,28 +159,10 @@ def _state_share(plan: Any, totals: dict) -> tuple[list[tuple[int, ...]], float]
     return shapes, totals["total"]["per_device"] / max(totals["total"]["global"], 1)
 
 
-def _without_memories(devices: Sequence[jax.Device]) -> bool:
-    """Whether ``devices`` are a GPU described to XLA's GPU compiler without the GPUs: no memory spaces,
-    so JAX drops a sharding's ``pinned_host`` there and the program holds offloaded state in device memory."""
-    return devices[0].platform == "gpu" and jax.default_backend() != "gpu"
-
-
-def host_counted(totals: dict, offload: Any, devices: Sequence[jax.Device]) -> dict:
-    """``totals`` (:func:`parallax.summarize`'s) with the state that ``offload`` keeps in host memory
-    counted there on deviceless GPUs, where the shardings could not say so."""
-    if not offload or totals["total"]["host"] or not _without_memories(devices):
-        return totals
-    totals = {part: dict(counts) for part, counts in totals.items()}
-    for part in offloaded_parts(offload):
-        totals[part]["host"] = totals[part]["per_device"]
-    totals["total"]["host"] = sum(totals[part]["host"] for part in totals if part != "total")
-    return totals
-
-
 def host_placed(memory: dict[str, int], host: int, devices: Sequence[jax.Device]) -> dict[str, int]:
-    """``memory`` (a deviceless GPU's compiled step, see :func:`host_counted`) with the ``host`` bytes of
-    offloaded state moved from its arguments, outputs and donated buffers to host memory."""
-    if not host or memory["host"] or not _without_memories(devices):
+    """``memory`` (a deviceless GPU's compiled step, see :func:`parallax.state.candidate.host_counted`) with
+    the ``host`` bytes of offloaded state moved from its arguments, outputs and donated buffers to host memory."""
+    if not host or memory["host"] or not without_memories(devices):
         return memory
     return {"arguments": memory["arguments"] - host, "outputs": memory["outputs"] - host,
             "temporaries": memory["temporaries"], "aliased": max(memory["aliased"] - host, 0), "host": host}

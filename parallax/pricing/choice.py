@@ -9,8 +9,8 @@ bytes per device exceed the budget are dropped before the fastest is taken.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 
@@ -46,8 +46,7 @@ class Choice:
     @property
     def runner_up(self) -> str | None:
         """The fastest candidate after the pick that fits, if any."""
-        rest = [label for label in self.estimates if label != self.picked and label not in self.over_budget]
-        return rest[0] if rest else None
+        return runner_up(self.estimates, self.picked, self.over_budget)
 
     def describe(self) -> str:
         """One line: the pick, its estimate and the runner-up's.
@@ -103,11 +102,47 @@ def choose(compiled: Mapping[str, Any], devices: Sequence[jax.Device], budget: i
 
 
 def rank(estimates: Mapping[str, Estimate], budget: int | None, *, what: str) -> Choice:
-    """A :class:`Choice` over already priced candidates."""
+    """A :class:`Choice` over already priced candidates (process 0's pick on every process)."""
     if not estimates:
         raise ValueError(f"No candidate {what} to choose from.")
-    ordered = dict(sorted(estimates.items(), key=lambda item: item[1].seconds))
-    over = tuple(label for label, est in ordered.items() if budget is not None and est.peak > budget)
+    ordered, over, picked = ranked(estimates, budget)
+    return Choice(_multihost.agree(picked), ordered, budget, over, what)
+
+
+class Priced(Protocol):
+    """What a pick reads of a candidate: its step's seconds (estimated or predicted) and its peak bytes a device."""
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def peak(self) -> int: ...
+
+
+def ranked(priced: Mapping[str, Priced], budget: int | None) -> tuple[dict[str, Priced], tuple[str, ...], str | None]:
+    """The pick among candidates priced: the one rule of the search (:func:`rank`) and of ``px.plan``'s ``"auto"``
+    rows (:func:`parallax.plan.auto.pick`).
+
+    Returns ``priced`` fastest first (ties in the given order), the labels whose peak exceeds ``budget`` bytes a
+    device, and the pick: the fastest that fits, else the smallest peak (``None`` where nothing is priced).
+
+    Example:
+        >>> from types import SimpleNamespace as Cost
+        >>> ordered, over, picked = ranked({"a": Cost(seconds=2.0, peak=5), "b": Cost(seconds=1.0, peak=9),
+        ...                                 "c": Cost(seconds=3.0, peak=4)}, budget=8)
+        >>> list(ordered), over, picked, runner_up(ordered, picked, over)
+        (['b', 'a', 'c'], ('b',), 'a', 'c')
+    """
+    ordered = dict(sorted(priced.items(), key=lambda item: item[1].seconds))
+    over = tuple(label for label, cost in ordered.items() if budget is not None and cost.peak > budget)
     fitting = [label for label in ordered if label not in over]
-    picked = fitting[0] if fitting else min(ordered, key=lambda label: ordered[label].peak)
-    return Choice(_multihost.agree(picked), ordered, budget, over, what)  # process 0's pick, on every process
+    picked = fitting[0] if fitting else min(ordered, key=lambda label: ordered[label].peak, default=None)
+    return ordered, over, picked
+
+
+def runner_up(ordered: Mapping[str, Any], picked: str | None, over: Sequence[str],
+              alike: Mapping[str, Hashable] | None = None) -> str | None:
+    """The fastest of ``ordered`` (fastest first) after ``picked`` that fits (not in ``over``) and, where ``alike``
+    gives each label what its program is known by, is not laid out as the pick is."""
+    same = (lambda label: alike[label] == alike[picked]) if alike and picked is not None else (lambda label: False)
+    return next((label for label in ordered if label != picked and label not in over and not same(label)), None)

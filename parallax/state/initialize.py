@@ -102,9 +102,11 @@ def init_state(
     warn_if_crossing(strategy, mesh)  # a user's mesh whose tensor or FSDP axis spans hosts
     found = resolve(model, optimizer, example_batch, strategy, loss_fn=loss_fn, devices=devices, mesh=mesh,
                     options=options, rng=rng, rng_streams=rng_streams, steps=steps)
-    plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
-                      mesh=found.mesh, rng_streams=rng_streams, params=params, sharding_mode=sharding_mode,
-                      offload=found.changes.get("offload", StepOptions.create(options).offload))
+    plan = found.state_plan(found.mesh, params, sharding_mode)  # the search's, where it planned this state
+    if plan is None:
+        plan = plan_state(model, optimizer, example_batch, strategy=found.strategy, rng=rng, loss_fn=loss_fn,
+                          mesh=found.mesh, rng_streams=rng_streams, params=params, sharding_mode=sharding_mode,
+                          offload=found.changes.get("offload", StepOptions.create(options).offload))
     if found.changes:
         log.warning("strategy='auto' fits the memory budget only with %s: the state is built so; build the train "
                     "step with the same options (px.make_train_step(..., %s)).", describe_changes(found.changes),

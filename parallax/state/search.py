@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from parallax._errors import first_line
 from parallax._units import format_bytes
@@ -49,11 +49,12 @@ from parallax.pricing.cost import device_key
 from parallax.pricing.timing import Timed, on_mesh, settle
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import Topology
-from parallax.state.plan import plan_state
+from parallax.state.candidate import plan_candidate
+from parallax.state.plan import StatePlan
 from parallax.state.search_budget import SearchBudget
-from parallax.state.summary import summarize
 from parallax.step.batch import check_batch_devices
 from parallax.step.build import Step, make_train_step
+from parallax.step.mesh_mode import DETECT
 from parallax.step.options import StepOptions, memory_fallbacks
 
 log = logging.getLogger("parallax")
@@ -95,6 +96,9 @@ class Resolved:
             priced on the paths it is fast on: :data:`SPLIT_PLANS`).
         step: the pick's train step as the search compiled it (``None`` when nothing was
             searched): :meth:`train_step` trains with its program instead of compiling it again.
+        plan: the pick's state as the search planned it (``None`` when nothing was searched), with the options
+            it was priced with (:attr:`changes` included) and no params given: :meth:`state_plan` hands it on
+            rather than planning the same state again.
     """
 
     strategy: Strategy
@@ -105,6 +109,7 @@ class Resolved:
     changes: dict[str, Any] = dataclasses.field(default_factory=dict)
     compile: str | None = None
     step: Step | None = dataclasses.field(default=None, repr=False, compare=False)
+    plan: StatePlan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def timed(self) -> dict[str, float]:
@@ -127,6 +132,13 @@ class Resolved:
         step.reuse(self.step)
         step.searched = self.choice is not None
         return step
+
+    def state_plan(self, mesh: Mesh, params: Any = None, sharding_mode: str = DETECT) -> StatePlan | None:
+        """The state's plan the search made for its pick, where the state asked for on ``mesh`` is that one (the
+        pick's mesh, no ``params`` given, ``sharding_mode`` as the search planned it); else ``None``: plan it."""
+        if self.plan is None or params is not None or sharding_mode != DETECT or mesh is not self.mesh:
+            return None
+        return self.plan
 
     def headline(self) -> str:
         """What was chosen in a few words, for a progress line (:meth:`describe` has it all): ``FSDP
@@ -161,12 +173,6 @@ class Resolved:
             text += f", {len(alike)} laid out like another ({', '.join(alike)})"
         others = len(self.skipped) - len(untried) - len(alike)
         return text + (f", {others} skipped" if others else "")
-
-
-def abstract_batch(example_batch: Any, sharding: NamedSharding) -> Any:
-    """The batch's shapes and dtypes, placed like a real batch (no data needed)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x),
-                                                       sharding=sharding), example_batch)
 
 
 def _label(strategy: Strategy, mesh: Mesh | None, searching_splits: bool, split_open: bool) -> str:
@@ -258,8 +264,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
         families = None if splitting else {label: layout_family(found[label][0]) for label in estimates}
         choice = settle(choice, lambda label: _timed(runnable[label], example_batch, estimates[label].peak),
                         budget, options.timed_candidates, devices, families)
-    picked, picked_mesh, path, step = found[choice.picked]
-    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step)
+    picked, picked_mesh, path, step, plan = found[choice.picked]
+    resolved = Resolved(picked, picked_mesh, choice, skipped, time.perf_counter() - start, changes, path, step, plan)
     log.info("%s", resolved.describe())
     return resolved
 
@@ -312,7 +318,6 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
     """Plans and compiles each candidate with ``options``, in order, until ``spent`` says stop: the
     cost model's estimates, the strategies and meshes, the skipped with their reasons, and what
     timing needs, by label."""
-    rows = int(jax.numpy.shape(jax.tree.leaves(example_batch)[0])[0])
     estimates, found, skipped, runnable = {}, {}, {}, {}
     laid_out: dict[tuple, str] = {}  # (path, (mesh, batch and state layout)) -> the first candidate's label
     for candidate, path, split_open in pool:
@@ -325,27 +330,20 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
             candidate_mesh = mesh if mesh is not None else mesh_on(candidate, devices, topology)
             base = _label(candidate, candidate_mesh, splitting, split_open)
             label = base + (f", {path}" if path else "")
-            candidate.check_batch_size(rows, candidate_mesh, multiple=options.grad_accum)
-            planned = plan_state(model, optimizer, example_batch, strategy=candidate, rng=rng, loss_fn=loss_fn,
-                                 mesh=candidate_mesh, rng_streams=rng_streams, offload=options.offload)
-            candidate_mesh = planned.mesh  # the state's (with a size-1 axis for one the model's sharding names)
-            layout = (tuple(candidate_mesh.shape.items()), str(planned.strategy.batch_spec()),
-                      repr(planned.strategy.run_changes),
-                      str(jax.tree.leaves(planned.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
+            planned = plan_candidate(model, optimizer, example_batch, loss_fn, candidate, mesh=candidate_mesh,
+                                     options=options, rng=rng, rng_streams=rng_streams, topology=topology,
+                                     prefer=(path,) if path else ())
+            layout = planned.layout
             if (path, layout) in laid_out:  # another split placed every array alike: the same program
                 skipped[label] = f"{SAME_AS}{laid_out[path, layout]} (every array laid out alike, on the same path)"
                 continue
             laid_out[path, layout] = label
-            total = summarize(planned, find_frozen=False).totals["total"]
-            state_bytes = total["per_device"] - total["host"]  # in device memory
-            if budget is not None and state_bytes > budget:  # pruned by memory before compiling
-                skipped[label] = f"its state alone is {format_bytes(state_bytes)} per device, over the budget"
+            over = planned.over_budget(budget)
+            if over:  # pruned by memory before compiling
+                skipped[label] = over
                 continue
-            step = Step(loss_fn, planned.strategy, options, train=True, prefer=(path,) if path else (),
-                        topology=topology)
-            placement = NamedSharding(candidate_mesh, planned.strategy.batch_spec())
-            step_choice, functions, programs = step.compile_paths(planned.abstract_arrays(),
-                                                                  abstract_batch(example_batch, placement))
+            step_choice, functions, programs = planned.step.compile_paths(planned.plan.abstract_arrays(),
+                                                                          planned.batch)
         except (ValueError, TypeError) as err:  # does not apply: sizes, the batch, a layout
             skipped[label] = first_line(err)
             continue
@@ -354,9 +352,9 @@ def _price(pool: Sequence[tuple[Strategy, str | None, bool]], options: StepOptio
         estimates[label] = step_choice.estimates[step_choice.picked]
         if spent is not None:
             spent.priced(programs[step_choice.picked])
-        found[label] = (planned.strategy, candidate_mesh, step_choice.picked, step)
-        runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.build, placement,
-                           state_bytes)
+        found[label] = (planned.plan.strategy, planned.plan.mesh, step_choice.picked, planned.step, planned.plan)
+        runnable[label] = (functions[step_choice.picked], programs[step_choice.picked], planned.plan.build,
+                           planned.batch_sharding, planned.state_bytes)
     return estimates, found, skipped, runnable
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.dtypes import canonicalize_dtype
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from parallax import _multihost
 from parallax.parallel.candidates import AUTO, is_auto
@@ -20,9 +20,9 @@ from parallax.parallel.mesh_context import mesh_or_context
 from parallax.pricing.host_layout import laid_out_by_bytes
 from parallax.sharding.mesh import build_mesh, is_explicit
 from parallax.sharding.strategy import Strategy
+from parallax.state.candidate import plan_candidate
 from parallax.state.plan import StatePlan, plan_state, warn_if_crossing, warn_if_unsharded
-from parallax.state.search import Resolved, abstract_batch, resolve
-from parallax.step.build import make_train_step
+from parallax.state.search import Resolved, resolve
 
 log = logging.getLogger("parallax")
 
@@ -79,9 +79,11 @@ def plan_run(trainer: Any, example_batch: Any) -> RunPlan:
         mesh = lay_out_by_bytes(trainer, strategy, mesh, cfg, example_batch)
     else:
         warn_if_crossing(strategy, mesh)  # a user's mesh whose tensor or FSDP axis spans hosts
-    plan = plan_state(trainer.model, trainer.optimizer, example_batch, strategy=strategy, rng=cfg.seed,
-                      loss_fn=trainer.loss_fn, mesh=mesh, rng_streams=cfg.step.rng_streams,
-                      params=trainer.pretrained, sharding_mode=cfg.sharding_mode, offload=cfg.step.offload)
+    plan = search.state_plan(mesh, trainer.pretrained, cfg.sharding_mode) if search is not None else None
+    if plan is None:  # not the state the search planned for its pick (another mesh, params given): planned here
+        plan = plan_state(trainer.model, trainer.optimizer, example_batch, strategy=strategy, rng=cfg.seed,
+                          loss_fn=trainer.loss_fn, mesh=mesh, rng_streams=cfg.step.rng_streams,
+                          params=trainer.pretrained, sharding_mode=cfg.sharding_mode, offload=cfg.step.offload)
     changed = plan.mesh is not mesh or is_explicit(plan.mesh)  # axis types follow the model
     warn_if_unsharded(plan)
     if changed and cfg.progress and _multihost.is_primary():
@@ -100,13 +102,10 @@ def lay_out_by_bytes(trainer: Any, strategy: Strategy, mesh: Mesh, cfg: Any, exa
     example_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), canonicalize_dtype(x.dtype)),
                                  example_batch)
 
-    def compiled(candidate):
-        plan = plan_state(trainer.model, trainer.optimizer, example_batch, strategy=strategy, rng=cfg.seed,
-                          loss_fn=trainer.loss_fn, mesh=candidate, rng_streams=cfg.step.rng_streams,
-                          params=None, sharding_mode=cfg.sharding_mode, offload=cfg.step.offload)
-        step = make_train_step(trainer.loss_fn, plan.strategy, cfg.step)
-        return step.lower(plan.abstract_arrays(), abstract_batch(example_batch, NamedSharding(
-            plan.mesh, plan.strategy.batch_spec()))).compile()
+    def compiled(candidate: Mesh) -> Any:  # the state planned once per layout tried, as px.plan plans a candidate
+        return plan_candidate(trainer.model, trainer.optimizer, example_batch, trainer.loss_fn, strategy,
+                              mesh=candidate, options=cfg.step, rng=cfg.seed,
+                              sharding_mode=cfg.sharding_mode).compiled()
 
     fits = trainer.layout_allowed
     layout = laid_out_by_bytes(compiled, strategy, devices, allowed=fits and (lambda m: fits(m, strategy)))
