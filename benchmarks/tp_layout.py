@@ -82,7 +82,7 @@ def bench(kind: str, names: list[str], rounds: int, scale: float) -> list[dict]:
             "state_bytes": {"derived": state_bytes_per_device(derived.state),
                             "hand-written": state_bytes_per_device(written.state)},
             "collective_bytes": {"derived": derived.collective_total(), "hand-written": written.collective_total()},
-            "split_fraction": derived_plan.strategy.parts[-1].layout.split_fraction,
+            "split_fraction": derived_plan.found.of(derived_plan.strategy.parts[-1]).split_fraction,
             "only_derived": sorted(set(layout_derived.items()) - set(layout_written.items())),
             "only_handwritten": sorted(set(layout_written.items()) - set(layout_derived.items())),
             "layout": derived_plan.describe_layout(),

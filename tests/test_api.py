@@ -100,6 +100,55 @@ def test_a_new_kind_of_part_is_classified_by_what_it_declares():
     assert spec["Dense_0"]["kernel"] == jax.sharding.PartitionSpec("expert", "fsdp")
 
 
+def test_what_a_part_finds_stays_beside_the_strategy():
+    """A part of the user's own that reads the traced loss: its record is the plan's, handed back as found=; the
+    plan's strategy is the one given; a part written for the old protocol (fit_to_computation) is refused."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Widest(Strategy):  # splits the largest kernel the traced loss shows, nothing else
+        size: int = -1
+        axis: str = "wide"
+        splits_batch = False
+        gathers_params = False
+        placement_priority = 15
+        uses_computation = True
+
+        def find_in(self, computation):
+            shapes = dict(zip(computation.param_paths, computation.param_shapes))
+            return max((path for path in shapes if path.endswith("kernel")), key=lambda path: np.prod(shapes[path]))
+
+        def place(self, path, shape, dims, axis_sizes, found=None):
+            return [*dims[:-1], self.axis] if path == found else dims
+
+        def why_whole(self, path, shape, axis_sizes, found=None):
+            return f"not the largest kernel ({found})"
+
+    given = px.combine(px.DataParallel(2), Widest(2))
+    model, batch = MLP(hidden=64), {"x": np.ones((8, 16), np.float32), "y": np.zeros((8,), np.int32)}
+    plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=given, loss_fn=classifier_loss,
+                         mesh=given.make_mesh(jax.devices()[:4]))
+    assert plan.strategy == given and plan.strategy is given
+    assert plan.found["wide"] == "hidden/kernel" and plan.found.of(given.parts[0]) is None  # (64, 64)
+    assert plan.specs.params["hidden"]["kernel"] == jax.sharding.PartitionSpec(None, "wide")
+    assert plan.specs.params["up"]["kernel"] == jax.sharding.PartitionSpec()
+    whole = {row.path: row.reason for row in px.summarize(plan, large_bytes=0).lint.replicated}
+    assert "not the largest kernel (hidden/kernel)" in whole["up/kernel"], whole
+
+    with pytest.raises(TypeError, match=r"defines fit_to_computation.*find_in\(computation\)"):
+        @dataclasses.dataclass(frozen=True)
+        class Old(Strategy):
+            size: int = -1
+            axis: str = "old"
+            splits_batch = gathers_params = False
+            placement_priority = 15
+
+            def place(self, path, shape, dims, axis_sizes):
+                return dims
+
+            def fit_to_computation(self, computation):
+                return self
+
+
 # --- fit's result ----------------------------------------------------------------------------
 def test_fit_unpacks_as_documented():
     trainer = px.Trainer(MLP(), optax.sgd(0.1), classifier_loss, strategy=px.FSDP(min_weight_size=0),

@@ -110,6 +110,6 @@ def test_derived_tensor_layout_splits_most_of_the_model(model_name):
 
     plan = px.plan_state(module(model_name), optax.sgd(0.1), batches(kind, 1)[0], loss_fn=loss_fn,
                          strategy=px.combine(px.DataParallel(4), px.TensorParallel(2)))
-    layout = plan.strategy.parts[1].layout
+    layout = plan.found.of(plan.strategy.parts[1])
     print(plan.describe_layout())
     assert layout.split_fraction >= 0.5, plan.describe_layout()

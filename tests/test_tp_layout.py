@@ -177,7 +177,7 @@ def test_too_little_split_is_an_error_naming_the_reason():
         _plan(OnlyOddHeads(), batch, TP2(), loss_fn)
     plan = _plan(OnlyOddHeads(), batch, px.combine(px.DataParallel(4), px.TensorParallel(2, min_split_fraction=0)),
                  loss_fn)
-    assert plan.strategy.parts[1].layout is not None
+    assert plan.found.of(plan.strategy.parts[1]) is not None
 
 
 def test_rules_override_and_the_rest_is_derived():

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -344,7 +344,8 @@ def rows(batch: Any) -> int:
     return next((int(shape[0]) for shape in shapes if shape), 0)
 
 
-def stacks(found: dict) -> bool:
-    """Whether a priced candidate found a stack of blocks in the model (an FSDP part told which
-    param dims a ``scan`` steps over)."""
-    return any(getattr(part, "scanned", None) for strategy, *_ in found.values() for part in strategy.parts)
+def stacks(plans: Iterable[Any]) -> bool:
+    """Whether a priced candidate found a stack of blocks in the model: its FSDP part found the
+    param dims a ``scan`` steps over (``plans``: the candidates' state plans)."""
+    return any(plan.found.of(part) for plan in plans for part in plan.strategy.parts
+               if isinstance(part, (FSDP, ContextParallel)))

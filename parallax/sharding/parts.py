@@ -80,8 +80,6 @@ class FSDP(Strategy):
             compile paths it is fast on, the search bounded by what the run's steps could win back,
             :mod:`parallax.state.search`; ``"largest"`` without a loss), ``"largest"``, ``"output"`` (a
             kernel's output features: the compiler may move activations instead of weights) or ``"input"``.
-        scanned: param dims a ``scan`` steps over, by path (set when the state is planned;
-            not part of the strategy's identity).
 
     Example:
         >>> strategy = px.FSDP(min_weight_size=2**14)
@@ -93,7 +91,6 @@ class FSDP(Strategy):
     axis: str = "fsdp"
     min_weight_size: int = 2**18
     split: str = "auto"
-    scanned: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True
     gathers_params = True
@@ -112,17 +109,11 @@ class FSDP(Strategy):
         if self.split not in FSDP_SPLITS:
             raise ValueError(f"FSDP(split={self.split!r}): use 'largest', 'output' (last dim), 'input' or 'auto'.")
 
-    def skipping_scanned(self, scanned: Mapping[str, tuple[int, ...]]) -> FSDP:
-        """This strategy, told which param dims a ``scan`` steps over (never split those).
-
-        Set when the state is planned (the loss is traced): splitting the stacked layer dim
-        of ``nn.scan``'s params would gather the whole stack on every device each step.
-        """
-        return dataclasses.replace(self, scanned=dict(scanned))
-
-    def fit_to_computation(self, computation: Any) -> FSDP:
+    def find_in(self, computation: Any) -> dict[str, tuple[int, ...]] | None:
+        """The param dims a ``scan`` steps over, by path (never split: splitting the stacked layer dim of
+        ``nn.scan``'s params would gather the whole stack on every device each step); ``None`` where none is."""
         scanned = computation.scanned_dims()
-        return self.skipping_scanned(scanned) if scanned else self
+        return dict(scanned) if scanned else None
 
     def dim_order(self, shape: Sequence[int]) -> list[int]:
         """The dims of a param in the order this strategy tries to split them (``[2, 3, 0, 1]``
@@ -133,9 +124,9 @@ class FSDP(Strategy):
         first = len(shape) - 1 if self.split == "output" else max(len(shape) - 2, 0)
         return [first] + [d for d in largest if d != first]
 
-    def _split(self, path, shape, dims, axis_sizes) -> tuple[int | None, str]:
+    def _split(self, path, shape, dims, axis_sizes, scanned) -> tuple[int | None, str]:
         """The dim to split (``None``: none), and why none is: one decision for ``place`` and ``why_whole``."""
-        size, skip = axis_sizes[self.axis], (self.scanned or {}).get(path, ())
+        size, skip = axis_sizes[self.axis], (scanned or {}).get(path, ())
         if size == 1 or self.axis in spec_lib.dims_axes(dims):
             return None, f"FSDP axis {self.axis!r} has size 1" if size == 1 else "annotated on this axis already"
         if math.prod(shape) <= self.min_weight_size:
@@ -148,11 +139,13 @@ class FSDP(Strategy):
             return None, f"no dim of {tuple(shape)} is divisible by {self.axis}={size}{scanned}"
         return dim, f"its divisible dims are taken by other axes ({self.axis}={size})"
 
-    def why_whole(self, path, shape, axis_sizes) -> str:
-        return self._split(path, shape, [None] * len(shape), axis_sizes)[1]
+    def why_whole(self, path, shape, axis_sizes, found: Mapping[str, tuple[int, ...]] | None = None) -> str:
+        return self._split(path, shape, [None] * len(shape), axis_sizes, found)[1]
 
-    def place(self, path, shape, dims, axis_sizes):
-        dim = self._split(path, shape, dims, axis_sizes)[0]
+    def place(self, path, shape, dims, axis_sizes, found: Mapping[str, tuple[int, ...]] | None = None):
+        """``dims`` with this axis on the param's dim to split, never one of the dims a ``scan`` steps over
+        (``found``: :meth:`find_in`'s)."""
+        dim = self._split(path, shape, dims, axis_sizes, found)[0]
         return dims if dim is None else [*dims[:dim], self.axis, *dims[dim + 1:]]
 
 
@@ -182,8 +175,6 @@ class TensorParallel(Strategy):
         min_split_fraction: a derived layout that splits less than this fraction of the
             param elements is an error naming the reason (heads not divisible by the
             axis size, no matmul chain); ``0`` allows any layout.
-        layout: the derived :class:`parallax.jaxpr.tp_layout.TensorLayout` (set by
-            :meth:`with_layout` when the state is planned; not part of the strategy's identity).
 
     Example:
         >>> tp = px.TensorParallel(2)                       # layout from the computation
@@ -198,7 +189,6 @@ class TensorParallel(Strategy):
     rules: tuple | None = None
     derive: bool = True
     min_split_fraction: float = 0.1
-    layout: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = False
     gathers_params = False
@@ -226,19 +216,14 @@ class TensorParallel(Strategy):
         return () if self.derive else tp_rules.DEFAULT_RULES
 
     @property
-    def needs_layout(self) -> bool:
-        """Whether this part still needs a layout derived from the computation."""
-        return self.derive and self.layout is None
-
-    @property
     def uses_computation(self) -> bool:
-        return self.needs_layout
+        return self.derive
 
-    def fit_to_computation(self, computation: Any) -> TensorParallel:
-        """This part with its layout derived from the traced loss (params its rules or the
-        model's annotations place are fixed, the rest derived)."""
-        if not self.needs_layout:
-            return self
+    def find_in(self, computation: Any) -> Any:
+        """The layout derived from the traced loss (a :class:`parallax.jaxpr.tp_layout.TensorLayout`: params its
+        rules or the model's annotations place are fixed, the rest derived); ``None`` with ``derive=False``."""
+        if not self.derive:
+            return None
         sizes = computation.axis_sizes
         fixed = {}
         for path, shape, box in zip(computation.param_paths, computation.param_shapes, computation.param_boxes):
@@ -250,10 +235,10 @@ class TensorParallel(Strategy):
             ruled = self.rule_dims(path, shape, [None] * len(shape), sizes)
             if ruled is not None:
                 fixed[path] = (next((d for d, entry in enumerate(ruled) if entry == self.axis), None), "rule")
-        return self.with_layout(computation.derive_layout(self.axis, fixed))
+        return self.checked_layout(computation.derive_layout(self.axis, fixed))
 
-    def with_layout(self, layout: Any) -> TensorParallel:
-        """This strategy with a derived layout in place.
+    def checked_layout(self, layout: Any) -> Any:
+        """``layout`` (derived from the computation), where it splits enough of the params.
 
         Raises:
             ValueError: the layout splits less than ``min_split_fraction`` of the param
@@ -268,25 +253,26 @@ class TensorParallel(Strategy):
                 "Use an axis size that divides those dims, name layouts with rules=[(regex, 'column'|"
                 "'row'|...)], or allow it with TensorParallel(min_split_fraction=0)."
             )
-        return dataclasses.replace(self, layout=layout)
+        return layout
 
-    def layout_report(self) -> str:
-        """Which params the derived layout splits, along which dim, and why the rest are not.
+    def layout_report(self, found: Any = None) -> str:
+        """Which params the derived layout (``found``: :meth:`find_in`'s) splits, along which dim, and why the rest
+        are not.
 
         Example:
             >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2),
             ...                      loss_fn=loss_fn, mesh=px.TensorParallel(2).make_mesh(jax.devices()[:2]))
-            >>> print(plan.strategy.parts[0].layout_report().splitlines()[0])  # the rows: plan.describe_layout()
+            >>> print(plan.strategy.layout_report(plan.found["tensor"]).splitlines()[0])  # rows: plan.describe_layout()
             tensor-parallel layout over 'tensor' (size 2): 5 of 6 params split, 98.9% of param elements
         """
-        if self.layout is None:
+        if found is None:
             if not self.derive:
                 return f"TensorParallel({self.axis}): placed by name rules only (derive=False)."
             return (f"TensorParallel({self.axis}): no layout derived yet; plan the state with "
-                    "px.plan_state(...) and read plan.strategy, or call plan.describe_layout().")
-        return self.layout.describe()
+                    "px.plan_state(...) and call plan.describe_layout() (the layout: plan.found).")
+        return found.describe()
 
-    def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int]) -> None:
+    def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int], found: Any = None) -> None:
         """Raises ``ValueError`` for a rule that matches no param, or an unknown axis."""
         for pattern, layout in self.active_rules:
             if isinstance(layout, PartitionSpec):
@@ -296,7 +282,7 @@ class TensorParallel(Strategy):
                         f"Tensor-parallel rule {pattern!r} names axis {sorted(unknown)} but the "
                         f"mesh has axes {sorted(axis_sizes)}; use one of those names."
                     )
-        self._require_layout()
+        self._require_layout(found)
         matched = {tp_rules.match_rule(path, self.active_rules) for path in paths} - {None}
         matched_indices = {index for index, _ in matched}
         sample = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
@@ -315,8 +301,8 @@ class TensorParallel(Strategy):
                     f"takes all its matches). The param paths are: {sample}."
                 )
 
-    def _require_layout(self) -> None:
-        if self.needs_layout:
+    def _require_layout(self, found: Any) -> None:
+        if self.derive and found is None:
             raise ValueError(
                 f"TensorParallel({self.axis}) derives its layout from the model's computation, which "
                 "param shapes alone do not show. Plan the state with px.plan_state(model, optimizer, "
@@ -342,21 +328,23 @@ class TensorParallel(Strategy):
                 break
         return dims
 
-    def why_whole(self, path, shape, axis_sizes) -> str:
-        entry = next((p for p in self.layout.params if p.path == path), None) if self.layout is not None else None
+    def why_whole(self, path, shape, axis_sizes, found: Any = None) -> str:
+        entry = next((p for p in found.params if p.path == path), None) if found is not None else None
         if entry is not None:
             return f"TensorParallel({self.axis}): {entry.reason}"
         return f"TensorParallel({self.axis}): no rule matches it and no layout was derived for it"
 
-    def place(self, path, shape, dims, axis_sizes):
-        self._require_layout()
+    def place(self, path, shape, dims, axis_sizes, found: Any = None):
+        """``dims`` with this axis where a rule, the model's annotation or the derived layout (``found``:
+        :meth:`find_in`'s) puts it."""
+        self._require_layout(found)
         if self.axis in spec_lib.dims_axes(dims):
             return dims  # the model's own annotation already places this axis
         ruled = self.rule_dims(path, shape, list(dims), axis_sizes)
         if ruled is not None:
             return ruled
-        if self.layout is not None:
-            dim = self.layout.dim_of(path)
+        if found is not None:
+            dim = found.dim_of(path)
             if dim is not None and dim < len(shape) and dims[dim] is None and shape[dim] % axis_sizes[self.axis] == 0:
                 dims[dim] = self.axis
         return dims

@@ -12,6 +12,9 @@ A placer is any object with
   optionally ``place_last(...)``, the same, called once every placer has placed (for an axis
   that can go on any dim and should take what the others leave: a pipeline's stage axis on
   listed blocks).
+
+A placer that found something in the traced loss (:mod:`parallax.sharding.found`) takes its record as
+``found=``; a placer that finds nothing is called without it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
 from parallax._tree import is_box, path_str
+from parallax.sharding.found import NOTHING, Found
 
 Dims = list  # one entry per array dim: None, an axis name, or a tuple of axis names
 
@@ -110,8 +114,10 @@ def place_param(
     placers: Sequence[Placer],
     axis_sizes: Mapping[str, int],
     box: Any = None,
+    found: Found = NOTHING,
 ) -> PartitionSpec:
-    """The ``PartitionSpec`` of one param.
+    """The ``PartitionSpec`` of one param (each placer given its record of ``found``: what planning found in the
+    traced loss, :mod:`parallax.sharding.found`).
 
     Example:
         >>> from parallax import FSDP
@@ -121,10 +127,10 @@ def place_param(
     dims = annotation_dims(box, shape, axis_sizes)
     ordered = sorted(placers, key=lambda p: p.placement_priority)
     for placer in ordered:
-        dims = placer.place(path, shape, list(dims), axis_sizes)
+        dims = placer.place(path, shape, list(dims), axis_sizes, **found.given(placer))
     for placer in ordered:
         if hasattr(placer, "place_last"):
-            dims = placer.place_last(path, shape, list(dims), axis_sizes)
+            dims = placer.place_last(path, shape, list(dims), axis_sizes, **found.given(placer))
     while dims and dims[-1] is None:
         dims = dims[:-1]
     return PartitionSpec(*dims)
@@ -139,7 +145,8 @@ def _shape(leaf: Any) -> tuple[int, ...]:
     return tuple(np.shape(value))
 
 
-def param_specs(abstract_params: Any, placers: Sequence[Placer], axis_sizes: Mapping[str, int]) -> Any:
+def param_specs(abstract_params: Any, placers: Sequence[Placer], axis_sizes: Mapping[str, int],
+                found: Found = NOTHING) -> Any:
     """A ``PartitionSpec`` tree with the structure of the (unboxed) params.
 
     Args:
@@ -150,7 +157,7 @@ def param_specs(abstract_params: Any, placers: Sequence[Placer], axis_sizes: Map
     """
 
     def spec(key_path, leaf):
-        return place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf)
+        return place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf, found=found)
 
     return jax.tree_util.tree_map_with_path(spec, abstract_params, is_leaf=is_box)
 
@@ -171,7 +178,8 @@ def _components(key_path: tuple) -> tuple[str, ...]:
     return tuple(path_str((k,)) for k in key_path)
 
 
-def state_specs(abstract_state: Any, placers: Sequence[Placer], axis_sizes: Mapping[str, int]) -> Any:
+def state_specs(abstract_state: Any, placers: Sequence[Placer], axis_sizes: Mapping[str, int],
+                found: Found = NOTHING) -> Any:
     """A ``PartitionSpec`` tree matching a whole train state.
 
     Params get their placement. Every other leaf whose path ends with a param's path and
@@ -180,7 +188,8 @@ def state_specs(abstract_state: Any, placers: Sequence[Placer], axis_sizes: Mapp
     """
     params = params_of(abstract_state)
     placed = jax.tree_util.tree_map_with_path(
-        lambda key_path, leaf: place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf),
+        lambda key_path, leaf: place_param(path_str(key_path), _shape(leaf), placers, axis_sizes, box=leaf,
+                                           found=found),
         params, is_leaf=is_box)
     return follow_params(abstract_state, placed)
 

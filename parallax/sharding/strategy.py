@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from parallax.sharding import specs as spec_lib
+from parallax.sharding.found import NOTHING, Found
 from parallax.sharding.mesh import build_mesh, resolve_axis_sizes
 
 __all__ = ["Combined", "Strategy", "combine"]
@@ -42,9 +43,12 @@ class Strategy:
       them inside ``shard_map`` (their gradient is a reduce-scatter);
     * ``placement_priority: int`` and ``place(path, shape, dims, axis_sizes) -> dims`` —
       how it places a param (lower priorities place first);
-    * optionally ``check_params(paths, axis_sizes)``, and ``fit_to_computation(facts)``
-      with ``uses_computation`` for what only the traced loss shows (see
-      :class:`parallax.jaxpr.computation.Computation`);
+    * optionally ``check_params(paths, axis_sizes)``, and ``find_in(computation)`` with
+      ``uses_computation`` for what only the traced loss shows (see
+      :class:`parallax.jaxpr.computation.Computation`): it returns the part's record of what it found
+      (or ``None``), which the state's plan keeps beside the strategy (:mod:`parallax.sharding.found`) and
+      hands back to the part's ``place``, ``place_last``, ``check_params``, ``why_whole`` and
+      ``layout_report`` as ``found=``; the strategy itself holds only what its user said;
     * optionally ``run_change``: a description of how the part changes the way the model runs
       (a pipeline over the stack), which the step carries out on the traced loss
       (:mod:`parallax.step.run_changes`); parts that only place arrays have none.
@@ -65,6 +69,11 @@ class Strategy:
         super().__init_subclass__(**kwargs)
         if cls.parts is not Strategy.parts:
             return  # a composite (it overrides ``parts``): its parts declare themselves
+        if "fit_to_computation" in vars(cls):
+            raise TypeError(
+                f"Strategy part {cls.__name__} defines fit_to_computation, which parallax no longer calls: return "
+                "what the part finds from find_in(computation) instead (the state's plan keeps it and passes it "
+                "back as found=; see parallax.sharding.found).")
         missing = [name for name in PART_DECLARATIONS if not hasattr(cls, name)]
         if missing:
             raise TypeError(
@@ -88,12 +97,13 @@ class Strategy:
         loss; empty for parts that only place arrays."""
         return tuple(part.run_change for part in self.parts if getattr(part, "run_change", None) is not None)
 
-    def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int]) -> None:
-        """Raises ``ValueError`` for param paths this part cannot place (default: accepts all)."""
+    def check_params(self, paths: Sequence[str], axis_sizes: Mapping[str, int], found: Any = None) -> None:
+        """Raises ``ValueError`` for param paths this part cannot place (default: accepts all); ``found``: its
+        record of what it found in the traced loss, where it has one."""
 
-    def fit_to_computation(self, computation: Any) -> Strategy:
-        """This part, told what the traced loss shows (default: unchanged)."""
-        return self
+    def find_in(self, computation: Any) -> Any:
+        """What this part places by that only the traced loss shows, as its record (default: ``None``, nothing)."""
+        return None
 
     # --- mesh -------------------------------------------------------------------------
     def mesh_axes(self) -> tuple[tuple[str, int], ...]:
@@ -235,13 +245,14 @@ class Strategy:
             )
 
     # --- params and state --------------------------------------------------------------
-    def param_specs(self, abstract_params: Any, mesh: Mesh | None = None) -> Any:
-        """A ``PartitionSpec`` for every param (boxes of ``nn.with_partitioning`` are read)."""
+    def param_specs(self, abstract_params: Any, mesh: Mesh | None = None, found: Found = NOTHING) -> Any:
+        """A ``PartitionSpec`` for every param (boxes of ``nn.with_partitioning`` are read), each part given its
+        record of ``found`` (what planning found in the traced loss: a :class:`~parallax.StatePlan`'s)."""
         sizes = self.axis_sizes(mesh)
-        self._check_params(abstract_params, sizes)
-        return spec_lib.param_specs(abstract_params, self.parts, sizes)
+        self._check_params(abstract_params, sizes, found)
+        return spec_lib.param_specs(abstract_params, self.parts, sizes, found)
 
-    def state_specs(self, abstract_state: Any, mesh: Mesh | None = None) -> Any:
+    def state_specs(self, abstract_state: Any, mesh: Mesh | None = None, found: Found = NOTHING) -> Any:
         """A ``PartitionSpec`` tree matching a train state.
 
         Params follow the strategy; optimizer leaves shaped like a param (Adam moments)
@@ -254,16 +265,16 @@ class Strategy:
             [('fsdp',), ('fsdp',), ()]
         """
         sizes = self.axis_sizes(mesh)
-        self._check_params(spec_lib.params_of(abstract_state), sizes)
-        return spec_lib.state_specs(abstract_state, self.parts, sizes)
+        self._check_params(spec_lib.params_of(abstract_state), sizes, found)
+        return spec_lib.state_specs(abstract_state, self.parts, sizes, found)
 
-    def _check_params(self, abstract_params: Any, sizes: Mapping[str, int]) -> None:
+    def _check_params(self, abstract_params: Any, sizes: Mapping[str, int], found: Found) -> None:
         paths = [
             spec_lib.path_str(key_path)
             for key_path, _ in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=spec_lib.is_box)[0]
         ]
         for part in self.parts:
-            part.check_params(paths, sizes)
+            part.check_params(paths, sizes, **found.given(part))
 
     # --- what only the computation shows --------------------------------------------------
     @property
@@ -271,29 +282,25 @@ class Strategy:
         """Whether a part wants the traced loss (a deriving ``TensorParallel``; ``FSDP`` for scans)."""
         return any(part.uses_computation for part in self.parts)
 
-    @property
-    def needs_layout(self) -> bool:
-        """Whether a part (a ``TensorParallel`` that derives) still needs the computation to place params."""
-        return any(part.needs_layout for part in self.parts if part is not self)
+    def found_in(self, computation: Any) -> Found:
+        """What every part finds in the traced loss (:meth:`find_in`), by axis; the strategy is left as it is."""
+        records = {part.axis: part.find_in(computation) for part in self.parts}
+        return Found({axis: record for axis, record in records.items() if record is not None})
 
-    def fitted_to(self, computation: Any) -> Strategy:
-        """This strategy with every part told what the traced loss shows (see :meth:`fit_to_computation`)."""
-        if self.parts == (self,):
-            return self.fit_to_computation(computation)
-        return Combined(tuple(part.fit_to_computation(computation) for part in self.parts))
-
-    def layout_report(self) -> str | None:
-        """What this part's placement derived from the computation, if it derives anything."""
+    def layout_report(self, found: Any = None) -> str | None:
+        """What this part's placement derived from the computation (``found``: its record), if it derives
+        anything."""
         return None
 
-    def describe_layout(self) -> str:
-        """The layout reports of the parts that derive one (a ``TensorParallel``'s split params).
+    def describe_layout(self, found: Found = NOTHING) -> str:
+        """The layout reports of the parts that derive one (a ``TensorParallel``'s split params), from what
+        planning ``found`` (:attr:`parallax.StatePlan.found`; ``plan.describe_layout()`` passes its own).
 
         Example:
             >>> px.combine(px.DataParallel(2), px.FSDP(4)).describe_layout()
             'DataParallel(data=2) × FSDP(fsdp=4): no part derives a layout (no tensor-parallel axis).'
         """
-        reports = [report for part in self.parts if (report := part.layout_report()) is not None]
+        reports = [report for part in self.parts if (report := part.layout_report(**found.given(part))) is not None]
         return ("\n".join(reports) if reports
                 else f"{self.describe()}: no part derives a layout (no tensor-parallel axis).")
 

@@ -23,6 +23,7 @@ from parallax.parallel.experts.part import NoExpertsError
 from parallax.parallel.pipeline.part import NoStackError
 from parallax.parallel.pipeline.stacked_blocks import stacked, unstacked
 from parallax.parallel.pipeline.stacking import stacking_groups, storage_specs
+from parallax.sharding.found import NOTHING, Found
 from parallax.sharding.mesh import is_explicit
 from parallax.sharding.specs import dims_axes, is_spec
 from parallax.sharding.strategy import Strategy
@@ -41,14 +42,17 @@ class StatePlan:
 
     Attributes:
         mesh: the device mesh.
-        strategy: the strategy as planned: a ``TensorParallel`` part carries the layout
-            derived from the computation (see :meth:`describe_layout`).
+        strategy: the strategy the state is laid out by, as its user gave it (a pipeline that names no
+            ``blocks=`` over a model with one class of listed blocks: named so).
         abstract: the state's shapes and dtypes (params still in their flax boxes).
         specs: a ``PartitionSpec`` per leaf of the (unboxed) state.
         shardings: the matching ``NamedSharding`` tree.
         build: ``build()`` computes the sharded state (each device only its shards).
         lower: ``lower()`` gives the lowered init computation (for memory analysis).
         sharding_note: one line: the sharding mode the model runs in (Auto or Explicit axes) and why.
+        found: what the strategy's parts found in the traced loss, by axis (:mod:`parallax.sharding.found`:
+            a derived tensor-parallel layout, the dims a ``scan`` steps over, the experts, a pipeline's
+            blocks); the specs were placed with it (see :meth:`describe_layout`).
     """
 
     mesh: Mesh
@@ -59,6 +63,7 @@ class StatePlan:
     build: Callable[[], TrainState]
     lower: Callable[[], Any]
     sharding_note: str = ""
+    found: Found = NOTHING
 
     def describe_layout(self) -> str:
         """What each tensor-parallel axis splits, and why the rest stays whole.
@@ -75,7 +80,7 @@ class StatePlan:
               Dense_2/bias    (10,)     dim 0  elementwise splits the chain ...
               Dense_2/kernel  (64, 10)  dim 1  column      splits the chain ...
         """
-        return self.strategy.describe_layout()
+        return self.strategy.describe_layout(self.found)
 
     def sharded_fraction(self) -> float:
         """The fraction of the state's bytes (params, optimizer state, other collections) split
@@ -168,32 +173,32 @@ def plan_state(
 
     def attempt(train_mesh: Mesh):
         abstract = _abstract(lambda k, b: make(k, b, boxed=True), key, example_batch)
-        fitted = strategy
+        planned, found = strategy, NOTHING  # what planning finds stays beside the strategy, never in it
         if strategy.needs_computation:
             computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, strategy,
                                             rng_streams)
             try:
-                fitted = strategy.fitted_to(computation)
+                found = strategy.found_in(computation)
             except NoStackError as err:  # no stack: the model's one repeated block class, kept in a list, if it has one
-                listed = pipelined_blocks(strategy, model, example_batch, loss_fn, err)
-                computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, listed,
+                planned = pipelined_blocks(strategy, model, example_batch, loss_fn, err)  # as if blocks= were named
+                computation = trace_computation(adapter, abstract, example_batch, loss_fn, train_mesh, planned,
                                                 rng_streams)
-                fitted = listed.fitted_to(computation)
+                found = planned.found_in(computation)
             except NoExpertsError as err:
                 raise NoExpertsError(f"{err}{listed_experts_hint(model, example_batch, loss_fn)}") from None
-        specs = fitted.state_specs(abstract, train_mesh)
-        groups = stacking_groups(fitted, adapter.unbox(abstract.params), optimizer, isinstance(adapter, LinenModel),
-                                 fitted.axis_sizes(train_mesh))
+        specs = planned.state_specs(abstract, train_mesh, found)
+        groups = stacking_groups(planned, found, adapter.unbox(abstract.params), optimizer,
+                                 isinstance(adapter, LinenModel), planned.axis_sizes(train_mesh))
         model_specs = specs.params  # as the model writes its params: where given ones are placed
         if groups:
             abstract = _abstract(lambda k, b: make(k, b, boxed=False, groups=groups), key, example_batch)
-            specs = storage_specs(abstract, specs, groups, fitted)
+            specs = storage_specs(abstract, specs, groups, planned, found)
         changed = None if loss_fn is None else probe_loss(adapter, abstract, specs, example_batch, loss_fn,
-                                                          train_mesh, fitted, rng_streams)
-        return abstract, fitted, specs, changed, groups, model_specs
+                                                          train_mesh, planned, rng_streams)
+        return abstract, planned, found, specs, changed, groups, model_specs
 
-    mesh, (abstract, strategy, specs, changed, groups, model_specs), note = planned_in_mode(attempt, mesh,
-                                                                                            sharding_mode)
+    mesh, (abstract, strategy, found, specs, changed, groups, model_specs), note = planned_in_mode(
+        attempt, mesh, sharding_mode)
     if changed:
         warnings.warn(changed, UserWarning, stacklevel=3)
         note = f"{note} {changed}"
@@ -240,7 +245,7 @@ def plan_state(
             return jitted(key, example_batch, values, state, opt_state)
 
     return StatePlan(mesh, strategy, abstract, specs, shardings, build=build,
-                     lower=lambda: run(jitted.lower), sharding_note=note)
+                     lower=lambda: run(jitted.lower), sharding_note=note, found=found)
 
 
 UNSHARDED_FRACTION = 0.05  # below this share of the state split, an FSDP strategy warns

@@ -229,8 +229,8 @@ def resolve(model: Any, optimizer: Any, example_batch: Any, strategy: Strategy |
                                 splitting, rng, rng_streams, spent, topology)
     estimates, found, skipped, runnable = price(options)
     fits = lambda found: budget is None or any(e.peak <= budget for e in found.values())
-    extra = more_candidates(stacks(found), model, example_batch, loss_fn, rng_streams, len(devices),
-                            not fits(estimates)) \
+    stacked = stacks(plan for *_, plan in found.values())
+    extra = more_candidates(stacked, model, example_batch, loss_fn, rng_streams, len(devices), not fits(estimates)) \
         if strategy == AUTO and among is None else []  # pipelines, the sequence or experts over the devices
     if extra:
         more = _price(priced_candidates(extra, options.compile), options, model, optimizer, example_batch, loss_fn,

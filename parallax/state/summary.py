@@ -34,6 +34,7 @@ from parallax._tree import path_str
 from parallax._units import format_bytes, parse_bytes
 from parallax.models import adapter_for
 from parallax.sharding import rules as tp_rules
+from parallax.sharding.found import NOTHING, Found
 from parallax.sharding.strategy import Strategy
 from parallax.sharding.topology import describe_hosts
 from parallax.state.frozen import frozen_paths
@@ -227,7 +228,9 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     """
     if isinstance(plan_or_state, StatePlan):
         arrays, strategy, mesh = plan_or_state.abstract_arrays(), plan_or_state.strategy, plan_or_state.mesh
+        found = plan_or_state.found  # what the parts found in the traced loss: their reasons read it
     elif isinstance(plan_or_state, TrainState):
+        found = NOTHING
         arrays = plan_or_state.replace(params=adapter_for(plan_or_state.model).unbox(plan_or_state.params))
         mesh = next((leaf.sharding.mesh for leaf in jax.tree.leaves(arrays)
                      if isinstance(getattr(leaf, "sharding", None), NamedSharding)), None)
@@ -246,7 +249,7 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     all_rows = [row for part_rows in rows.values() for row in part_rows]
     state_bytes = sum(row.bytes_global for row in all_rows)
     sizes = {name: int(size) for name, size in mesh.shape.items()}
-    whole = _replicated_params(rows["params"], strategy, sizes)
+    whole = _replicated_params(rows["params"], strategy, sizes, found)
     sharded = sum(row.bytes_global for row in all_rows if row.sharded) / state_bytes if state_bytes else 0.0
     lint = Lint(tuple(r for r in whole if r.bytes > large_bytes),
                 _unmatched_rules(strategy, [row.path for row in rows["params"]]), sharded, large_bytes, frozen)
@@ -264,8 +267,8 @@ def summarize(plan_or_state: StatePlan | TrainState, strategy: Strategy | None =
     return summary
 
 
-def _replicated_params(rows, strategy, sizes) -> list[Replicated]:
-    return sorted((Replicated(row.path, row.shape, row.bytes_global, _why_whole(strategy, row, sizes))
+def _replicated_params(rows, strategy, sizes, found: Found) -> list[Replicated]:
+    return sorted((Replicated(row.path, row.shape, row.bytes_global, _why_whole(strategy, row, sizes, found))
                    for row in rows if not row.sharded), key=lambda r: (-r.bytes, r.path))
 
 
@@ -287,10 +290,11 @@ def _total(rows: list[LeafRow]) -> dict[str, int]:
             "host": sum(row.bytes_per_device for row in rows if row.memory_kind != "device")}
 
 
-def _why_whole(strategy: Strategy | None, row: LeafRow, sizes: dict[str, int]) -> str:
+def _why_whole(strategy: Strategy | None, row: LeafRow, sizes: dict[str, int], found: Found) -> str:
     if strategy is None:
         return "(pass the strategy to summarize for the reason)"
-    reasons = [part.why_whole(row.path, row.shape, sizes) for part in strategy.parts if hasattr(part, "why_whole")]
+    reasons = [part.why_whole(row.path, row.shape, sizes, **found.given(part)) for part in strategy.parts
+               if hasattr(part, "why_whole")]
     return "; ".join(reasons) or "no part of the strategy places params"
 
 

@@ -70,7 +70,7 @@ class TensorLayout:
         Example:
             >>> plan = px.plan_state(model, optax.sgd(0.1), batch, strategy=px.TensorParallel(2),
             ...                      loss_fn=loss_fn, mesh=px.TensorParallel(2).make_mesh(jax.devices()[:2]))
-            >>> print(plan.strategy.parts[0].layout.describe().splitlines()[0])  # the rows: plan.describe_layout()
+            >>> print(plan.found["tensor"].describe().splitlines()[0])  # the rows: plan.describe_layout()
             tensor-parallel layout over 'tensor' (size 2): 5 of 6 params split, 98.9% of param elements
         """
         split = sum(p.dim is not None for p in self.params)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from parallax.sharding.parts import FSDP, check_axis
@@ -90,7 +91,6 @@ class ContextParallel(Strategy):
     load_balance: bool = False
     shard_params: bool = False
     min_weight_size: int = 2**18
-    scanned: Any = dataclasses.field(default=None, compare=False, repr=False)  # as FSDP's (set when planned)
 
     splits_batch = False
     placement_priority = 40  # after FSDP's (20): with shard_params, a dim FSDP left free
@@ -128,20 +128,19 @@ class ContextParallel(Strategy):
     def uses_computation(self) -> bool:  # type: ignore[override]  # the scanned layer dims, never split
         return self.shard_params
 
-    def fit_to_computation(self, computation: Any) -> ContextParallel:
-        scanned = computation.scanned_dims() if self.shard_params else None
-        return dataclasses.replace(self, scanned=dict(scanned)) if scanned else self
+    def find_in(self, computation: Any) -> dict[str, tuple[int, ...]] | None:
+        """With ``shard_params``, the param dims a ``scan`` steps over, as FSDP's :meth:`~parallax.FSDP.find_in`."""
+        return self._fsdp().find_in(computation) if self.shard_params else None
 
     def _fsdp(self) -> FSDP:
         """How its params are split where ``shard_params``: FSDP's rule over this axis."""
-        return FSDP(self.size, axis=self.axis, min_weight_size=self.min_weight_size, split="largest",
-                    scanned=self.scanned)
+        return FSDP(self.size, axis=self.axis, min_weight_size=self.min_weight_size, split="largest")
 
     @property
     def run_change(self) -> ContextRun:
         return ContextRun(self.axis, self.method, self.load_balance)
 
-    def place(self, path, shape, dims, axis_sizes):
+    def place(self, path, shape, dims, axis_sizes, found: Mapping[str, tuple[int, ...]] | None = None):
         """With ``shard_params``, a param FSDP split joins the context axis on FSDP's dim where its size
         allows (the state split over the flattened devices, as torchtitan's FSDP over data and context: one
         gather a use); otherwise FSDP's rule over this axis alone."""
@@ -151,13 +150,13 @@ class ContextParallel(Strategy):
         if math.prod(shape) > self.min_weight_size:
             for d, entry in enumerate(dims):
                 axes = entry if isinstance(entry, tuple) else (entry,)
-                if entry is not None and d not in (self.scanned or {}).get(path, ()) and \
+                if entry is not None and d not in (found or {}).get(path, ()) and \
                         shape[d] % (entry_size(entry, axis_sizes) * axis_sizes[self.axis]) == 0:
                     return [*dims[:d], (*axes, self.axis), *dims[d + 1:]]
-        return fsdp.place(path, shape, dims, axis_sizes)
+        return fsdp.place(path, shape, dims, axis_sizes, found)
 
-    def why_whole(self, path, shape, axis_sizes) -> str:
+    def why_whole(self, path, shape, axis_sizes, found: Mapping[str, tuple[int, ...]] | None = None) -> str:
         """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
         if self.shard_params:
-            return self._fsdp().why_whole(path, shape, axis_sizes)
+            return self._fsdp().why_whole(path, shape, axis_sizes, found)
         return f"ContextParallel({self.axis}) splits the sequence, not params (shard_params=True splits them too)"

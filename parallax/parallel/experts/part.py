@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from parallax.sharding.parts import check_axis
@@ -53,6 +53,20 @@ class ExpertRun:
 
 
 @dataclasses.dataclass(frozen=True)
+class FoundExperts:
+    """What :class:`ExpertParallel` finds in the traced loss (:meth:`ExpertParallel.find_in`).
+
+    Attributes:
+        experts: the experts dim of each stacked param, by path.
+        listed: with ``modules=``, the listed experts' params, by path (each split along its largest dim the axis
+            divides).
+    """
+
+    experts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    listed: Mapping[str, None] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertParallel(Strategy):
     """A mixture of experts' stacked weights split over ``size`` devices by expert; the batch too.
 
@@ -69,9 +83,6 @@ class ExpertParallel(Strategy):
             experts' bytes per device, as with stacked experts); the step stacks them by expert
             (an all-to-all per weight), runs the experts as one batch split by expert over the
             axis, and hands each call its own result.
-        experts: the experts dim of each stacked param, by path (set when the state is planned;
-            not part of the strategy's identity).
-        listed: the listed experts' params, by path (set when the state is planned).
 
     Example:
         >>> px.ExpertParallel(8).describe(), tuple(px.ExpertParallel(8).batch_spec())
@@ -82,8 +93,6 @@ class ExpertParallel(Strategy):
     axis: str = "expert"
     rules: Sequence[tuple[str, int]] = ()
     modules: str | type | None = None
-    experts: Any = dataclasses.field(default=None, compare=False, repr=False)
-    listed: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = True  # the layers outside the experts run data-parallel over the axis
     gathers_params = False
@@ -104,8 +113,13 @@ class ExpertParallel(Strategy):
             raise ValueError(f"ExpertParallel(modules={self.modules!r}): name the experts' module class, or give the "
                              "class itself (e.g. modules='ExpertFFN').")
 
-    def fit_to_computation(self, computation: Any) -> ExpertParallel:
-        """This part with the stacked experts found in the traced loss (and named by its rules)."""
+    def find_in(self, computation: Any) -> FoundExperts:
+        """The stacked experts found in the traced loss (and named by its rules), or with ``modules=`` the listed
+        experts' params.
+
+        Raises:
+            NoExpertsError: the model has no experts this part can split (the message says what it has).
+        """
         found = {**computation.expert_dims(), **ruled_dims(computation.param_paths, self.rules)}
         if self.modules is not None:
             siblings = computation.sibling_params()
@@ -127,7 +141,7 @@ class ExpertParallel(Strategy):
                     f"model: no two calls of {name} that compute the same thing on their own params, neither reading "
                     "the other's result. Name the class of one expert of the list, or leave modules=None for a model "
                     "that stacks its experts.")
-            return dataclasses.replace(self, experts=found, listed=listed)
+            return FoundExperts(found, listed)
         if not found:
             named = list(dict.fromkeys(match.group(0) for path in computation.param_paths
                                        if (match := re.match(r"(?i).*?expert[^/]*", path))))
@@ -142,7 +156,7 @@ class ExpertParallel(Strategy):
                 "experts' weights in one param per weight, experts first (nn.vmap / nnx.vmap over the expert "
                 "modules, or one [experts, ...] param), or name the experts dim: "
                 "ExpertParallel(rules=((r'w_in|w_out', 0),)).")
-        return dataclasses.replace(self, experts=found)
+        return FoundExperts(found)
 
     @property
     def described_options(self) -> str:
@@ -152,9 +166,12 @@ class ExpertParallel(Strategy):
     def run_change(self) -> ExpertRun:
         return ExpertRun(self.axis, tuple(self.rules), self.modules)
 
-    def place(self, path, shape, dims, axis_sizes):
-        dim, size = (self.experts or {}).get(path), axis_sizes[self.axis]
-        if path in (self.listed or {}) and size > 1:  # a listed expert's param: its largest dim the axis divides
+    def place(self, path, shape, dims, axis_sizes, found: FoundExperts | None = None):
+        """``dims`` with this axis on a stacked param's experts dim, or on a listed expert's largest dim the axis
+        divides (``found``: :meth:`find_in`'s)."""
+        found = found or FoundExperts()
+        dim, size = found.experts.get(path), axis_sizes[self.axis]
+        if path in found.listed and size > 1:  # a listed expert's param: its largest dim the axis divides
             free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % size == 0]
             if not free:
                 return dims
@@ -168,9 +185,9 @@ class ExpertParallel(Strategy):
                              f"{shape[dim]}.")
         return [*dims[:dim], self.axis, *dims[dim + 1:]]
 
-    def why_whole(self, path, shape, axis_sizes) -> str:
+    def why_whole(self, path, shape, axis_sizes, found: FoundExperts | None = None) -> str:
         """Why this part leaves a param whole (a line for ``px.summarize``'s lint)."""
-        if path in (self.listed or {}):
+        if found is not None and path in found.listed:
             return (f"ExpertParallel({self.axis}) splits a listed expert's param along a dim that "
                     f"{axis_sizes[self.axis]} divides (it has none)")
         return f"ExpertParallel({self.axis}) splits only the experts' params"

@@ -130,6 +130,23 @@ class PipelineRun:
 
 
 @dataclasses.dataclass(frozen=True)
+class FoundBlocks:
+    """What :class:`PipelineParallel` finds in the traced loss (:meth:`PipelineParallel.find_in`): a stack or,
+    with ``blocks=``, the listed blocks.
+
+    Attributes:
+        stacked: the stacked params' layer dims, by path (``None`` for listed blocks).
+        chained: the listed blocks' params, by path: ``(chain, layer)``, which run of calls and which block of it
+            (``None`` for a stack).
+        layers: the stack's layer count, or the list's block count.
+    """
+
+    stacked: Mapping[str, int] | None = None
+    chained: Mapping[str, tuple[int, int]] | None = None
+    layers: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineParallel(Strategy):
     """The model's stack of repeated blocks split over ``stages`` devices and run as a pipeline.
 
@@ -159,9 +176,6 @@ class PipelineParallel(Strategy):
             model, an optimizer that treats params by their shape: logged), each block's params
             stay in the model's tree, split over the stage axis, and every step restacks them (their
             bytes cross the stage axis each step).
-        stacked: the stacked params' layer dims, by path (set when the state is planned).
-        chained: the listed blocks' params, by path: ``(chain, layer)``, which run of calls and
-            which block of it (set when the state is planned).
         remat: what the backward pass recomputes. ``"iteration"``: each pipeline iteration keeps
             only its input and is recomputed from it: the least memory (one input per iteration);
             a stack's blocks that checkpoint themselves (``nn.remat``) are then recomputed once
@@ -171,10 +185,11 @@ class PipelineParallel(Strategy):
             FLOPs of the same model without a pipeline, for the memory it keeps without one (an
             input per block and microbatch); a stack whose blocks do not checkpoint themselves
             runs as by default.
-        layers: the stack's layer count, or the list's block count (set when the state is
-            planned). ``stages × repeats`` need not divide it: the first groups then hold one
-            layer more (:func:`split_layers`), a stack's params are split over the stages along
-            another dim, as listed blocks are, and the step regroups them by stage.
+
+    ``stages × repeats`` need not divide the model's layers: the first groups then hold one layer more
+    (:func:`split_layers`), a stack's params are split over the stages along another dim, as listed blocks
+    are, and the step regroups them by stage. What the part finds in the traced loss (the stack or the
+    listed blocks, and their count) is a :class:`FoundBlocks` in the state's plan.
 
     Example:
         >>> px.PipelineParallel(2).describe(), px.PipelineParallel(2).model_axes
@@ -189,9 +204,6 @@ class PipelineParallel(Strategy):
     blocks: str | type | None = None
     remat: str = "iteration"
     stack_blocks: bool = True
-    stacked: Any = dataclasses.field(default=None, compare=False, repr=False)
-    chained: Any = dataclasses.field(default=None, compare=False, repr=False)
-    layers: int | None = dataclasses.field(default=None, compare=False, repr=False)
 
     splits_batch = False
     gathers_params = False
@@ -249,9 +261,13 @@ class PipelineParallel(Strategy):
     def run_change(self) -> PipelineRun:
         return PipelineRun(self.axis, self.microbatches, self.repeats, self.blocks, self.remat)
 
-    def fit_to_computation(self, computation: Any) -> PipelineParallel:
-        """This part with the stacked params (or, with ``blocks``, the listed blocks' params) found
-        in the traced loss."""
+    def find_in(self, computation: Any) -> FoundBlocks:
+        """The stacked params (or, with ``blocks``, the listed blocks' params) found in the traced loss.
+
+        Raises:
+            NoStackError: no ``blocks=`` named and the model stacks no blocks.
+            ValueError: ``blocks=`` names a class the model does not call in turn.
+        """
         if self.blocks is not None:
             chained = computation.chained_params()
             if not chained:
@@ -263,7 +279,7 @@ class PipelineParallel(Strategy):
                     "model that stacks its blocks.")
             first = min(chain for chain, _ in chained.values())
             blocks = len({layer for chain, layer in chained.values() if chain == first})
-            return dataclasses.replace(self, chained=dict(chained), layers=blocks)
+            return FoundBlocks(chained=dict(chained), layers=blocks)
         scanned = computation.scanned_dims()
         if not scanned:
             raise NoStackError(
@@ -274,38 +290,43 @@ class PipelineParallel(Strategy):
         stacked = {path: dims[0] for path, dims in scanned.items()}
         shapes = dict(zip(computation.param_paths, computation.param_shapes))
         counts = {shapes[path][dim] for path, dim in stacked.items() if path in shapes}
-        return dataclasses.replace(self, stacked=stacked, layers=max(counts) if counts else None)
+        return FoundBlocks(stacked=stacked, layers=max(counts) if counts else None)
 
-    def layout_report(self) -> str | None:
+    def layout_report(self, found: FoundBlocks | None = None) -> str | None:
         """How the layers go to the stages, where ``stages × repeats`` does not divide them."""
         stages = self.stages if self.stages > 0 else None
-        if self.layers is None or stages is None or self.layers % (stages * self.repeats) == 0:
+        layers = found.layers if found is not None else None
+        if layers is None or stages is None or layers % (stages * self.repeats) == 0:
             return None
-        return f"PipelineParallel({self.axis}): {describe_split(self.layers, stages, self.repeats)}."
+        return f"PipelineParallel({self.axis}): {describe_split(layers, stages, self.repeats)}."
 
-    def _regrouped(self, path: str, shape: tuple[int, ...], axis_sizes: Mapping[str, int]) -> bool:
+    def _regrouped(self, path: str, shape: tuple[int, ...], axis_sizes: Mapping[str, int], found: FoundBlocks) -> bool:
         """Whether the step stacks (or regroups) this param's layers by stage, its state split over the
         stages along another dim: a listed block's param, or a stack's whose layers the groups do not divide."""
-        dim = (self.stacked or {}).get(path)
+        dim = (found.stacked or {}).get(path)
         if dim is not None and shape[dim] % (axis_sizes[self.axis] * self.repeats):
             split_layers(shape[dim], axis_sizes[self.axis] * self.repeats)  # at least one layer a group, or the error
             return True
-        return path in (self.chained or {})
+        return path in (found.chained or {})
 
-    def place(self, path, shape, dims, axis_sizes):
-        dim = (self.stacked or {}).get(path)
-        if dim is None or self._regrouped(path, shape, axis_sizes):
+    def place(self, path, shape, dims, axis_sizes, found: FoundBlocks | None = None):
+        """``dims`` with the stage axis on a stacked param's layer dim (``found``: :meth:`find_in`'s); a param the
+        step regroups by stage takes it last (:meth:`place_last`)."""
+        found = found or FoundBlocks()
+        dim = (found.stacked or {}).get(path)
+        if dim is None or self._regrouped(path, shape, axis_sizes, found):
             return dims  # a regrouped param takes the stage axis last, on a dim the other parts leave
         return [*dims[:dim], self.axis, *dims[dim + 1:]]
 
-    def place_last(self, path, shape, dims, axis_sizes):
+    def place_last(self, path, shape, dims, axis_sizes, found: FoundBlocks | None = None):
         """A regrouped param's stage axis: on its largest free dim the stages divide, else beside the axes
         already on a dim (FSDP's first) whose shards the stages divide, else nowhere (whole on each stage)."""
-        if not self._regrouped(path, shape, axis_sizes):
+        found = found or FoundBlocks()
+        if not self._regrouped(path, shape, axis_sizes, found):
             return dims
-        return stage_split(shape, dims, self.axis, axis_sizes, (self.stacked or {}).get(path))
+        return stage_split(shape, dims, self.axis, axis_sizes, (found.stacked or {}).get(path))
 
-    def why_whole(self, path, shape, axis_sizes) -> str:
-        if self.chained is not None:
+    def why_whole(self, path, shape, axis_sizes, found: FoundBlocks | None = None) -> str:
+        if found is not None and found.chained is not None:
             return f"PipelineParallel({self.axis}) splits only the listed blocks' params"
         return f"PipelineParallel({self.axis}) splits only the stacked blocks' layer dim"

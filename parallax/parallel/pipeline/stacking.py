@@ -23,26 +23,36 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from parallax.parallel.pipeline.part import PipelineParallel
+from parallax.parallel.pipeline.part import FoundBlocks, PipelineParallel
 from parallax.parallel.pipeline.stacked_blocks import Group, StackedBlocks, block_groups, stacked, subtree, with_subtree
+from parallax.sharding.found import Found
 from parallax.sharding.specs import dims_axes, follow_params, is_spec, without_axes
 from parallax.sharding.strategy import Strategy
 
 log = logging.getLogger("parallax")
 
 
-def stacking_groups(strategy: Strategy, params: Any, optimizer: Any, linen: bool,
+def _listed(strategy: Strategy, found: Found) -> tuple[PipelineParallel, FoundBlocks] | tuple[None, None]:
+    """``strategy``'s pipeline over listed blocks and what it found of them (``None, None`` where it has none)."""
+    for part in strategy.parts:
+        record = found.of(part)
+        if isinstance(part, PipelineParallel) and record is not None and record.chained:
+            return part, record
+    return None, None
+
+
+def stacking_groups(strategy: Strategy, found: Found, params: Any, optimizer: Any, linen: bool,
                     axis_sizes: Mapping[str, int]) -> list[Group]:
     """The lists of blocks ``strategy``'s pipeline holds stacked in the state (none where it has no
-    pipeline over listed blocks, or cannot: logged with the reason)."""
-    part = next((p for p in strategy.parts if isinstance(p, PipelineParallel) and p.chained), None)
+    pipeline over listed blocks, or cannot: logged with the reason); ``found``: what planning found of them."""
+    part, blocks = _listed(strategy, found)
     if part is None or not part.stack_blocks:
         return []
     stages = axis_sizes[part.axis]
     why = ("the model is an NNX module (its state is the model's own)" if not linen else
-           f"its {part.layers} blocks are not a multiple of the {stages} stages × repeats={part.repeats}"
-           if part.layers % (stages * part.repeats) else None)
-    groups = block_groups(part.chained, params) if why is None else why
+           f"its {blocks.layers} blocks are not a multiple of the {stages} stages × repeats={part.repeats}"
+           if blocks.layers % (stages * part.repeats) else None)
+    groups = block_groups(blocks.chained, params) if why is None else why
     why = groups if isinstance(groups, str) else optimizer_differs(optimizer, params, groups)
     if why is not None:
         log.warning("%s: the blocks' params stay in the model's tree, each split over the stages and restacked "
@@ -84,12 +94,12 @@ def optimizer_differs(optimizer: Any, params: Any, groups: Sequence[Group]) -> s
     return None
 
 
-def storage_specs(abstract: Any, specs: Any, groups: Sequence[Group], strategy: Strategy) -> Any:
+def storage_specs(abstract: Any, specs: Any, groups: Sequence[Group], strategy: Strategy, found: Found) -> Any:
     """The state's specs for ``abstract`` (a state whose params hold ``groups`` stacked) from
     ``specs`` (the same state's, its params as the model writes them): each stacked leaf over
     the pipeline's axis on its layer dim, its other dims as its blocks' (without that axis), the
     optimizer's leaves following their params."""
-    axis = next(p.axis for p in strategy.parts if isinstance(p, PipelineParallel) and p.chained)
+    axis = _listed(strategy, found)[0].axis
     held = jax.tree.map(lambda s: without_axes(s, dims_axes(s) - {axis}), specs.params, is_leaf=is_spec)
     for parent, keys in groups:
         blocks = subtree(held, parent)
