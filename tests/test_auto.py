@@ -36,8 +36,9 @@ from parallax.parallel.candidates import (
 )
 from parallax.pricing import cost, timing
 from parallax.pricing.choice import rank
-from parallax.state import search, search_budget
+from parallax.state import initialize, search, search_budget
 from parallax.state.search import priced_candidates, resolve
+from parallax.train import planning
 from tests import third_party
 from tests.models import MLP, TinyLM, batches, classifier_loss, lm_loss
 from tests.test_expert_parallel import nano_loss
@@ -308,8 +309,10 @@ def test_fsdp_split_auto_builds_the_split_the_search_picked():
     assert set(found.choice.estimates) == {"split=largest, jit", "split=output, jit", "split=input, jit"}
     picked = found.strategy.parts[0].split
     assert found.choice.picked == f"split={picked}, jit"
-    state = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=strategy, loss_fn=lm_loss, options=jit,
-                          steps=LONG)
+    with pytest.MonkeyPatch.context() as patched:  # init_state builds the state the search planned for its pick
+        patched.setattr(initialize, "plan_state", lambda *args, **kwargs: pytest.fail("the pick planned again"))
+        state = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=strategy, loss_fn=lm_loss, options=jit,
+                              steps=LONG)
     same = px.init_state(TinyLM(), optax.adam(1e-2), data[0], strategy=px.FSDP(min_weight_size=0, split=picked),
                          loss_fn=lm_loss)
     specs = lambda s: jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, s.params))
@@ -525,13 +528,20 @@ def test_the_search_stops_once_it_has_spent_what_it_could_win_or_its_time(tmp_pa
         px.StepOptions(search_seconds=0)
 
 
-def test_trainer_with_strategy_auto(capsys):
+def test_trainer_with_strategy_auto(capsys, monkeypatch):
     data = batches("mlp", 1, batch_size=64)[0]
     trainer = px.Trainer(MLP(), optax.adam(1e-2), MARKED, strategy="auto", max_steps=3, batch_size=32,
                          progress=True, log_every=10)
     assert trainer.mesh is None and trainer.search is None
-    result = trainer.fit(data)
+
+    def planned_again(*args, **kwargs):
+        raise AssertionError("the Trainer planned the search's pick a second time")
+
+    with monkeypatch.context() as patched:  # the state the search planned for its pick is the one built
+        patched.setattr(planning, "plan_state", planned_again)
+        result = trainer.fit(data)
     assert trainer.search is not None and trainer.strategy is trainer.search.strategy
+    assert trainer.plan is trainer.search.plan and trainer.plan.strategy == trainer.strategy
     said = capsys.readouterr().out
     assert trainer.search.headline() in said and len(trainer.search.headline()) < 200, said  # a line a person reads
     chosen = px.Trainer(MLP(), optax.adam(1e-2), MARKED, strategy=trainer.strategy, max_steps=3, batch_size=32,

@@ -28,6 +28,21 @@ def check_axis(kind: str, size: Any, axis: Any) -> None:
         raise ValueError(f"{kind}(size={size!r}): use a positive number of devices, or -1 for the devices left over.")
 
 
+def check_module_class(kind: str, option: str, value: Any, what: str, example: str) -> None:
+    """Raises ``ValueError`` unless ``value`` (a part's ``option``, naming a class of the model's modules) is
+    ``None``, a non-empty class name or a class.
+
+    Example:
+        >>> check_module_class("PipelineParallel", "blocks", "", "the blocks'", "FlaxGPT2Block")
+        Traceback (most recent call last):
+        ...
+        ValueError: PipelineParallel(blocks=''): name the blocks' module class, or give the class itself (e.g. blocks='FlaxGPT2Block').
+    """  # noqa: E501 (a doctest's output)
+    if value is not None and not ((isinstance(value, str) and value) or isinstance(value, type)):
+        raise ValueError(f"{kind}({option}={value!r}): name {what} module class, or give the class itself "
+                         f"(e.g. {option}={example!r}).")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataParallel(Strategy):
     """Params replicated, batch split over ``axis``, gradients averaged.

@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from parallax.sharding.parts import check_axis
+from parallax.sharding.parts import check_axis, check_module_class
 from parallax.sharding.strategy import Strategy
 
 
@@ -108,10 +108,7 @@ class ExpertParallel(Strategy):
                     and isinstance(rule[1], int)):
                 raise ValueError(f"ExpertParallel(rules=...): {rule!r} is not a (regex, dim) pair, e.g. "
                                  "(r'moe/w_(in|out)', 0).")
-        if self.modules is not None and not ((isinstance(self.modules, str) and self.modules)
-                                             or isinstance(self.modules, type)):
-            raise ValueError(f"ExpertParallel(modules={self.modules!r}): name the experts' module class, or give the "
-                             "class itself (e.g. modules='ExpertFFN').")
+        check_module_class("ExpertParallel", "modules", self.modules, "the experts'", "ExpertFFN")
 
     def find_in(self, computation: Any) -> FoundExperts:
         """The stacked experts found in the traced loss (and named by its rules), or with ``modules=`` the listed

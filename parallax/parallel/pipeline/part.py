@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from parallax.sharding.parts import check_module_class
 from parallax.sharding.specs import dims_axes, entry_size
 from parallax.sharding.strategy import Combined, Strategy
 
@@ -223,10 +224,7 @@ class PipelineParallel(Strategy):
                 or (self.schedule == "gpipe") != (self.repeats == 1):
             raise ValueError(f"PipelineParallel(schedule={self.schedule!r}, repeats={self.repeats!r}): GPipe holds one "
                              "group of layers per stage (repeats=1); circular holds several (repeats >= 2).")
-        if self.blocks is not None and not ((isinstance(self.blocks, str) and self.blocks)
-                                            or isinstance(self.blocks, type)):
-            raise ValueError(f"PipelineParallel(blocks={self.blocks!r}): name the blocks' module class, or give the "
-                             "class itself (e.g. blocks='FlaxGPT2Block').")
+        check_module_class("PipelineParallel", "blocks", self.blocks, "the blocks'", "FlaxGPT2Block")
         if self.remat not in REMATS:
             raise ValueError(f"PipelineParallel(remat={self.remat!r}): use 'iteration' (each iteration keeps its "
                              "input: the least memory) or 'layer' (each block's input kept too: no block recomputed "
